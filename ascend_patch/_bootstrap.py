@@ -1,0 +1,130 @@
+"""Interpreter-start hook: run by ``a1_ascend_patch.pth`` in every Python process.
+
+This runs before every ``python -c pass`` in the environment, so it must cost
+nothing: standard library only, and no module that plain Python does not
+already import at start-up (``os`` and ``sys`` are). All it does is put one
+finder at the front of ``sys.meta_path`` that notices when ``vllm`` has been
+imported and hands over to :mod:`ascend_patch.loader`. The loader reuses the
+same finder to patch vLLM submodules right after they execute.
+
+No exception may escape :func:`install`; the ``.pth`` line also guards the
+import of this module, so a ``.pth`` left behind by ``pip uninstall`` is inert.
+"""
+
+import os
+import sys
+
+# module name -> callbacks to run, in order, right after that module executes.
+# A callback is a callable taking the module, or a "pkg.mod:function" string
+# that is imported only when it fires (so start-up never imports the loader).
+_callbacks = {}
+
+
+def _debug(message):
+    if os.environ.get("ASCEND_PATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+        sys.stderr.write(f"ascend-patch: {message}\n")
+
+
+def _resolve(callback):
+    if not isinstance(callback, str):
+        return callback
+    module_name, _, attr = callback.partition(":")
+    __import__(module_name)
+    return getattr(sys.modules[module_name], attr)
+
+
+def _notify(module):
+    pending = _callbacks.pop(module.__name__, [])
+    for index, callback in enumerate(pending):
+        try:
+            _resolve(callback)(module)
+        except BaseException:
+            # The import of `module` now fails. Keep the failed callback and
+            # the ones after it, so a retried import cannot come back unpatched.
+            _callbacks.setdefault(module.__name__, [])[:0] = pending[index:]
+            raise
+
+
+class _NotifyingLoader:
+    """Wraps a module's real loader for one import, then steps aside."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def exec_module(self, module):
+        # Give the module its real loader back before it runs, so inspect,
+        # reload and pkgutil never see this wrapper.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _notify(module)
+
+
+class PostImportFinder:
+    """A ``sys.meta_path`` entry that only answers for watched module names."""
+
+    def __init__(self):
+        self._resolving = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _callbacks or fullname in self._resolving:
+            return None
+        self._resolving.add(fullname)
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._resolving.discard(fullname)
+        if spec is not None and getattr(spec.loader, "exec_module", None) is not None:
+            spec.loader = _NotifyingLoader(spec.loader)
+        return spec
+
+
+def _ensure_finder():
+    if not any(isinstance(entry, PostImportFinder) for entry in sys.meta_path):
+        sys.meta_path.insert(0, PostImportFinder())
+
+
+def watch(module_name, callback):
+    """Run ``callback(module)`` right after ``module_name`` is imported.
+
+    If the module is already imported, the callback runs now.
+    """
+    module = sys.modules.get(module_name)
+    if module is not None:
+        _resolve(callback)(module)
+        return
+    _ensure_finder()
+    _callbacks.setdefault(module_name, []).append(callback)
+
+
+def unwatch(module_name, callback):
+    """Forget a callback that has not fired yet."""
+    pending = _callbacks.get(module_name, [])
+    if callback in pending:
+        pending.remove(callback)
+        if not pending:
+            del _callbacks[module_name]
+
+
+def install():
+    """Entry point of the ``.pth`` file (and of the ``.start`` file on Python 3.15+)."""
+    try:
+        if os.environ.get("ASCEND_PATCH", "").strip().lower() == "off":
+            return
+        if "vllm" in _callbacks or "vllm" in sys.modules:
+            return
+        watch("vllm", "ascend_patch.loader:on_vllm_imported")
+        _debug("watching for `import vllm`")
+    except Exception as exc:  # never break interpreter start-up
+        sys.stderr.write(f"ascend-patch: bootstrap disabled: {exc!r}\n")

@@ -1,0 +1,59 @@
+"""The ``ascend-patch`` command (also ``python -m ascend_patch``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ascend_patch import doctor
+
+    data = doctor.report(apply=args.apply)
+    print(json.dumps(data, indent=2) if args.json else doctor.render(data))
+    return 0 if data["ok"] else 1
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    from ascend_patch import matrix
+
+    try:
+        table = matrix.load(args.file)
+    except matrix.MatrixError as exc:
+        print(f"ascend-patch matrix: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(matrix.to_jsonable(table), indent=2))
+    else:
+        print(matrix.render_markdown(table))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ascend-patch", description="Stock vLLM on Huawei Ascend NPUs, as an overlay."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    doctor = commands.add_parser(
+        "doctor", help="report versions, mode, patch set and every target's status"
+    )
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--apply",
+        action="store_true",
+        help="import vLLM and every target module so each patch is applied, not only verified",
+    )
+    doctor.set_defaults(func=_doctor)
+
+    table = commands.add_parser("matrix", help="print compat_matrix.yaml")
+    table.add_argument("--json", action="store_true", help="machine-readable output")
+    table.add_argument("--file", default=None, help="a matrix file other than the installed one")
+    table.set_defaults(func=_matrix)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,157 @@
+"""``ascend-patch doctor``: the first thing a user runs.
+
+It answers "would the overlay activate here, and if not, why?" from the same
+:func:`ascend_patch.loader.plan` the loader runs at ``import vllm``, so the
+answer cannot drift from the behaviour. By default nothing is imported or
+patched; ``--apply`` imports vLLM and every target module so each patch is
+reported as actually applied.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform as host
+import site
+import sys
+from pathlib import Path
+
+from ascend_patch import __version__, env, loader
+from ascend_patch import version as versions
+
+PTH_NAME = "a1_ascend_patch.pth"
+_CANN_INFO_FILES = ("version.cfg", "ascend_toolkit_install.info")
+
+
+def cann_version() -> str | None:
+    """The CANN toolkit version from its install info, if a toolkit is present."""
+    home = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH")
+    roots = [Path(home)] if home else []
+    roots.append(Path("/usr/local/Ascend/ascend-toolkit/latest"))
+    for root in roots:
+        for info in (p for name in _CANN_INFO_FILES for p in root.glob(f"**/{name}")):
+            for line in info.read_text(errors="replace").splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() in ("version", "Version") and value.strip():
+                    return value.strip()
+    return None
+
+
+def pth_files() -> list[str]:
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return [str(Path(d) / PTH_NAME) for d in dirs if (Path(d) / PTH_NAME).is_file()]
+
+
+def _import_targets(act: loader.Activation) -> list[str]:
+    failures = []
+    for module in sorted({p.module for p in act.patches}):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # report, don't crash the doctor
+            failures.append(f"{module}: {exc!r}")
+    return failures
+
+
+def report(apply: bool = False) -> dict:
+    try:
+        requested = env.mode()
+    except ValueError as exc:
+        return {"ok": False, "error": str(exc), "settings": env.settings()}
+    import_failures: list[str] = []
+    try:
+        if apply and requested != "off":
+            import vllm  # noqa: F401  (the .pth, if installed, activates here)
+
+            act = loader.activate("ascend-patch doctor --apply")
+            import_failures = _import_targets(act)
+        else:
+            act = loader.plan("ascend-patch doctor")
+    except (loader.AscendPatchError, ValueError) as exc:
+        return {"ok": False, "requested_mode": requested, "error": str(exc), "settings": env.settings()}
+
+    vllm = act.vllm
+    selection = act.selection
+    applied = set(loader.REGISTRY.applied_targets())
+    targets = []
+    for status in act.statuses:
+        state = "applied" if status.patch.target in applied else status.state
+        targets.append(
+            {
+                "target": status.patch.target,
+                "kind": status.patch.kind,
+                "state": state,
+                "expected": status.patch.expected(),
+                "found": status.found,
+                "reason": status.patch.reason,
+            }
+        )
+    would_activate = act.state in ("verified", "active")
+    entry = selection.entry if selection else None
+    return {
+        "ok": would_activate or requested in ("auto", "off"),
+        "ascend_patch": __version__,
+        "python": host.python_version(),
+        "versions": {
+            "vllm": vllm.version if vllm else None,
+            "vllm_detected": vllm.detected if vllm else None,
+            "vllm_distribution": vllm.distribution if vllm else None,
+            "vllm_version_source": vllm.source if vllm else None,
+            "vllm_location": vllm.location if vllm else None,
+            "torch": versions.installed_version("torch"),
+            "torch_npu": versions.installed_version("torch-npu"),
+            "cann": cann_version(),
+            "vllm_ascend": loader.vllm_ascend_present(),
+        },
+        "requested_mode": requested,
+        "mode": act.mode,
+        "mode_reason": act.mode_reason or act.reason,
+        "state": act.state,
+        "would_activate": would_activate,
+        "reason": act.reason,
+        "warnings": act.warnings,
+        "patch_set": selection.patch_set.name if selection and selection.patch_set else None,
+        "patch_set_reason": selection.reason if selection else None,
+        "matrix_status": entry.status if entry else None,
+        "targets": targets,
+        "import_failures": import_failures,
+        "settings": env.settings(),
+        "pth": pth_files(),
+        "interpreter": sys.executable,
+    }
+
+
+def render(data: dict) -> str:
+    if "error" in data:
+        return f"ascend-patch doctor: {data['error']}"
+    v = data["versions"]
+    rows = [
+        ("ascend-patch", data["ascend_patch"]),
+        ("python", f"{data['python']} ({data['interpreter']})"),
+        ("vllm", f"{v['vllm'] or 'not installed'}"
+         + (f" [{v['vllm_distribution'] or 'source tree'}; from {v['vllm_version_source']}]" if v["vllm"] else "")),
+        ("torch", v["torch"] or "not installed"),
+        ("torch-npu", v["torch_npu"] or "not installed"),
+        ("CANN", v["cann"] or "not found"),
+        ("vllm-ascend", v["vllm_ascend"] or "not installed"),
+        ("mode", f"{data['requested_mode']} -> {data['mode'] or 'none'}: {data['mode_reason']}"),
+        ("patch set", f"{data['patch_set'] or 'none'}" + (f": {data['patch_set_reason']}" if data["patch_set_reason"] else "")),
+        ("matrix status", data["matrix_status"] or "not listed"),
+        ("state", f"{data['state']}: {data['reason']}" if data["reason"] else data["state"]),
+        (".pth loader", ", ".join(data["pth"]) or "not installed in this interpreter"),
+        ("settings", ", ".join(f"{k}={val}" for k, val in data["settings"].items()) or "(defaults)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {val}" for k, val in rows]
+    for warning in data["warnings"]:
+        lines.append(f"{'warning'.ljust(width)}  {warning}")
+    if data["targets"]:
+        lines.append("")
+        tw = max(len(t["target"]) for t in data["targets"])
+        lines.append(f"{'target'.ljust(tw)}  {'kind':8}  {'state':8}  found")
+        for t in data["targets"]:
+            lines.append(f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:8}  {t['found']}")
+    for failure in data["import_failures"]:
+        lines.append(f"import failed: {failure}")
+    lines.append("")
+    lines.append("verdict: " + ("would activate" if data["would_activate"] else "would NOT activate"))
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Every ``ASCEND_PATCH*`` environment variable, in one place.
+
+Nothing else in the package reads ``os.environ`` for these names. The README's
+table of variables is checked against :data:`VARIABLES` by the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+MODES = ("auto", "npu", "emulate", "off")
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str
+    doc: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable(
+        "ASCEND_PATCH",
+        "auto",
+        "Device mode: `auto` (activate only when torch_npu imports and an NPU is "
+        "visible), `npu` (force; fail when no NPU), `emulate` (the NPU code path on "
+        "CPU tensors), `off` (the .pth does nothing).",
+    ),
+    Variable(
+        "ASCEND_PATCH_VLLM_VERSION",
+        "",
+        "Use this vLLM version instead of the detected one, for builds whose "
+        "version string says nothing useful (forks, vendored copies).",
+    ),
+    Variable(
+        "ASCEND_PATCH_STRICT",
+        "0",
+        "`1` turns every deviation (unknown or newer vLLM, bad matrix, failed "
+        "verification, vllm-ascend present) into an error instead of a warning.",
+    ),
+    Variable(
+        "ASCEND_PATCH_MATRIX",
+        "",
+        "Path of a compat matrix to use instead of the installed `compat_matrix.yaml` "
+        "(for CI that pins its own list of vLLM releases).",
+    ),
+    Variable(
+        "ASCEND_PATCH_EMULATED_HBM",
+        "8GiB",
+        "Device memory of the emulated NPU, e.g. `8GiB`, `512MiB`. Only used with "
+        "`ASCEND_PATCH=emulate`.",
+    ),
+    Variable(
+        "ASCEND_PATCH_DEBUG",
+        "0",
+        "`1` prints loader diagnostics to stderr, including from the .pth bootstrap "
+        "before any logging is configured.",
+    ),
+    Variable(
+        "ASCEND_PATCH_CACHE_DIR",
+        "",
+        "Where `ascend-patch probe` keeps downloaded vLLM releases. Default: "
+        "`$XDG_CACHE_HOME/ascend-patch` (or `~/.cache/ascend-patch`).",
+    ),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def raw(name: str) -> str:
+    """The variable's value as set, or its default."""
+    var = _BY_NAME[name]
+    return os.environ.get(name, var.default).strip()
+
+
+def mode() -> str:
+    value = raw("ASCEND_PATCH").lower() or "auto"
+    if value not in MODES:
+        raise ValueError(
+            f"ASCEND_PATCH={value!r} is not a mode; expected one of {', '.join(MODES)}"
+        )
+    return value
+
+
+def _flag(name: str) -> bool:
+    return raw(name).lower() in ("1", "true", "yes", "on")
+
+
+def strict() -> bool:
+    return _flag("ASCEND_PATCH_STRICT")
+
+
+def debug() -> bool:
+    return _flag("ASCEND_PATCH_DEBUG")
+
+
+def vllm_version_override() -> str | None:
+    return raw("ASCEND_PATCH_VLLM_VERSION") or None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``8GiB`` → bytes. Binary units; ``G``, ``GB`` and ``GiB`` all mean 2**30."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "")[:1].upper()])
+
+
+def emulated_hbm_bytes() -> int:
+    try:
+        return parse_size(raw("ASCEND_PATCH_EMULATED_HBM"))
+    except ValueError as exc:
+        raise ValueError(f"ASCEND_PATCH_EMULATED_HBM: {exc}") from None
+
+
+def matrix_path() -> str | None:
+    return raw("ASCEND_PATCH_MATRIX") or None
+
+
+def cache_dir() -> str:
+    configured = raw("ASCEND_PATCH_CACHE_DIR")
+    if configured:
+        return configured
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return os.path.join(base, "ascend-patch")
+
+
+def settings() -> dict[str, str]:
+    """The variables that are set in this process, for doctor."""
+    return {v.name: os.environ[v.name] for v in VARIABLES if v.name in os.environ}

@@ -1,0 +1,252 @@
+"""What happens when ``vllm`` is imported: decide, verify, then apply — or stay stock.
+
+Triggers: the ``.pth`` bootstrap calls :func:`on_vllm_imported` right after
+``vllm/__init__.py`` runs; the ``vllm.general_plugins`` entry point calls
+:func:`general_plugin` in every process vLLM starts. Both end in
+:func:`activate`, which runs once per process:
+
+1. the mode (``ASCEND_PATCH``): off, auto (NPU visible?), npu (forced) or emulate;
+2. the vLLM version, and the patch set ``compat_matrix.yaml`` maps it to;
+3. every target of that set verified against the installed source;
+4. only if all of that holds, the patches are scheduled, the platform first.
+
+Any failure leaves vLLM exactly stock with one log line saying why, except
+where the user asked for certainty: ``ASCEND_PATCH=npu`` without a usable NPU,
+and any deviation under ``ASCEND_PATCH_STRICT=1``, raise :class:`AscendPatchError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ascend_patch import env
+from ascend_patch import matrix as compat
+from ascend_patch import version as versions
+from ascend_patch.patching import REGISTRY, Patch, TargetStatus, verify
+from ascend_patch.source import SourceTree
+
+PLATFORMS = {
+    "npu": "ascend_patch.platform.NPUPlatform",
+    "emulate": "ascend_patch.platform.EmulatedNPUPlatform",
+}
+
+
+class AscendPatchError(RuntimeError):
+    """The overlay was asked for and cannot be given."""
+
+
+@dataclass
+class Activation:
+    """Everything the loader decided in this process, for logs and doctor."""
+
+    requested: str
+    trigger: str
+    state: str = "inert"  # "active", "inert", "off" or "reverted"
+    reason: str = ""
+    mode: str | None = None  # "npu" or "emulate" once decided
+    mode_reason: str = ""
+    vllm: versions.VllmInstall | None = None
+    selection: compat.Selection | None = None
+    patches: list[Patch] = field(default_factory=list)
+    statuses: list[TargetStatus] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    deviation: bool = False
+    """Inert for an unusual reason (worth a warning), not by choice or for lack of an NPU."""
+
+    @property
+    def active(self) -> bool:
+        return self.state == "active"
+
+
+_activation: Activation | None = None
+_lock = threading.RLock()
+
+
+def _logger() -> logging.Logger:
+    # Under the "vllm" logger so our lines use vLLM's format once it is configured.
+    return logging.getLogger("vllm.ascend_patch")
+
+
+def _debug(message: str) -> None:
+    _logger().debug(message)
+    if env.debug():
+        sys.stderr.write(f"ascend-patch: {message}\n")
+
+
+def current() -> Activation | None:
+    """The decision made in this process, if any."""
+    return _activation
+
+
+def vllm_ascend_present() -> str | None:
+    """The installed vllm-ascend version ("unknown" for a bare source tree), or None."""
+    installed = versions.installed_version("vllm-ascend")
+    if installed is None and importlib.util.find_spec("vllm_ascend") is not None:
+        return "unknown"
+    return installed
+
+
+def _deviation(act: Activation, message: str) -> Activation:
+    """An unusual situation: stay stock and say so, or raise under strict mode."""
+    if env.strict():
+        raise AscendPatchError(f"{message} (ASCEND_PATCH_STRICT=1)")
+    act.state, act.reason, act.deviation = "inert", message, True
+    return act
+
+
+def _decide_mode(act: Activation) -> Activation | None:
+    """Set ``act.mode``; return ``act`` early if the overlay stays out of the way."""
+    ascend = vllm_ascend_present()
+    if ascend is not None:
+        if act.requested == "auto":
+            return _deviation(
+                act,
+                f"vllm-ascend {ascend} is installed and owns this NPU platform; ascend-patch "
+                "stays inert. Uninstall one of them, or set ASCEND_PATCH=npu to let "
+                "ascend-patch take over",
+            )
+        act.warnings.append(
+            f"vllm-ascend {ascend} is installed too; ascend-patch takes over because "
+            f"ASCEND_PATCH={act.requested}"
+        )
+    if act.requested == "emulate":
+        env.emulated_hbm_bytes()  # a malformed size is an error now, not mid-engine
+        act.mode, act.mode_reason = "emulate", "ASCEND_PATCH=emulate"
+        return None
+    from ascend_patch.kernels import npu
+
+    usable, detail = npu.probe()
+    if usable:
+        act.mode = "npu"
+        act.mode_reason = f"ASCEND_PATCH={act.requested} and {detail}"
+        return None
+    if act.requested == "npu":
+        raise AscendPatchError(
+            f"ASCEND_PATCH=npu but no NPU is usable: {detail}. Install the CANN toolkit and "
+            "the torch-npu release matching your torch (`ascend-patch doctor` shows both), "
+            "or use ASCEND_PATCH=emulate to run the NPU code path on CPU"
+        )
+    act.state, act.reason = "inert", f"ASCEND_PATCH=auto and no NPU: {detail}"
+    return act
+
+
+def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation:
+    """Decide everything, verify every target, touch nothing."""
+    act = Activation(requested=env.mode(), trigger=trigger)
+    if act.requested == "off":
+        act.state, act.reason = "off", "ASCEND_PATCH=off"
+        return act
+    try:
+        act.vllm = vllm_install or versions.find_vllm()
+    except versions.VersionError as exc:
+        return _deviation(act, str(exc))
+    if act.vllm is None:
+        act.state, act.reason = "inert", "vLLM is not installed"
+        return act
+    if _decide_mode(act) is not None:
+        return act
+    try:
+        table = compat.load()
+        act.selection = table.select(act.vllm.version)
+    except (compat.MatrixError, versions.VersionError) as exc:
+        return _deviation(act, str(exc))
+    if act.selection.patch_set is None:
+        return _deviation(act, f"{act.selection.reason}; ascend-patch stays inert")
+    if act.selection.kind == "newer":
+        message = act.selection.reason
+        if env.strict():
+            raise AscendPatchError(f"{message} (ASCEND_PATCH_STRICT=1)")
+        act.warnings.append(message)
+    set_name = act.selection.patch_set.name
+    act.patches = list(importlib.import_module(f"ascend_patch.patches.{set_name}").PATCHES)
+    act.statuses = verify(act.patches, SourceTree(Path(act.vllm.location)))
+    failed = [s for s in act.statuses if not s.ok]
+    if failed:
+        details = "".join(f"\n  - {s.describe()}" for s in failed)
+        return _deviation(
+            act,
+            f"vLLM {act.vllm.version} does not match patch set {set_name}: "
+            f"{len(failed)} of {len(act.statuses)} targets differ; nothing was patched"
+            f"{details}",
+        )
+    act.state = "verified"
+    return act
+
+
+def _platform_already_resolved() -> object | None:
+    platforms = sys.modules.get("vllm.platforms")
+    resolved = getattr(platforms, "_current_platform", None) if platforms else None
+    if resolved is None or type(resolved).__module__ == "ascend_patch.platform":
+        return None
+    return resolved
+
+
+def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation:
+    """Run :func:`plan` and apply its patches. Once per process; later calls return
+    the first decision."""
+    global _activation
+    with _lock:
+        if _activation is not None:
+            return _activation
+        act = plan(trigger, vllm_install)
+        if act.state == "verified":
+            resolved = _platform_already_resolved()
+            if resolved is not None:
+                act = _deviation(
+                    act,
+                    f"vLLM already resolved its platform to {type(resolved).__name__} before "
+                    f"ascend-patch loaded (trigger: {trigger}); install ascend-patch with pip "
+                    "so its .pth runs at interpreter start",
+                )
+            else:
+                REGISTRY.schedule(act.patches)
+                act.state = "active"
+                act.reason = (
+                    f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
+                    f"NPU, patch set {act.selection.patch_set.name}, "
+                    f"{len(act.statuses)} targets verified"
+                )
+        _activation = act
+    for message in act.warnings:
+        _logger().warning("ascend-patch: %s", message)
+    if act.deviation:
+        _logger().warning("ascend-patch: %s", act.reason)
+    else:
+        _debug(act.reason)
+    return act
+
+
+def deactivate() -> list[str]:
+    """Restore stock vLLM in this process (tests and diagnostics)."""
+    global _activation
+    with _lock:
+        restored = REGISTRY.revert_all()
+        if _activation is not None:
+            _activation.state = "reverted"
+        _activation = None
+        return restored
+
+
+def on_vllm_imported(module) -> None:
+    """Called by the ``.pth`` bootstrap right after ``vllm/__init__.py`` executed."""
+    activate("import vllm")
+
+
+def general_plugin() -> None:
+    """``vllm.general_plugins`` entry point: a second, idempotent trigger."""
+    if env.raw("ASCEND_PATCH").lower() != "off":
+        activate("vllm.general_plugins")
+
+
+def select_platform(wrapped, instance, args, kwargs) -> str:
+    """Wrapper of ``vllm.platforms.resolve_current_platform_cls_qualname``."""
+    act = _activation
+    if act is None or not act.active:
+        return wrapped(*args, **kwargs)
+    return PLATFORMS[act.mode]

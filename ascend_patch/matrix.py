@@ -1,0 +1,319 @@
+"""Read, validate and query ``compat_matrix.yaml``.
+
+The matrix is the one source of truth for which vLLM releases map to which
+patch set, with which torch / torch-npu / CANN, and with what evidence. The
+schema is documented at the top of the YAML file itself; this module enforces
+it and every error names the file, the key and the problem.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from ascend_patch import env
+from ascend_patch import version as vllm_version
+
+SCHEMA_VERSION = 1
+STATUSES = ("npu-verified", "emulated-e2e", "static-probe", "untested", "unsupported")
+# Statuses that claim a run happened, so they must carry its date and evidence.
+_RUN_STATUSES = ("npu-verified", "emulated-e2e", "static-probe")
+
+
+class MatrixError(ValueError):
+    """``compat_matrix.yaml`` is malformed. The message names file, key and problem."""
+
+
+def default_path() -> Path:
+    """The matrix sits beside the ``patches`` package: inside ``ascend_patch/`` in
+    an installed wheel, at the repository root in a source checkout."""
+    import ascend_patch.patches
+
+    return Path(ascend_patch.patches.__file__).resolve().parent.parent / "compat_matrix.yaml"
+
+
+@dataclass(frozen=True)
+class PatchSetSpec:
+    name: str
+    vllm: SpecifierSet
+    lower: Version
+    upper: Version
+    summary: str
+
+    def contains(self, release: Version) -> bool:
+        return self.lower <= release < self.upper
+
+    @property
+    def range(self) -> str:
+        return f">={self.lower},<{self.upper}"
+
+
+@dataclass(frozen=True)
+class VersionEntry:
+    vllm: str
+    patch_set: str
+    torch: str
+    torch_npu: str
+    cann: str
+    status: str
+    date: str | None = None
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Limitation:
+    id: str
+    summary: str
+    vllm: SpecifierSet
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of choosing a patch set for one vLLM version."""
+
+    patch_set: PatchSetSpec | None
+    kind: str  # "in-range", "newer", "older" or "gap"
+    reason: str
+    entry: VersionEntry | None
+
+
+@dataclass(frozen=True)
+class Matrix:
+    path: Path
+    patch_sets: tuple[PatchSetSpec, ...]  # ordered oldest range first
+    versions: dict[str, VersionEntry]
+    limitations: tuple[Limitation, ...]
+
+    def patch_set(self, name: str) -> PatchSetSpec:
+        for spec in self.patch_sets:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def set_for_release(self, release: Version) -> PatchSetSpec | None:
+        return next((s for s in self.patch_sets if s.contains(release)), None)
+
+    def select(self, version_text: str) -> Selection:
+        parsed = vllm_version.parse(version_text)
+        rel = vllm_version.release(parsed)
+        entry = self.versions.get(str(rel))
+        in_range = self.set_for_release(rel)
+        if in_range is not None:
+            return Selection(
+                in_range,
+                "in-range",
+                f"vLLM {version_text} (release {rel}) is inside patch set "
+                f"{in_range.name} ({in_range.range})",
+                entry,
+            )
+        newest, oldest = self.patch_sets[-1], self.patch_sets[0]
+        if rel >= newest.upper:
+            return Selection(
+                newest,
+                "newer",
+                f"vLLM {version_text} is newer than every patch set; trying the newest, "
+                f"{newest.name} ({newest.range}), which activates only if every target "
+                "verifies",
+                entry,
+            )
+        if rel < oldest.lower:
+            return Selection(
+                None,
+                "older",
+                f"vLLM {version_text} is older than every patch set (oldest: "
+                f"{oldest.name}, {oldest.vllm})",
+                entry,
+            )
+        return Selection(
+            None,
+            "gap",
+            f"vLLM {version_text} falls between the patch sets' ranges",
+            entry,
+        )
+
+    def limitations_for(self, release: Version) -> list[Limitation]:
+        return [lim for lim in self.limitations if lim.vllm.contains(release, prereleases=True)]
+
+
+def _fail(path: Path, key: str, problem: str) -> MatrixError:
+    return MatrixError(f"{path}: {key}: {problem}")
+
+
+def _require(path: Path, mapping: dict, key: str, where: str, kind=str):
+    if key not in mapping:
+        raise _fail(path, f"{where}.{key}", "missing")
+    value = mapping[key]
+    if not isinstance(value, kind):
+        raise _fail(
+            path, f"{where}.{key}", f"expected {kind.__name__}, found {type(value).__name__}"
+        )
+    return value
+
+
+def _bounds(path: Path, key: str, text: str) -> tuple[SpecifierSet, Version, Version]:
+    try:
+        spec = SpecifierSet(text)
+    except InvalidSpecifier:
+        raise _fail(path, key, f"{text!r} is not a PEP 440 specifier") from None
+    lowers = [Version(s.version) for s in spec if s.operator == ">="]
+    uppers = [Version(s.version) for s in spec if s.operator == "<"]
+    if len(lowers) != 1 or len(uppers) != 1 or len(spec) != 2:
+        raise _fail(path, key, f"{text!r} must be exactly '>=LOW,<HIGH'")
+    if lowers[0] >= uppers[0]:
+        raise _fail(path, key, f"{text!r} is an empty range")
+    return spec, lowers[0], uppers[0]
+
+
+def parse(data: object, path: Path) -> Matrix:
+    if not isinstance(data, dict):
+        raise _fail(path, "<top>", "expected a mapping")
+    schema = data.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise _fail(path, "schema", f"expected {SCHEMA_VERSION}, found {schema!r}")
+
+    sets: list[PatchSetSpec] = []
+    for name, body in _require(path, data, "patch_sets", "<top>", dict).items():
+        where = f"patch_sets.{name}"
+        if not isinstance(body, dict):
+            raise _fail(path, where, "expected a mapping")
+        spec, lower, upper = _bounds(path, f"{where}.vllm", _require(path, body, "vllm", where))
+        sets.append(PatchSetSpec(str(name), spec, lower, upper, _require(path, body, "summary", where)))
+    if not sets:
+        raise _fail(path, "patch_sets", "at least one patch set is required")
+    sets.sort(key=lambda s: s.lower)
+    for before, after in zip(sets, sets[1:]):
+        if after.lower < before.upper:
+            raise _fail(
+                path, f"patch_sets.{after.name}.vllm", f"overlaps patch set {before.name}"
+            )
+
+    versions: dict[str, VersionEntry] = {}
+    for text, body in _require(path, data, "versions", "<top>", dict).items():
+        where = f"versions.{text}"
+        try:
+            release = Version(str(text))
+        except InvalidVersion:
+            raise _fail(path, where, "key is not a version") from None
+        if str(release) != str(text) or str(vllm_version.release(release)) != str(text):
+            raise _fail(path, where, "key must be a plain release like 0.33.0")
+        if not isinstance(body, dict):
+            raise _fail(path, where, "expected a mapping")
+        entry = VersionEntry(
+            vllm=str(text),
+            patch_set=_require(path, body, "patch_set", where),
+            torch=_require(path, body, "torch", where),
+            torch_npu=_require(path, body, "torch_npu", where),
+            cann=_require(path, body, "cann", where),
+            status=_require(path, body, "status", where),
+            date=body.get("date"),
+            evidence=body.get("evidence") or {},
+        )
+        owner = next((s for s in sets if s.contains(release)), None)
+        if owner is None or owner.name != entry.patch_set:
+            raise _fail(
+                path,
+                f"{where}.patch_set",
+                f"{entry.patch_set!r} but the ranges put {text} in "
+                f"{owner.name if owner else 'no patch set'}",
+            )
+        if entry.status not in STATUSES:
+            raise _fail(path, f"{where}.status", f"{entry.status!r} is not one of {STATUSES}")
+        if entry.status in _RUN_STATUSES:
+            if not isinstance(entry.date, (str, _dt.date)):
+                raise _fail(path, f"{where}.date", f"required for status {entry.status}")
+            if not isinstance(body.get("evidence"), dict) or not body["evidence"]:
+                raise _fail(path, f"{where}.evidence", f"required for status {entry.status}")
+        if entry.status == "npu-verified" and not entry.evidence.get("npu"):
+            raise _fail(
+                path,
+                f"{where}.evidence.npu",
+                "npu-verified needs the record of a run on Ascend hardware",
+            )
+        versions[str(text)] = entry
+
+    limitations = []
+    for index, body in enumerate(data.get("limitations") or []):
+        where = f"limitations[{index}]"
+        if not isinstance(body, dict):
+            raise _fail(path, where, "expected a mapping")
+        text = _require(path, body, "vllm", where)
+        try:
+            spec = SpecifierSet(text)
+        except InvalidSpecifier:
+            raise _fail(path, f"{where}.vllm", f"{text!r} is not a PEP 440 specifier") from None
+        limitations.append(
+            Limitation(_require(path, body, "id", where), _require(path, body, "summary", where), spec)
+        )
+    return Matrix(path, tuple(sets), versions, tuple(limitations))
+
+
+def load(path: Path | None = None) -> Matrix:
+    """Load ``path``, else ``ASCEND_PATCH_MATRIX``, else the installed matrix."""
+    path = Path(path or env.matrix_path() or default_path())
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MatrixError(f"{path}: cannot read: {exc.strerror}") from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        data = yaml.load(text, Loader=loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "<parse>"
+        raise _fail(path, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return parse(data, path)
+
+
+def to_jsonable(table: Matrix) -> dict:
+    return {
+        "path": str(table.path),
+        "patch_sets": [
+            {"name": s.name, "vllm": s.range, "summary": s.summary} for s in table.patch_sets
+        ],
+        "versions": [
+            {
+                "vllm": e.vllm,
+                "patch_set": e.patch_set,
+                "torch": e.torch,
+                "torch_npu": e.torch_npu,
+                "cann": e.cann,
+                "status": e.status,
+                "date": str(e.date) if e.date else None,
+                "evidence": e.evidence,
+            }
+            for e in table.versions.values()
+        ],
+        "limitations": [
+            {"id": lim.id, "vllm": str(lim.vllm), "summary": lim.summary}
+            for lim in table.limitations
+        ],
+    }
+
+
+def render_markdown(table: Matrix) -> str:
+    """The compatibility table the README embeds (a test keeps them identical)."""
+    lines = [
+        "| vLLM | patch set | torch | torch-npu | CANN | status | date |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ordered = sorted(table.versions.values(), key=lambda e: Version(e.vllm), reverse=True)
+    for e in ordered:
+        lines.append(
+            f"| {e.vllm} | {e.patch_set} | {e.torch} | {e.torch_npu} | {e.cann} | "
+            f"{e.status} | {e.date or ''} |"
+        )
+    lines.append("")
+    lines.append("| patch set | vLLM | summary |")
+    lines.append("|---|---|---|")
+    for s in reversed(table.patch_sets):
+        lines.append(f"| {s.name} | `{s.range}` | {s.summary} |")
+    if table.limitations:
+        lines.append("")
+        lines.append("Known limitations:")
+        lines.extend(f"- **{lim.id}** (`{lim.vllm}`): {lim.summary}" for lim in table.limitations)
+    return "\n".join(lines)

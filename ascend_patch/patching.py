@@ -1,0 +1,237 @@
+"""The patch engine: declare, verify all, then apply; one registry of originals.
+
+A patch set is a list of :class:`Patch` declarations. :func:`verify` checks
+every target against the installed vLLM *source* (see :mod:`ascend_patch.source`)
+before anything is touched; the loader applies nothing unless every target
+verifies. Application is lazy: a target is patched right after its module is
+imported (or at once, if it already was), so verifying the model-runner patches
+never imports the model runner in the API-server process.
+
+Every original lives in :data:`REGISTRY`. Applying is idempotent and
+:meth:`Registry.revert_all` restores each original by identity, including the
+copies that other modules took with ``from module import name``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from ascend_patch import _bootstrap
+from ascend_patch.source import SourceTree, render_signature
+
+
+class PatchError(RuntimeError):
+    """A target could not be patched as declared."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to vLLM.
+
+    Exactly one of ``wrapper`` / ``replacement`` is set, or neither: then the
+    patch is a *contract*, a hook our own classes override (a platform method,
+    a base-class method), verified like any target but never touched.
+    """
+
+    target: str
+    """``"package.module:Qualified.name"``."""
+    reason: str
+    """One line: why the overlay needs this."""
+    vllm: str
+    """The vLLM releases this patch is for, as a PEP 440 specifier."""
+    signature: tuple[str, ...] | None = None
+    """Accepted signatures (``source.render_arguments`` form); None for classes and values."""
+    wrapper: Callable | None = None
+    """``wrapper(wrapped, instance, args, kwargs)``, installed with ``wrapt.FunctionWrapper``."""
+    replacement: Callable[[object], object] | None = None
+    """``replacement(original) -> new object``, installed as-is."""
+
+    def __post_init__(self):
+        if ":" not in self.target:
+            raise ValueError(f"patch target {self.target!r} must be 'module:qualname'")
+        if self.wrapper is not None and self.replacement is not None:
+            raise ValueError(f"patch {self.target}: give a wrapper or a replacement, not both")
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+    @property
+    def kind(self) -> str:
+        if self.wrapper is not None:
+            return "wrap"
+        if self.replacement is not None:
+            return "replace"
+        return "contract"
+
+    def expected(self) -> str:
+        if self.signature is None:
+            return "defined"
+        return " or ".join(self.signature)
+
+
+@dataclass
+class TargetStatus:
+    patch: Patch
+    state: str  # "verified", "missing" or "mismatch"; later "applied" or "reverted"
+    found: str
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("verified", "applied")
+
+    def describe(self) -> str:
+        return f"{self.patch.target}: expected {self.patch.expected()}, found {self.found}"
+
+
+def verify(patches: list[Patch], tree: SourceTree) -> list[TargetStatus]:
+    """Check every target in the source tree. Touches nothing."""
+    statuses = []
+    for patch in patches:
+        if not tree.has_module(patch.module):
+            statuses.append(TargetStatus(patch, "missing", f"no module {patch.module}"))
+            continue
+        found = tree.lookup(patch.module, patch.qualname)
+        if found is None:
+            statuses.append(TargetStatus(patch, "missing", f"no {patch.qualname} in {patch.module}"))
+        elif patch.signature is None:
+            statuses.append(TargetStatus(patch, "verified", f"{found.kind} at line {found.lineno}"))
+        elif found.signature not in patch.signature:
+            shape = found.signature if found.kind == "function" else f"a {found.kind}"
+            statuses.append(TargetStatus(patch, "mismatch", shape))
+        else:
+            statuses.append(TargetStatus(patch, "verified", found.signature))
+    return statuses
+
+
+@dataclass
+class _Applied:
+    patch: Patch
+    owner: object
+    attr: str
+    original: object
+    installed: object
+    rebinds: list[tuple[ModuleType, str]] = field(default_factory=list)
+
+
+def _owner_and_attr(module: ModuleType, qualname: str) -> tuple[object, str]:
+    *path, attr = qualname.split(".")
+    owner: object = module
+    for name in path:
+        owner = getattr(owner, name)
+    return owner, attr
+
+
+def _raw_attribute(owner: object, attr: str) -> object:
+    """The attribute as stored on its owner: a classmethod object, not a bound method."""
+    try:
+        return vars(owner)[attr]
+    except KeyError:
+        raise PatchError(f"{getattr(owner, '__name__', owner)} defines no {attr!r}") from None
+
+
+def _live_signature(raw: object) -> str | None:
+    func = getattr(raw, "__func__", raw)  # unwrap classmethod / staticmethod
+    try:
+        return render_signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+def _modules() -> list[ModuleType]:
+    return [m for m in list(sys.modules.values()) if isinstance(m, ModuleType)]
+
+
+class Registry:
+    """The originals of everything the overlay changed, in application order."""
+
+    def __init__(self) -> None:
+        self._applied: dict[str, _Applied] = {}
+        self._scheduled: set[str] = set()
+        self._watchers: list[tuple[str, Callable]] = []
+
+    def is_applied(self, target: str) -> bool:
+        return target in self._applied
+
+    def get_original(self, target: str) -> object:
+        return self._applied[target].original
+
+    def applied_targets(self) -> list[str]:
+        return list(self._applied)
+
+    def schedule(self, patches: list[Patch]) -> None:
+        """Apply each patch when its module has been imported (now, if it has)."""
+        by_module: dict[str, list[Patch]] = {}
+        for patch in patches:
+            if patch.kind != "contract" and patch.target not in self._scheduled:
+                self._scheduled.add(patch.target)
+                by_module.setdefault(patch.module, []).append(patch)
+        for module_name, module_patches in by_module.items():
+            def apply(module: ModuleType, ps: list[Patch] = module_patches) -> None:
+                self._apply_all(module, ps)
+
+            self._watchers.append((module_name, apply))
+            _bootstrap.watch(module_name, apply)
+
+    def _apply_all(self, module: ModuleType, patches: list[Patch]) -> None:
+        for patch in patches:
+            if patch.target not in self._applied:
+                self._apply(module, patch)
+
+    def _apply(self, module: ModuleType, patch: Patch) -> None:
+        owner, attr = _owner_and_attr(module, patch.qualname)
+        original = _raw_attribute(owner, attr)
+        if patch.signature is not None:
+            live = _live_signature(original)
+            if live not in patch.signature:
+                # The source verified but the live object differs: someone else
+                # replaced it at runtime. Refuse rather than wrap the wrong thing.
+                raise PatchError(
+                    f"{patch.target}: expected {patch.expected()}, found {live} at runtime "
+                    "(replaced by another package?)"
+                )
+        if patch.wrapper is not None:
+            import wrapt
+
+            installed = wrapt.FunctionWrapper(original, patch.wrapper)
+        else:
+            installed = patch.replacement(original)
+        setattr(owner, attr, installed)
+        record = _Applied(patch, owner, attr, original, installed)
+        if isinstance(owner, ModuleType):
+            # Reach the copies bound earlier with `from module import name`.
+            for other in _modules():
+                if other is not owner and vars(other).get(attr) is original:
+                    setattr(other, attr, installed)
+                    record.rebinds.append((other, attr))
+        self._applied[patch.target] = record
+
+    def revert_all(self) -> list[str]:
+        """Restore every original; returns the targets restored."""
+        restored = []
+        for target, record in reversed(list(self._applied.items())):
+            setattr(record.owner, record.attr, record.original)
+            for module, attr in record.rebinds:
+                setattr(module, attr, record.original)
+            if isinstance(record.owner, ModuleType):
+                # Modules imported after the patch bound the installed object.
+                for other in _modules():
+                    if vars(other).get(record.attr) is record.installed:
+                        setattr(other, record.attr, record.original)
+            restored.append(target)
+        for module_name, callback in self._watchers:
+            _bootstrap.unwatch(module_name, callback)
+        self._applied.clear()
+        self._scheduled.clear()
+        self._watchers.clear()
+        return restored
+
+
+REGISTRY = Registry()

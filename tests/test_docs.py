@@ -1,0 +1,30 @@
+"""The README says what the code does."""
+
+from __future__ import annotations
+
+import re
+
+from ascend_patch import env, matrix
+from tests.conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_every_environment_variable_is_documented_with_its_default():
+    rows = dict(re.findall(r"^\| `(ASCEND_PATCH\w*)` \| ([^|]+) \|", README, re.MULTILINE))
+    assert set(rows) == {v.name for v in env.VARIABLES}
+    for var in env.VARIABLES:
+        if var.default:
+            assert var.default in rows[var.name], var.name
+
+
+def test_compatibility_table_is_generated_from_the_matrix():
+    table = matrix.render_markdown(matrix.load())
+    assert table in README, "run: python scripts/render_readme_matrix.py"
+
+
+def test_two_commands_exist_and_ci_runs_the_test_command():
+    assert "scripts/demo.sh" in README and "scripts/test.sh" in README
+    for script in ("scripts/demo.sh", "scripts/test.sh", "scripts/setup_env.sh"):
+        assert (ROOT / script).stat().st_mode & 0o111, script
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()

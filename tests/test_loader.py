@@ -1,0 +1,430 @@
+"""The loader against the real vLLM, in fresh interpreters, through the installed ``.pth``.
+
+Nothing here imports ``ascend_patch`` explicitly before vLLM: the overlay must
+arrive by itself, exactly as it does for ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import textwrap
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from ascend_patch.patches import v0_29
+from ascend_patch.source import SourceTree
+from tests.conftest import ascend_patch_lines, clean_env, run_json, run_python
+
+# Imports every target module and reports, per target, whether the live object is
+# still vLLM's own (defined in a vLLM file, not wrapped).
+STOCK_REPORT = """
+import importlib, json, os, sys
+bootstrapped = "ascend_patch._bootstrap" in sys.modules
+import vllm
+from ascend_patch import loader
+from ascend_patch.patches import v0_29
+targets = {}
+for p in v0_29.PATCHES:
+    owner = importlib.import_module(p.module)
+    *path, attr = p.qualname.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    raw = vars(owner)[attr]
+    func = getattr(raw, "__func__", raw)
+    code = getattr(func, "__code__", None)
+    targets[p.target] = {
+        "wrapped": hasattr(func, "__wrapped__"),
+        "file": os.path.realpath(code.co_filename) if code else None,
+        "qualname": getattr(func, "__qualname__", None),
+    }
+from vllm.platforms import current_platform
+act = loader.current()
+print(json.dumps({
+    "bootstrapped": bootstrapped,
+    "targets": targets,
+    "platform": type(current_platform).__name__,
+    "state": act.state if act else None,
+    "reason": act.reason if act else None,
+    "applied": loader.REGISTRY.applied_targets(),
+    "vllm_dir": os.path.realpath(os.path.dirname(vllm.__file__)),
+}))
+"""
+
+
+def assert_stock(report: dict, vllm_dir: Path) -> None:
+    assert report["platform"] == "UnspecifiedPlatform", "stock vLLM on this CPU-only box"
+    assert report["applied"] == []
+    for target, live in report["targets"].items():
+        assert not live["wrapped"], target
+        assert live["file"] and live["file"].startswith(str(vllm_dir)), target
+        assert live["qualname"] == target.partition(":")[2], target
+
+
+def test_emulate_through_the_pth_without_importing_ascend_patch():
+    result = run_json(
+        """
+        import json, sys
+        before = sorted(m for m in sys.modules if m.startswith("ascend_patch"))
+        from vllm.platforms import current_platform
+        import torch
+        print(json.dumps({
+            "before": before,
+            "cls": type(current_platform).__name__,
+            "device": str(torch.device(current_platform.device_type)),
+            "group_device": str(torch.device(f"{current_platform.device_name}:0")),
+            "oot": current_platform.is_out_of_tree(),
+            "ray": current_platform.ray_device_key,
+            "env_var": current_platform.device_control_env_var,
+            "dist": current_platform.dist_backend,
+        }))
+        """,
+        env=clean_env(ASCEND_PATCH="emulate"),
+    )
+    assert result["before"] == ["ascend_patch", "ascend_patch._bootstrap"], "only the stdlib bootstrap at start"
+    assert result["cls"] == "EmulatedNPUPlatform"
+    assert result["device"] == "cpu" and result["group_device"] == "cpu:0"
+    assert result["oot"] is True
+    assert (result["ray"], result["env_var"], result["dist"]) == ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "gloo")
+
+
+def test_npu_platform_class_attributes():
+    result = run_json(
+        """
+        import json
+        from ascend_patch.platform import NPUPlatform
+        print(json.dumps([NPUPlatform.device_name, NPUPlatform.device_type, NPUPlatform.ray_device_key,
+                          NPUPlatform.device_control_env_var, NPUPlatform.dist_backend,
+                          NPUPlatform().is_out_of_tree()]))
+        """
+    )
+    assert result == ["npu", "npu", "NPU", "ASCEND_RT_VISIBLE_DEVICES", "hccl", True]
+
+
+def test_spawned_children_are_patched_too(tmp_path):
+    script = tmp_path / "spawn_child.py"
+    script.write_text(textwrap.dedent(
+        """
+        import json, multiprocessing as mp
+
+        def child(queue):
+            from vllm.platforms import current_platform
+            queue.put(type(current_platform).__name__)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=child, args=(queue,))
+            proc.start()
+            name = queue.get(timeout=120)
+            proc.join(60)
+            print(json.dumps({"child": name, "exitcode": proc.exitcode}))
+        """
+    ))
+    result = run_json(
+        f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
+        env=clean_env(ASCEND_PATCH="emulate"),
+    )
+    assert result == {"child": "EmulatedNPUPlatform", "exitcode": 0}
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_off_and_auto_without_npu_leave_vllm_stock(mode, vllm_dir):
+    proc = run_python(STOCK_REPORT, env=clean_env(ASCEND_PATCH=mode))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert_stock(report, vllm_dir)
+    assert ascend_patch_lines(proc.stderr) == [], "no NPU is the normal case: nothing to say"
+    if mode == "off":
+        assert report["bootstrapped"] is False, "ASCEND_PATCH=off stops the .pth before anything"
+        assert report["state"] is None
+    else:
+        assert report["state"] == "inert"
+        assert "no NPU" in report["reason"] and "torch_npu is not installed" in report["reason"]
+
+
+def test_revert_restores_every_original_by_identity():
+    result = run_json(
+        """
+        import importlib, json
+        import vllm
+        from ascend_patch import loader
+        from ascend_patch.patches import v0_29
+        def raw(p):
+            owner = importlib.import_module(p.module)
+            *path, attr = p.qualname.split(".")
+            for name in path:
+                owner = getattr(owner, name)
+            return vars(owner)[attr]
+        # Importing the platform module applies its patches (they were verified at `import vllm`).
+        patched = {p.target: raw(p) for p in v0_29.PATCHES}
+        applied = loader.REGISTRY.applied_targets()
+        originals = {t: loader.REGISTRY.get_original(t) for t in applied}
+        restored = loader.deactivate()
+        print(json.dumps({
+            "applied": applied,
+            "restored": sorted(restored),
+            "identity": all(raw(p) is originals[p.target] for p in v0_29.PATCHES if p.target in originals),
+            "changed_while_active": sorted(t for t in applied if patched[t] is not originals[t]),
+        }))
+        """,
+        env=clean_env(ASCEND_PATCH="emulate"),
+    )
+    wrapped = sorted(p.target for p in v0_29.PATCHES if p.kind != "contract")
+    assert sorted(result["applied"]) == wrapped
+    assert result["changed_while_active"] == wrapped
+    assert result["restored"] == wrapped
+    assert result["identity"] is True
+
+
+def test_second_trigger_applies_nothing_twice():
+    result = run_json(
+        """
+        import json
+        from vllm.platforms import current_platform
+        import vllm.platforms as platforms
+        from vllm.plugins import load_general_plugins
+        from ascend_patch import loader
+        first = platforms.resolve_current_platform_cls_qualname
+        load_general_plugins()
+        loader.general_plugin()
+        second = platforms.resolve_current_platform_cls_qualname
+        print(json.dumps({
+            "same": first is second,
+            "single_wrap": not hasattr(second.__wrapped__, "__wrapped__"),
+            "applied": loader.REGISTRY.applied_targets(),
+            "trigger": loader.current().trigger,
+        }))
+        """,
+        env=clean_env(ASCEND_PATCH="emulate"),
+    )
+    assert result["same"] and result["single_wrap"]
+    assert result["applied"] == ["vllm.platforms:resolve_current_platform_cls_qualname"]
+    assert result["trigger"] == "import vllm"
+
+
+def test_general_plugin_entry_point_is_registered():
+    result = run_json(
+        """
+        import json
+        from importlib.metadata import entry_points
+        eps = entry_points(group="vllm.general_plugins")
+        print(json.dumps([f"{e.name}={e.value}" for e in eps]))
+        """
+    )
+    assert "ascend_patch=ascend_patch.loader:general_plugin" in result
+
+
+# --- fault injection -------------------------------------------------------------------------
+
+
+def _mirror(src: Path, dst: Path, keep_real: Path) -> Path:
+    """Mirror the package ``src`` at ``dst`` with symlinks, except along the path to
+    ``keep_real``, which is copied so that it can be edited. Returns the copy."""
+    dst.mkdir(parents=True)
+    rel = keep_real.relative_to(src)
+    for entry in src.iterdir():
+        if entry.name == rel.parts[0]:
+            if len(rel.parts) == 1:
+                (dst / entry.name).write_bytes(entry.read_bytes())
+            else:
+                _mirror(entry, dst / entry.name, keep_real)
+        else:
+            (dst / entry.name).symlink_to(entry)
+    return dst / rel
+
+
+def _add_parameter(path: Path, lineno: int) -> None:
+    """Give the function defined at ``lineno`` one extra, defaulted parameter, so vLLM
+    still runs but its signature no longer matches the declaration."""
+    source = path.read_text()
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    start = next(i for i, t in enumerate(tokens) if t.start[0] >= lineno and t.string == "def")
+    depth, close, star_star = 0, None, None
+    for tok in tokens[start:]:
+        if tok.string == "(":
+            depth += 1
+        elif tok.string == ")":
+            depth -= 1
+            if depth == 0:
+                close = tok
+                break
+        elif tok.string == "**" and depth == 1:
+            star_star = tok
+    lines = source.splitlines(keepends=True)
+    anchor = star_star or close
+    row, col = anchor.start
+    line = lines[row - 1]
+    before = line[:col].rstrip()
+    insert = "ascend_patch_fault=None, " if star_star or before.endswith("(") else ", ascend_patch_fault=None"
+    if not star_star and before.endswith(","):
+        insert = " ascend_patch_fault=None"
+    lines[row - 1] = line[:col] + insert + line[col:]
+    path.write_text("".join(lines))
+
+
+INJECTABLE = [p for p in v0_29.PATCHES if p.signature is not None]
+
+
+@pytest.mark.parametrize("patch", INJECTABLE, ids=[p.target for p in INJECTABLE])
+def test_fault_injection_leaves_vllm_stock_and_names_the_target(patch, vllm_dir, tmp_path):
+    tree = SourceTree(vllm_dir)
+    target_file = tree.module_path(patch.module)
+    found = tree.lookup(patch.module, patch.qualname)
+    copy = _mirror(vllm_dir, tmp_path / "vllm", target_file)
+    _add_parameter(copy, found.lineno)
+    faulty = SourceTree(tmp_path / "vllm").lookup(patch.module, patch.qualname).signature
+    assert faulty not in patch.signature and "ascend_patch_fault=..." in faulty
+
+    env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(tmp_path))
+    proc = run_python(STOCK_REPORT, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["vllm_dir"] == str(tmp_path / "vllm"), "the injected copy is what got imported"
+    assert report["state"] == "inert"
+    assert_stock_from_copy(report, vllm_dir, tmp_path / "vllm")
+    assert f"{patch.target}: expected {patch.expected()}, found {faulty}" in report["reason"]
+    assert "1 of" in report["reason"] and "nothing was patched" in report["reason"]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("ascend-patch:")]
+    assert len(warnings) == 1 and "does not match patch set v0_29" in warnings[0]
+
+
+def assert_stock_from_copy(report: dict, real: Path, copy: Path) -> None:
+    assert report["platform"] == "UnspecifiedPlatform"
+    assert report["applied"] == []
+    for target, live in report["targets"].items():
+        assert not live["wrapped"], target
+        assert live["file"].startswith((str(real), str(copy))), target
+
+
+# --- bad environments ------------------------------------------------------------------------
+
+
+def _pass_and_pip_still_work(env: dict[str, str]) -> None:
+    assert run_python("pass", env=env).returncode == 0
+    assert run_python("pass", env=env).stderr == ""
+    pip = run_python("import runpy, sys; sys.argv = ['pip', '--version']; runpy.run_module('pip', run_name='__main__')", env=env)
+    assert pip.returncode == 0 and "pip" in pip.stdout and pip.stderr == ""
+
+
+IMPORT_AND_REPORT = """
+import json
+from vllm.platforms import current_platform
+print(json.dumps(type(current_platform).__name__))
+"""
+
+
+def test_malformed_matrix_gives_one_line_and_stays_stock(tmp_path):
+    bad = tmp_path / "matrix.yaml"
+    bad.write_text("schema: 1\npatch_sets:\n  v0_29: {vllm: '>=0.29', summary: x}\nversions: {}\n")
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_MATRIX=str(bad))
+    _pass_and_pip_still_work(env)
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == "UnspecifiedPlatform"
+    lines = ascend_patch_lines(proc.stderr)
+    assert len(lines) == 1
+    assert f"{bad}: patch_sets.v0_29.vllm: '>=0.29' must be exactly '>=LOW,<HIGH'" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("0.11.0", "vLLM 0.11.0 is older than every patch set"),
+        ("not-a-version", "cannot read vLLM version 'not-a-version'"),
+    ],
+)
+def test_unknown_vllm_version_gives_one_line_and_stays_stock(version, expected):
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION=version)
+    _pass_and_pip_still_work(env)
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == "UnspecifiedPlatform"
+    lines = ascend_patch_lines(proc.stderr)
+    assert len(lines) == 1 and expected in lines[0]
+
+
+def test_newer_vllm_version_uses_the_newest_set_with_one_warning():
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.34.0.dev3+gabc")
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == "EmulatedNPUPlatform"
+    lines = ascend_patch_lines(proc.stderr)
+    assert len(lines) == 1 and "newer than every patch set; trying the newest, v0_29" in lines[0]
+
+
+def test_strict_mode_turns_deviations_into_errors():
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.34.0", ASCEND_PATCH_STRICT="1")
+    _pass_and_pip_still_work(env)
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode != 0
+    assert "AscendPatchError: vLLM 0.34.0 is newer than every patch set" in proc.stderr
+    assert "(ASCEND_PATCH_STRICT=1)" in proc.stderr.splitlines()[-1]
+
+
+def test_forced_npu_without_torch_npu_fails_clearly():
+    env = clean_env(ASCEND_PATCH="npu")
+    _pass_and_pip_still_work(env)
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ascend_patch.loader.AscendPatchError: ASCEND_PATCH=npu but no NPU is usable")
+    assert "torch_npu is not installed" in last and "ASCEND_PATCH=emulate" in last
+    retry = run_python(
+        "import sys\ntry:\n import vllm\nexcept Exception:\n pass\nimport vllm.platforms\n"
+        "from vllm.platforms import current_platform\n",
+        env=env,
+    )
+    assert retry.returncode != 0, "a retried import must not come back unpatched"
+
+
+def test_bad_mode_value_is_an_error():
+    proc = run_python(IMPORT_AND_REPORT, env=clean_env(ASCEND_PATCH="emulat"))
+    assert proc.returncode != 0
+    assert "ASCEND_PATCH='emulat' is not a mode" in proc.stderr.splitlines()[-1]
+
+
+def _fake_vllm_ascend(tmp_path: Path) -> Path:
+    dist = tmp_path / "vllm_ascend-0.23.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-ascend\nVersion: 0.23.0\n")
+    return tmp_path
+
+
+def test_vllm_ascend_present_keeps_the_overlay_out_of_its_way(tmp_path):
+    env = clean_env(ASCEND_PATCH="auto", PYTHONPATH=str(_fake_vllm_ascend(tmp_path)))
+    _pass_and_pip_still_work(env)
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == "UnspecifiedPlatform"
+    lines = ascend_patch_lines(proc.stderr)
+    assert len(lines) == 1
+    assert "vllm-ascend 0.23.0 is installed" in lines[0] and "ascend-patch stays inert" in lines[0]
+
+
+def test_forced_mode_takes_over_from_vllm_ascend_with_a_warning(tmp_path):
+    env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(_fake_vllm_ascend(tmp_path)))
+    proc = run_python(IMPORT_AND_REPORT, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == "EmulatedNPUPlatform"
+    lines = ascend_patch_lines(proc.stderr)
+    assert len(lines) == 1 and "ascend-patch takes over because ASCEND_PATCH=emulate" in lines[0]
+
+
+def test_loaded_too_late_stays_inert(tmp_path):
+    """A process whose platform was resolved before the overlay loaded (no .pth) must
+    not swap platforms under modules that already hold the stock one."""
+    proc = run_python(
+        """
+        import json
+        from vllm.platforms import current_platform   # resolved stock: ASCEND_PATCH=off here
+        import os
+        os.environ["ASCEND_PATCH"] = "emulate"
+        from ascend_patch import loader
+        act = loader.activate("test")
+        print(json.dumps([act.state, act.reason]))
+        """,
+        env=clean_env(ASCEND_PATCH="off"),
+    )
+    state, reason = json.loads(proc.stdout.splitlines()[-1])
+    assert state == "inert"
+    assert "already resolved its platform to UnspecifiedPlatform" in reason
+    assert os.environ.get("ASCEND_PATCH") is None
