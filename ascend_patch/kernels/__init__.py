@@ -1,0 +1,90 @@
+"""The NPU kernel seam: every torch_npu op the overlay uses, behind one set of module functions.
+
+Two backends implement the same signatures:
+
+- ``"reference"`` (default, :mod:`.reference`): plain torch that enforces each op's documented input
+  contract and computes its documented output. It runs the emulated engine on CPU and makes contract
+  violations fail loudly off-hardware.
+- ``"npu"`` (:mod:`.npu`): direct calls of the documented torch_npu ops, imported lazily.
+
+:func:`use` rebinds the module-level functions, so a call is a plain attribute lookup with no
+per-call dispatch. Call them through the module (``kernels.rms_norm(...)``): a name imported with
+``from ascend_patch.kernels import rms_norm`` keeps whatever backend was active at import time.
+"""
+
+import collections
+import contextlib
+import functools
+
+from . import npu, reference
+from .contracts import KernelContractError
+
+OPS = (
+    "scatter_pa_kv_cache",
+    "fused_infer_attention_score",
+    "paged_attention",
+    "rms_norm",
+    "add_rms_norm",
+    "swiglu",
+    "rotary_embedding",
+    "rotary_mul",
+    "top_k_top_p",
+)
+
+_BACKENDS = {"reference": reference, "npu": npu}
+
+# Bound explicitly (rather than only through use()) so readers and linters see the names.
+scatter_pa_kv_cache = reference.scatter_pa_kv_cache
+fused_infer_attention_score = reference.fused_infer_attention_score
+paged_attention = reference.paged_attention
+rms_norm = reference.rms_norm
+add_rms_norm = reference.add_rms_norm
+swiglu = reference.swiglu
+rotary_embedding = reference.rotary_embedding
+rotary_mul = reference.rotary_mul
+top_k_top_p = reference.top_k_top_p
+
+_active = "reference"
+
+
+def use(backend: str) -> None:
+    """Bind every op to ``backend`` ("reference" or "npu"). Selecting "npu" imports nothing."""
+    global _active
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {sorted(_BACKENDS)}")
+    module = _BACKENDS[backend]
+    globals().update({name: getattr(module, name) for name in OPS})
+    _active = backend
+
+
+def active_backend() -> str:
+    return _active
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Count seam calls per op while the block runs; on the real path each is one op launch
+    (plus two lane copies per tensor for a partial-rotary ``rotary_embedding``).
+
+    Yields a ``collections.Counter`` keyed by op name. The op functions are swapped for counting
+    wrappers and the exact originals are restored on exit, so do not call :func:`use` inside.
+    """
+    counts = collections.Counter()
+    originals = {name: globals()[name] for name in OPS}
+    globals().update({name: _counting(name, fn, counts) for name, fn in originals.items()})
+    try:
+        yield counts
+    finally:
+        globals().update(originals)
+
+
+def _counting(name, fn, counts):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+__all__ = [*OPS, "KernelContractError", "OPS", "active_backend", "count_launches", "use"]

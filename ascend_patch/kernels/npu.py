@@ -1,0 +1,161 @@
+"""The real kernels: thin calls of the documented torch_npu ops.
+
+This is the only module in the project that touches torch_npu.
+
+torch_npu is imported on the first call, never at import time: importing it initialises the NPU
+runtime (and without the CANN toolkit it breaks ``import torch`` itself), so merely selecting this
+backend must stay free. Each kernel keeps the signature of its ``reference`` twin; arguments go to
+torch_npu under the names the op schemas use (``op_plugin/config/op_plugin_functions.yaml`` and the
+ATB bindings in ``op_plugin/ops/atb/``), except the leading tensor of ops whose schema calls it
+``self``, which the Python binding only accepts positionally.
+
+The device-runtime queries at the end (probe, names, memory, seeding) live here for the same
+reason: they are torch_npu calls; :mod:`ascend_patch.device` and the loader reach the NPU through
+them.
+"""
+
+import functools
+import importlib
+import importlib.util
+
+
+@functools.cache
+def _torch_npu():
+    return importlib.import_module("torch_npu")
+
+
+def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    # npu_scatter_pa_kv_cache rather than ATB _npu_reshape_and_cache: both write vLLM's ND
+    # [num_blocks, block_size, KVH, D] caches, but this one has a torch_npu API doc stating its
+    # contract (equal dtypes, int32/int64 slots in range, no duplicates) and is the cache write
+    # vllm-ascend uses today. Its default cache_mode is "PA_NZ", so "Norm" (ND) is passed.
+    _torch_npu().npu_scatter_pa_kv_cache(
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=slot_mapping, cache_mode="Norm",
+    )
+
+
+def fused_infer_attention_score(
+    query,
+    key,
+    value,
+    *,
+    atten_mask=None,
+    block_table=None,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+    num_heads,
+    num_key_value_heads,
+    scale,
+    input_layout="TND",
+    block_size=0,
+    sparse_mode=0,
+):
+    # query, key, value are positional-only in the documented prototype.
+    return _torch_npu().npu_fused_infer_attention_score(
+        query, key, value,
+        atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
+        input_layout=input_layout, block_size=block_size, sparse_mode=sparse_mode,
+    )
+
+
+def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                    block_table, context_lens, out):
+    _torch_npu()._npu_paged_attention(
+        query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
+        num_heads=num_heads, scale_value=scale_value, block_table=block_table,
+        context_lens=context_lens, out=out,
+    )
+
+
+def rms_norm(self, gamma, epsilon=1e-6):
+    return _torch_npu().npu_rms_norm(self, gamma=gamma, epsilon=epsilon)
+
+
+def add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    return _torch_npu().npu_add_rms_norm(x1=x1, x2=x2, gamma=gamma, epsilon=epsilon)
+
+
+def swiglu(self, dim=-1):
+    return _torch_npu().npu_swiglu(self, dim=dim)
+
+
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    rotary_dim = cos_sin_cache.shape[-1]
+    if rotary_dim == head_size:
+        _torch_npu()._npu_rotary_embedding(
+            positions=positions, query=query, key=key, head_size=head_size,
+            cos_sin_cache=cos_sin_cache, is_neox_style=is_neox_style,
+        )
+        return
+    # Partial rotary: the ATB RopeOperation takes the head width from cos/sin, so hand it only the
+    # rotary lanes of each head, packed, with head_size=rotary_dim (for GPT-J its rotaryCoeff must
+    # equal the cos width), and copy the rotated lanes back.
+    tokens = query.shape[0]
+    query_lanes = query.view(tokens, -1, head_size)[..., :rotary_dim]
+    key_lanes = key.view(tokens, -1, head_size)[..., :rotary_dim]
+    query_rot = query_lanes.reshape(tokens, -1)
+    key_rot = key_lanes.reshape(tokens, -1)
+    _torch_npu()._npu_rotary_embedding(
+        positions=positions, query=query_rot, key=key_rot, head_size=rotary_dim,
+        cos_sin_cache=cos_sin_cache, is_neox_style=is_neox_style,
+    )
+    query_lanes.copy_(query_rot.view(query_lanes.shape))
+    key_lanes.copy_(key_rot.view(key_lanes.shape))
+
+
+def rotary_mul(self, r1, r2, rotary_mode="half"):
+    return _torch_npu().npu_rotary_mul(self, r1, r2, rotary_mode=rotary_mode)
+
+
+def top_k_top_p(logits, p=None, k=None):
+    # By keyword: the positional order is (logits, p, k), easy to get backwards.
+    return _torch_npu().npu_top_k_top_p(logits, p=p, k=k)
+
+
+# --- device runtime -------------------------------------------------------------------------------
+
+
+def probe() -> tuple[bool, str]:
+    """``(usable, detail)``: whether torch_npu imports and sees at least one NPU."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed"
+    try:
+        torch_npu = _torch_npu()
+    except Exception as exc:  # a torch_npu without a matching CANN fails in many ways
+        return False, f"import torch_npu failed: {exc!r}"
+    count = torch_npu.npu.device_count() if torch_npu.npu.is_available() else 0
+    if count == 0:
+        return False, f"torch_npu {torch_npu.__version__} sees no NPU"
+    return True, f"torch_npu {torch_npu.__version__} sees {count} NPU(s)"
+
+
+def device_name(index: int) -> str:
+    return _torch_npu().npu.get_device_name(index)
+
+
+def device_uuid(index: int) -> str:
+    return _torch_npu().npu.get_device_properties(index).uuid
+
+
+def mem_get_info(index: int | None = None) -> tuple[int, int]:
+    return _torch_npu().npu.mem_get_info(index)
+
+
+def max_memory_allocated(device=None) -> int:
+    return _torch_npu().npu.max_memory_allocated(device)
+
+
+def set_device(device) -> None:
+    _torch_npu().npu.set_device(device)
+
+
+def manual_seed_all(seed: int) -> None:
+    _torch_npu().npu.manual_seed_all(seed)
+
+
+def num_compute_units(index: int) -> int:
+    # The NPU's counterpart of CUDA's SM count is its cube-core count.
+    return _torch_npu().npu.get_device_properties(index).cube_core_num

@@ -1,0 +1,673 @@
+"""Plain-torch reference kernels: each enforces a torch_npu op's documented input contract, then
+computes that op's documented output.
+
+They run the emulated engine on CPU, so a contract violation that would only surface on hardware
+(often as an opaque ACL error, sometimes as silently wrong numbers) fails here first, by name. Every
+function has the signature of its ``ascend_patch.kernels.npu`` twin. Tests check them against
+independent math (SDPA, vLLM's native layers), never against themselves.
+
+Attention is vectorised per sequence at least: the decode rows of a batch share one SDPA call, and
+each longer query is one SDPA call over its gathered blocks.
+
+Contract sources (cited next to each check by the tag in brackets; op-plugin is Ascend/op-plugin at
+517f2e7d, docs under ``docs/zh/custom_APIs/torch_npu/``):
+
+- [FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [FIA-V2] ``..._v2.md`` (its TND section
+  states the head-dim rules that v1 shares); [FIA-TILING] the CANN tiling check quoted in
+  vllm-project/vllm-ascend#9632: "When layout is TND, queryD, keyD and valueD must be same equal
+  192/128/64, or queryD and keyD equal 192 and valueD equal 128".
+- [PA] ATB PagedAttentionOperation "规格约束", hiascend CANN 8.1.RC1 ``ascendtb_01_0186.html``, and
+  its check ``KVCacheDimCheck910B`` in ascend-transformer-boost ``paged_attention_operation.cpp``;
+  binding ``op_plugin/ops/atb/PagedAttentionAtb.cpp``.
+- [ATB-OUT] ``op_plugin/utils/custom_functions/atb/AtbCommon.cpp``: ``ParamSetter::Output``
+  hands the tensor's storage to ATB as is, so every in-place ATB output must be contiguous.
+- [SCATTER] ``torch_npu-npu_scatter_pa_kv_cache.md`` and the schema in
+  ``op_plugin/config/op_plugin_functions.yaml``.
+- [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
+  [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
+- [ROPE] ``op_plugin/ops/atb/RopeAtb.cpp`` (binding and static cos/sin cache) and ATB RopeOperation,
+  hiascend CANN 8.0.RC3 ``ascendtb_01_0091.html``.
+- [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
+- [TOPKP] ``torch_npu-npu_top_k_top_p.md`` and the ``npu_top_k_top_p`` docstring in
+  ``codegen/templates/_op_plugin_docs.py`` (algorithm; p and k may not both be None).
+"""
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from .contracts import (
+    check_contiguous,
+    check_dims,
+    check_dtype,
+    check_host,
+    check_int_list,
+    check_non_empty,
+    check_tensor,
+    fail,
+    require,
+)
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX = (torch.int32, torch.int64)
+
+# [FIA] "sparse_mode=2/3/4时: shape必须为(2048, 2048)或(1, 2048, 2048)或(1, 1, 2048, 2048)".
+_CAUSAL_MASK_SIZE = 2048
+_CAUSAL_MASK_SHAPES = {(2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)}
+
+
+# --- KV-cache write -------------------------------------------------------------------------------
+
+
+def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Write token ``t``'s K/V into cache slot ``slot_mapping[t]`` (cache_mode="Norm": ND)."""
+    op = "npu_scatter_pa_kv_cache"
+    tensors = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache}
+    for name, tensor in tensors.items():
+        check_tensor(op, name, tensor)
+        check_contiguous(op, name, tensor)  # [SCATTER] 约束: 输入参数不支持非连续
+        # [SCATTER] key, value, key_cache, value_cache 的数据类型必须一致
+        require(tensor.dtype == key.dtype, op, name, f"{key.dtype} like key", tensor.dtype)
+    # [SCATTER] 场景一: key/value 3-D [batch, num_head, head_size]; the 4-D form is the compress mode.
+    check_dims(op, "key", key, 3)
+    check_dims(op, "value", value, 3)
+    require(key.shape[:2] == value.shape[:2], op, "value", f"shape {tuple(key.shape[:2])} + (D,)",
+            tuple(value.shape))
+    # [SCATTER] caches "只支持4维"; with cache_mode="Norm" they are ND [num_blocks, block_size, KVH, D].
+    check_dims(op, "key_cache", key_cache, 4)
+    check_dims(op, "value_cache", value_cache, 4)
+    require(key_cache.shape[2:] == key.shape[1:], op, "key_cache",
+            f"shape (num_blocks, block_size, {key.shape[1]}, {key.shape[2]})",
+            tuple(key_cache.shape))
+    value_cache_shape = key_cache.shape[:2] + value.shape[1:]
+    require(value_cache.shape == value_cache_shape, op, "value_cache",
+            f"shape {tuple(value_cache_shape)}", tuple(value_cache.shape))
+
+    check_tensor(op, "slot_mapping", slot_mapping)
+    check_dtype(op, "slot_mapping", slot_mapping, _INDEX)  # [SCATTER] int32 / int64
+    check_dims(op, "slot_mapping", slot_mapping, 1)
+    require(slot_mapping.numel() == key.shape[0], op, "slot_mapping",
+            f"length {key.shape[0]} (one slot per token)", slot_mapping.numel())
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.numel():
+        # [SCATTER] 值范围 [0, num_blocks * block_size - 1], 且元素值保证不重复 (else undefined).
+        low, high = slot_mapping.aminmax()
+        require(0 <= low and high < num_slots, op, "slot_mapping",
+                f"within [0, {num_slots - 1}]", f"range [{int(low)}, {int(high)}]")
+        unique = torch.unique(slot_mapping).numel()
+        require(unique == slot_mapping.numel(), op, "slot_mapping", "free of duplicates",
+                f"{slot_mapping.numel() - unique} duplicate slot(s)")
+
+    slots = slot_mapping.long()
+    key_cache.view(num_slots, *key.shape[1:]).index_copy_(0, slots, key)
+    value_cache.view(num_slots, *value.shape[1:]).index_copy_(0, slots, value)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def fused_infer_attention_score(
+    query,
+    key,
+    value,
+    *,
+    atten_mask=None,
+    block_table=None,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+    num_heads,
+    num_key_value_heads,
+    scale,
+    input_layout="TND",
+    block_size=0,
+    sparse_mode=0,
+):
+    """TND attention over a paged cache (``block_table`` given) or over contiguous K/V.
+
+    Returns ``(attn_out [T, num_heads, D], softmax_lse)``; the seam never sets
+    ``softmax_lse_flag``, so ``softmax_lse`` is the documented zero tensor of shape (1,).
+    """
+    op = "npu_fused_infer_attention_score"
+    if input_layout != "TND":
+        raise NotImplementedError(f"{op}: the seam implements input_layout='TND' only, "
+                                  f"got {input_layout!r}")
+    if sparse_mode not in (0, 3):
+        raise NotImplementedError(f"{op}: the seam implements sparse_mode 0 (no mask) and 3 "
+                                  f"(rightDownCausal) only, got {sparse_mode}")
+
+    check_tensor(op, "query", query)
+    check_dims(op, "query", query, 3)  # [FIA] input_layout 表: TND query (T, Q_N, D)
+    check_dtype(op, "query", query, _HALF)  # [FIA] query: float16、bfloat16
+    check_contiguous(op, "query", query)  # [FIA] 不支持非连续Tensor
+    tokens, heads, head_dim = query.shape
+    for name, tensor in (("key", key), ("value", value)):
+        check_tensor(op, name, tensor)
+        check_contiguous(op, name, tensor)
+        # The seam passes no (anti)quant scales, so K/V must carry the query's float dtype.
+        require(tensor.dtype == query.dtype, op, name, f"{query.dtype} like query", tensor.dtype)
+    # [FIA] 通用基础约束: key与value的shape必须完全一致.
+    require(value.shape == key.shape, op, "value", f"shape {tuple(key.shape)} like key",
+            tuple(value.shape))
+
+    # [FIA] num_heads 与 query 的 N 轴一致; N ≤ 256.
+    require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
+    require(1 <= num_heads <= 256, op, "num_heads", "in [1, 256]", num_heads)
+    # [FIA] num_key_value_heads: 0 means num_heads; num_heads 能被整除, 比值 ≤ 64.
+    kv_heads = num_key_value_heads or num_heads
+    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op, "num_key_value_heads",
+            f"a divisor of num_heads={num_heads} with ratio ≤ 64", num_key_value_heads)
+    require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
+
+    paged = block_table is not None
+    # [FIA-TILING] TND: D ∈ {64, 128, 192}; [FIA-V2] TND: "GQA和PA场景不支持V_D等于192".
+    head_dims = (64, 128) if paged or kv_heads != num_heads else (64, 128, 192)
+    require(head_dim in head_dims, op, "query head dim (D)",
+            " or ".join(map(str, head_dims)) + " for TND", head_dim)
+
+    # [FIA] actual_seq_lengths: TND 时必须传入, 元素为累加和 (后值 ≥ 前值, 非负), 个数即 batch (≤ 4096).
+    q_ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
+    batch = len(q_ends)
+    require(1 <= batch <= 4096, op, "actual_seq_lengths", "1 to 4096 entries (TND batch)", batch)
+    q_lens = _lengths_from_cumulative(op, "actual_seq_lengths", q_ends)
+    # [FIA] TND: T 为所有 batch 的 S 累加和.
+    require(q_ends[-1] == tokens, op, "actual_seq_lengths",
+            f"cumulative, ending at query.shape[0] = {tokens}", q_ends)
+    kv_arg = check_int_list(op, "actual_seq_lengths_kv", actual_seq_lengths_kv)
+    require(len(kv_arg) == batch, op, "actual_seq_lengths_kv",
+            f"{batch} entries like actual_seq_lengths", len(kv_arg))
+
+    if paged:
+        kv_lens = kv_arg
+        key_cache, value_cache = _check_fia_paged(op, query, key, value, block_table, kv_lens,
+                                                  kv_heads, block_size, max(q_lens))
+    else:
+        # [FIA] TND: actual_seq_lengths_kv is cumulative over the (T_kv, KV_N, D) key.
+        check_dims(op, "key", key, 3)
+        require(key.shape[1:] == (kv_heads, head_dim), op, "key",
+                f"shape (T_kv, {kv_heads}, {head_dim})", tuple(key.shape))
+        kv_lens = _lengths_from_cumulative(op, "actual_seq_lengths_kv", kv_arg)
+        require(kv_arg[-1] == key.shape[0], op, "actual_seq_lengths_kv",
+                f"cumulative, ending at key.shape[0] = {key.shape[0]}", kv_arg)
+
+    causal = sparse_mode == 3
+    if causal:
+        _check_causal_mask(op, atten_mask)
+        # rightDownCausal aligns each query to the end of its KV; a query longer than its KV would
+        # leave whole rows masked ("行无效"), whose output the docs do not define.
+        for q_len, kv_len in zip(q_lens, kv_lens):
+            require(q_len <= kv_len, op, "actual_seq_lengths_kv",
+                    "≥ the query length of each sequence under sparse_mode=3", (q_len, kv_len))
+    else:
+        require(atten_mask is None, op, "atten_mask", "None with sparse_mode=0 (the seam has no "
+                "custom-mask path)", "a tensor")
+
+    out = torch.zeros_like(query)  # [FIA] 基础约束: KV 为空 (S2=0) 时输出全 0.
+    q_starts = [end - length for end, length in zip(q_ends, q_lens)]
+    per_sequence = range(batch)
+    if paged:  # all single-token queries in one batched call, the rest one call per sequence
+        decodes = [i for i in range(batch) if q_lens[i] == 1 and kv_lens[i] > 0]
+        if decodes:
+            rows = torch.tensor([q_starts[i] for i in decodes], device=query.device)
+            out[rows] = _paged_decode(query[rows], key_cache, value_cache, block_table[decodes],
+                                      [kv_lens[i] for i in decodes], scale)
+        per_sequence = [i for i in range(batch) if q_lens[i] > 1]
+    for i in per_sequence:
+        if q_lens[i] == 0 or kv_lens[i] == 0:
+            continue
+        if paged:
+            seq_key, seq_value = _gather_blocks(key_cache, value_cache, block_table[i], kv_lens[i])
+        else:
+            kv_rows = slice(kv_arg[i] - kv_lens[i], kv_arg[i])
+            seq_key, seq_value = key[kv_rows], value[kv_rows]
+        rows = slice(q_starts[i], q_ends[i])
+        out[rows] = _attend(query[rows], seq_key, seq_value, scale, causal)
+    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+
+
+def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                    block_table, context_lens, out):
+    """Pure decode: each sequence's one query token attends to its whole context; fills ``out``."""
+    op = "_npu_paged_attention"
+    check_tensor(op, "query", query)
+    check_dims(op, "query", query, 3)  # [PA] query [num_tokens, num_heads, head_size]
+    check_dtype(op, "query", query, _HALF)  # [PA] float16 (bf16 on A2/A3; 310P is fp16 only)
+    tokens, heads, head_size = query.shape
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_tensor(op, name, cache)
+        check_dims(op, name, cache, 4)  # [PA] [num_blocks, block_size, kv_head_num, head_size]
+        require(cache.dtype == query.dtype, op, name, f"{query.dtype} like query", cache.dtype)
+    require(value_cache.shape == key_cache.shape, op, "value_cache",
+            f"shape {tuple(key_cache.shape)} like key_cache", tuple(value_cache.shape))
+    num_blocks, cache_block_size, cache_kv_heads, cache_head_size = key_cache.shape
+
+    # [PA] headNum > 0; kvHeadNum ≥ 0 (0 means headNum); headNum % kvHeadNum == 0.
+    require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
+    kv_heads = num_kv_heads or num_heads
+    require(num_kv_heads >= 0 and num_heads % kv_heads == 0, op, "num_kv_heads",
+            f"0 or a divisor of num_heads={num_heads}", num_kv_heads)
+    require(cache_kv_heads == kv_heads, op, "key_cache", f"{kv_heads} KV heads on dim 2",
+            cache_kv_heads)
+    require(cache_head_size == head_size, op, "key_cache", f"head size {head_size} like query",
+            cache_head_size)
+    # [PA] 规格约束: "因硬件限制, block_size % 16 == 0". On A2/A3 in the plain mode this binding
+    # selects, head_size ≤ 576 and block_size ≤ 128 once head_size > 256 (KVCacheDimCheck910B);
+    # the (0, 256] and block_size * head_size ≤ 128*128 limits bind only on 310P and in the
+    # compression, parallel-decode and quantised modes, none of which the seam uses.
+    require(cache_block_size % 16 == 0, op, "block_size (key_cache.shape[1])", "a multiple of 16",
+            cache_block_size)
+    require(head_size <= 576, op, "head_size", "≤ 576", head_size)
+    if head_size > 256:
+        require(cache_block_size <= 128, op, "block_size (key_cache.shape[1])",
+                "≤ 128 when head_size > 256", cache_block_size)
+
+    check_tensor(op, "block_table", block_table)
+    check_dtype(op, "block_table", block_table, (torch.int32,))  # [PA] blockTables int32
+    check_dims(op, "block_table", block_table, 2)  # [PA] [num_tokens, max_num_blocks_per_query]
+    require(block_table.shape[0] == tokens, op, "block_table", f"{tokens} rows (one per token)",
+            block_table.shape[0])
+    check_tensor(op, "context_lens", context_lens)
+    check_dtype(op, "context_lens", context_lens, (torch.int32,))  # [PA] contextLens int32
+    check_dims(op, "context_lens", context_lens, 1)  # [PA] contextLens [num_tokens]
+    # Host lengths: AtbCommon.cpp passes CPU inputs to ATB as host data, which PagedAttention
+    # reads (paged_attention_operation.cpp: inTensor[4].hostData); hence vllm-ascend re-binds
+    # them on every graph replay.
+    check_host(op, "context_lens", context_lens)
+    require(context_lens.numel() == tokens, op, "context_lens", f"{tokens} entries",
+            context_lens.numel())
+    lengths = context_lens.tolist()
+    capacity = block_table.shape[1] * cache_block_size
+    for length in lengths:
+        require(1 <= length <= capacity, op, "context_lens",
+                f"in [1, {capacity}] (block_table columns × block_size)", length)
+    _check_block_ids(op, block_table, lengths, cache_block_size, num_blocks)
+
+    check_tensor(op, "out", out)
+    require(out.shape == query.shape and out.dtype == query.dtype, op, "out",
+            f"{query.dtype} of shape {tuple(query.shape)}", f"{out.dtype} {tuple(out.shape)}")
+    check_contiguous(op, "out", out)  # [ATB-OUT]
+
+    out.copy_(_paged_decode(query, key_cache, value_cache, block_table, lengths, scale_value))
+
+
+def _lengths_from_cumulative(op, arg, ends):
+    previous = 0
+    for end in ends:
+        require(end >= previous, op, arg, "cumulative (non-negative and non-decreasing)", ends)
+        previous = end
+    return [end - start for start, end in zip([0, *ends[:-1]], ends)]
+
+
+def _check_fia_paged(op, query, key, value, block_table, kv_lens, kv_heads, block_size, max_q_len):
+    """Checks of [FIA] "PageAttention约束" for a TND query; returns the caches as [nb, bs, KVH, D]."""
+    head_dim = query.shape[2]
+    check_tensor(op, "block_table", block_table)
+    check_dtype(op, "block_table", block_table, (torch.int32,))  # [FIA] block_table: int32
+    check_dims(op, "block_table", block_table, 2)  # [FIA] 二维 [B, maxBlockNumPerSeq]
+    require(block_table.shape[0] == len(kv_lens), op, "block_table",
+            f"{len(kv_lens)} rows (one per sequence)", block_table.shape[0])
+    # [FIA] cache layout BnBsH (blocknum, block_size, KV_N*D); KV_N*D > 65535 is rejected.
+    check_dims(op, "key", key, 3)
+    require(key.shape[2] == kv_heads * head_dim and key.shape[2] <= 65535, op, "key",
+            f"a paged cache (num_blocks, block_size, {kv_heads}*{head_dim})", tuple(key.shape))
+    require(isinstance(block_size, int) and block_size == key.shape[1], op, "block_size",
+            f"key.shape[1] = {key.shape[1]}", block_size)
+    # [FIA] PageAttention约束: Q_S > 1 → block_size in [128, 512], a multiple of 128;
+    # Q_S = 1 → non-zero, ≤ 512; [FIA] TND (D ≠ 512): block_size a multiple of 16.
+    if max_q_len > 1:
+        require(block_size % 128 == 0 and 128 <= block_size <= 512, op, "block_size",
+                "a multiple of 128 in [128, 512] when a query is longer than 1", block_size)
+    else:
+        require(block_size % 16 == 0 and 16 <= block_size <= 512, op, "block_size",
+                "a multiple of 16 in [16, 512] for decode", block_size)
+    # Paged TND reads one kv length per sequence: [FIA] derives each batch's block count from
+    # actual_seq_lengths_kv and block_size ("blocknum ≥ 各batch block数之和"), [FIA-V2] calls it
+    # "每个batch的实际长度" for the paged case, and vllm-ascend passes seq_lens_list here.
+    capacity = block_table.shape[1] * block_size
+    for length in kv_lens:
+        require(0 <= length <= capacity, op, "actual_seq_lengths_kv",
+                f"per-sequence lengths in [0, {capacity}] with a paged cache", kv_lens)
+    num_blocks = key.shape[0]
+    needed = sum(math.ceil(length / block_size) for length in kv_lens)
+    require(needed <= num_blocks, op, "key", f"≥ {needed} blocks (the sum over sequences)",
+            num_blocks)
+    _check_block_ids(op, block_table, kv_lens, block_size, num_blocks)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return key.view(shape), value.view(shape)
+
+
+def _check_block_ids(op, block_table, lengths, block_size, num_blocks):
+    """[PA] blockTables 中元素的值须在 [0, num_blocks) 之间 (for the blocks a sequence uses)."""
+    used = torch.tensor([math.ceil(length / block_size) for length in lengths])
+    width = int(used.max()) if len(lengths) else 0
+    if width == 0:
+        return
+    ids = block_table[:, :width]
+    in_use = torch.arange(width) < used[:, None].to(ids.device)
+    bad = ((ids < 0) | (ids >= num_blocks)) & in_use
+    if bad.any():
+        row, col = (int(i) for i in bad.nonzero()[0])
+        fail(op, "block_table", f"block ids in [0, {num_blocks})",
+             f"{int(ids[row, col])} at [{row}, {col}]")
+
+
+# The last mask that passed the content check, as (weak reference, tensor version).
+_verified_mask = (None, -1)
+
+
+def _check_causal_mask(op, atten_mask):
+    """[FIA] sparse_mode=3 needs the optimised 2048×2048 mask (bool/int8/uint8, ND, contiguous),
+    "需用户保证为下三角": nonzero (masked) exactly above the diagonal. The content is verified once
+    per tensor version, since the backend passes one shared mask every step."""
+    global _verified_mask
+    require(atten_mask is not None, op, "atten_mask",
+            "the 2048×2048 causal mask with sparse_mode=3", None)
+    check_tensor(op, "atten_mask", atten_mask)
+    check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.int8, torch.uint8))
+    require(tuple(atten_mask.shape) in _CAUSAL_MASK_SHAPES, op, "atten_mask",
+            "(2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048)", tuple(atten_mask.shape))
+    check_contiguous(op, "atten_mask", atten_mask)
+    verified_ref, verified_version = _verified_mask
+    if verified_ref is not None and verified_ref() is atten_mask \
+            and verified_version == atten_mask._version:
+        return
+    size = _CAUSAL_MASK_SIZE
+    upper = torch.ones(size, size, dtype=torch.bool, device=atten_mask.device).triu(1)
+    require(torch.equal(atten_mask.reshape(size, size) != 0, upper), op, "atten_mask",
+            "nonzero exactly above the diagonal (torch.triu(ones, 1))", "another pattern")
+    _verified_mask = (weakref.ref(atten_mask), atten_mask._version)
+
+
+def _gather_blocks(key_cache, value_cache, block_ids, length):
+    """One sequence's K/V, [length, KVH, D], gathered from [nb, bs, KVH, D] caches."""
+    blocks = block_ids[: math.ceil(length / key_cache.shape[1])].long()
+    heads_dim = key_cache.shape[2:]
+    return (key_cache[blocks].reshape(-1, *heads_dim)[:length],
+            value_cache[blocks].reshape(-1, *heads_dim)[:length])
+
+
+def _attend(query, key, value, scale, causal):
+    """One sequence: query [q, N, D] over key/value [s, KVH, D]; causal aligns query row i to key
+    position s - q + i (sparse_mode=3, rightDownCausal)."""
+    q_len, kv_len = query.shape[0], key.shape[0]
+    mask, is_causal = None, False
+    if causal and q_len > 1:
+        if q_len == kv_len:
+            is_causal = True
+        else:
+            rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+            mask = torch.arange(kv_len, device=query.device) <= rows
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+        attn_mask=mask, is_causal=is_causal, scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+def _paged_decode(query, key_cache, value_cache, block_table, lengths, scale):
+    """Batched single-token attention, query [B, N, D] over [nb, bs, KVH, D] caches -> [B, N, D].
+
+    The GQA group is folded into the query-length axis (no causal structure within one token), so
+    the K/V heads are never repeated; one SDPA call serves the whole batch.
+    """
+    batch, heads, head_dim = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    lengths = torch.tensor(lengths, device=query.device)
+    blocks_used = (lengths + block_size - 1) // block_size
+    width = int(blocks_used.max())
+    in_use = torch.arange(width, device=query.device) < blocks_used[:, None]
+    ids = block_table[:, :width].long().masked_fill(~in_use, 0)  # unused columns may be stale
+    span = width * block_size
+    keys = key_cache[ids].view(batch, span, kv_heads, head_dim).transpose(1, 2)
+    values = value_cache[ids].view(batch, span, kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(span, device=query.device) < lengths[:, None]
+    out = F.scaled_dot_product_attention(
+        query.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
+        attn_mask=visible[:, None, None, :], scale=scale,
+    )
+    return out.reshape(batch, heads, head_dim)
+
+
+# --- norms and activation -------------------------------------------------------------------------
+
+# [RMS] A2/A3 dtype table (self, gamma).
+_RMS_DTYPES = {
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+}
+
+
+def rms_norm(self, gamma, epsilon=1e-6):
+    """``y = x / sqrt(mean(x²) + eps) * gamma`` over gamma's trailing dims; returns (y, rstd)."""
+    op = "npu_rms_norm"
+    check_tensor(op, "self", self)
+    check_tensor(op, "gamma", gamma)
+    check_dims(op, "self", self, 2, 8)  # [RMS] self: shape 支持 2-8 维
+    if (self.dtype, gamma.dtype) not in _RMS_DTYPES:
+        fail(op, "gamma", "a dtype the A2/A3 table pairs with self (fp16/bf16 self: same or fp32; "
+             "fp32 self: fp32)", f"{gamma.dtype} with self {self.dtype}")
+    _check_trailing(op, "gamma", gamma, self)  # [RMS] gamma_shape = self_shape[n:]
+    return _rms(self.float(), gamma, epsilon, self.dtype)
+
+
+def add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    """``x = x1 + x2``; returns ``(rms_norm(x) * gamma, rstd, x)``: x is the new residual."""
+    op = "npu_add_rms_norm"
+    for name, tensor in (("x1", x1), ("x2", x2), ("gamma", gamma)):
+        check_tensor(op, name, tensor)
+        check_non_empty(op, name, tensor)  # [ADD-RMS] 不支持空Tensor
+    check_dims(op, "x1", x1, 1, 8)  # [ADD-RMS] 1-8 维
+    check_dtype(op, "x1", x1, _FLOATS)  # [ADD-RMS] float32、float16、bfloat16
+    # [ADD-RMS] x = x1 + x2 element-wise; gamma 数据类型与 x1 一致, shape 为 x1 的后几维.
+    require(x2.shape == x1.shape and x2.dtype == x1.dtype, op, "x2",
+            f"{x1.dtype} of shape {tuple(x1.shape)} like x1", f"{x2.dtype} {tuple(x2.shape)}")
+    require(gamma.dtype == x1.dtype, op, "gamma", f"{x1.dtype} like x1", gamma.dtype)
+    _check_trailing(op, "gamma", gamma, x1)
+    total = x1.float() + x2.float()
+    y, rstd = _rms(total, gamma, epsilon, x1.dtype)
+    return y, rstd, total.to(x1.dtype)
+
+
+def _check_trailing(op, arg, gamma, x):
+    require(1 <= gamma.dim() <= x.dim() and gamma.shape == x.shape[x.dim() - gamma.dim():], op, arg,
+            f"trailing dims of {tuple(x.shape)}", tuple(gamma.shape))
+
+
+def _rms(x, gamma, epsilon, dtype):
+    """rstd is fp32 and keeps the normalised dims as 1s ([ADD-RMS] x1 (2,3,4,8), gamma (8) →
+    rstd (2,3,4,1))."""
+    dims = tuple(range(-gamma.dim(), 0))
+    rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (x * rstd * gamma.float()).to(dtype), rstd
+
+
+def swiglu(self, dim=-1):
+    """``silu(A) * B`` where A, B are the first and second halves of ``self`` along ``dim``."""
+    op = "npu_swiglu"
+    check_tensor(op, "self", self)
+    check_dims(op, "self", self, 1, 8)  # [SWIGLU] 1-8 维
+    check_dtype(op, "self", self, _FLOATS)  # [SWIGLU] float32、float16、bfloat16
+    check_contiguous(op, "self", self)  # [SWIGLU] 不支持非连续的Tensor
+    check_non_empty(op, "self", self)  # [SWIGLU] 不支持空Tensor
+    rank = self.dim()
+    require(-rank <= dim < rank, op, "dim", f"in [{-rank}, {rank - 1}]", dim)
+    # [SWIGLU] shape 必须在 dim 对应维度上可被 2 整除.
+    require(self.shape[dim] % 2 == 0, op, "self", f"even-sized on dim {dim}", tuple(self.shape))
+    first, second = self.float().chunk(2, dim=dim)
+    return (F.silu(first) * second).to(self.dtype)
+
+
+# --- rotary embedding -----------------------------------------------------------------------------
+
+# The first cos_sin_cache rotary_embedding saw, kept alive (as the real op keeps its copies) so its
+# address cannot be reused by another tensor, with its identity (data_ptr, shape, dtype, device).
+_first_cos_sin_cache = None
+
+
+def reset_rotary_embedding_state():
+    """Forget the first cos_sin_cache, as a fresh process would (tests; one model per process)."""
+    global _first_cos_sin_cache
+    _first_cos_sin_cache = None
+
+
+def _cache_identity(cache):
+    return cache.data_ptr(), tuple(cache.shape), cache.dtype, cache.device
+
+
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    """In-place RoPE on 2-D ``[T, heads*head_size]`` query/key, vLLM semantics: the first
+    ``rotary_dim = cos_sin_cache.shape[-1]`` lanes of each head rotate, the rest pass through.
+
+    The real op keeps cos/sin from the FIRST cos_sin_cache it ever sees in static globals ([ROPE]:
+    ``if (!cosCache.defined()) InitializeCosSinCache(...)``), so any later, different cache gives
+    silently wrong results on hardware. Here that is a loud error.
+    """
+    global _first_cos_sin_cache
+    op = "_npu_rotary_embedding"
+    check_tensor(op, "positions", positions)
+    check_dtype(op, "positions", positions, _INDEX)  # [ROPE] index_select over the cache
+    check_dims(op, "positions", positions, 1)
+    require(key is not None, op, "key", "a tensor (the binding updates query and key)", None)
+    for name, tensor in (("query", query), ("key", key)):
+        check_tensor(op, name, tensor)
+        check_dims(op, name, tensor, 2)  # [ROPE] q/k [ntokens, hiddenSize]
+        check_dtype(op, name, tensor, _HALF)  # [ROPE] q/k float16/bf16
+        check_contiguous(op, name, tensor)  # [ATB-OUT] query and key are the in-place outputs
+        require(tensor.shape[0] == positions.numel(), op, name,
+                f"{positions.numel()} rows (one per position)", tensor.shape[0])
+        require(tensor.shape[1] % head_size == 0, op, name,
+                f"a row width that is a multiple of head_size={head_size}", tensor.shape[1])
+    require(key.dtype == query.dtype, op, "key", f"{query.dtype} like query", key.dtype)
+    check_tensor(op, "cos_sin_cache", cos_sin_cache)
+    check_dims(op, "cos_sin_cache", cos_sin_cache, 2)  # [ROPE] [max_position, rotary_dim]
+    rotary_dim = cos_sin_cache.shape[1]
+    require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_size, op, "cos_sin_cache",
+            f"an even width ≤ head_size={head_size} (cos and sin halves)", rotary_dim)
+    # [ROPE] RopeOperation: inputs share one dtype, except an fp32 cos/sin (high-precision mode).
+    check_dtype(op, "cos_sin_cache", cos_sin_cache, (query.dtype, torch.float32))
+    if positions.numel():
+        low, high = positions.aminmax()
+        require(0 <= low and high < cos_sin_cache.shape[0], op, "positions",
+                f"within [0, {cos_sin_cache.shape[0] - 1}] (cos_sin_cache rows)",
+                f"range [{int(low)}, {int(high)}]")
+
+    if _first_cos_sin_cache is None:
+        _first_cos_sin_cache = cos_sin_cache
+    elif _cache_identity(cos_sin_cache) != _cache_identity(_first_cos_sin_cache):
+        fail(op, "cos_sin_cache", "the first cache this process passed (the real op caches cos/sin "
+             f"from its first call in static globals and would silently reuse them): "
+             f"{_describe_cache(_first_cos_sin_cache)}", _describe_cache(cos_sin_cache))
+
+    cos, sin = cos_sin_cache.index_select(0, positions).float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    for tensor in (query, key):
+        lanes = tensor.view(tensor.shape[0], -1, head_size)[..., :rotary_dim]
+        lanes.copy_(_rotate_pairs(lanes.float(), cos, sin, is_neox_style))
+
+
+def _describe_cache(cache):
+    return f"{cache.dtype} {tuple(cache.shape)} on {cache.device} at 0x{cache.data_ptr():x}"
+
+
+def _rotate_pairs(x, cos, sin, is_neox_style):
+    """Rotate lane pairs by half-width (cos, sin): NeoX pairs (i, i + d/2), GPT-J (2i, 2i + 1)."""
+    if is_neox_style:
+        first, second = x.chunk(2, dim=-1)
+    else:
+        first, second = x[..., 0::2], x[..., 1::2]
+    rotated = (first * cos - second * sin, second * cos + first * sin)
+    if is_neox_style:
+        return torch.cat(rotated, dim=-1)
+    return torch.stack(rotated, dim=-1).flatten(-2)
+
+
+def rotary_mul(self, r1, r2, rotary_mode="half"):
+    """``x * r1 + rotate(x) * r2``; "half" rotates halves (NeoX), "interleave" pairs (GPT-J)."""
+    op = "npu_rotary_mul"
+    # [ROTARY-MUL] binding: rotary_mode must be "half" or "interleave".
+    require(rotary_mode in ("half", "interleave"), op, "rotary_mode", "'half' or 'interleave'",
+            repr(rotary_mode))
+    check_tensor(op, "self", self)
+    check_dims(op, "self", self, 3, 4)  # [ROTARY-MUL] input 3 维、4 维
+    check_dtype(op, "self", self, _FLOATS)
+    head_dim = self.shape[-1]
+    # [ROTARY-MUL] jit_compile=False: D < 896 且为 2 的倍数.
+    require(head_dim % 2 == 0 and head_dim < 896, op, "self", "an even last dim below 896",
+            head_dim)
+    if self.dim() == 3:  # TND: N < 1000
+        require(self.shape[1] < 1000, op, "self", "fewer than 1000 heads (TND)", self.shape[1])
+    for name, factor in (("r1", r1), ("r2", r2)):
+        check_tensor(op, name, factor)
+        check_dtype(op, name, factor, _FLOATS)  # mixed dtypes are cast to self's by the binding
+        require(factor.dim() == self.dim() and factor.shape[-1] == head_dim
+                and all(f in (1, x) for f, x in zip(factor.shape, self.shape)),
+                op, name, f"broadcastable to {tuple(self.shape)} with the same last dim",
+                tuple(factor.shape))
+        if rotary_mode == "interleave":
+            # [ROTARY-MUL] interleave: r1/r2 only 11SD, 1S1D, S11D (4-D) or T1D (TND).
+            leading = [size for size in factor.shape[:-1] if size != 1]
+            require(len(leading) <= 1 and (self.dim() == 4 or factor.shape[1] == 1), op, name,
+                    "11SD, 1S1D, S11D or T1D in interleave mode", tuple(factor.shape))
+        # [ROTARY-MUL] r1、r2 数据范围 [-1, 1].
+        if factor.numel():
+            low, high = factor.aminmax()
+            require(-1 <= low and high <= 1, op, name, "within [-1, 1]",
+                    f"range [{float(low)}, {float(high)}]")
+    x = self.float()
+    cos, sin = r1.to(self.dtype).float(), r2.to(self.dtype).float()
+    if rotary_mode == "half":
+        first, second = x.chunk(2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return (x * cos + rotated * sin).to(self.dtype)
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+
+def top_k_top_p(logits, p=None, k=None):
+    """Mask logits outside each row's top-k and then top-p set to -inf ([TOPKP] algorithm)."""
+    op = "npu_top_k_top_p"
+    require(p is not None or k is not None, op, "p/k", "at least one of p and k", "both None")
+    check_tensor(op, "logits", logits)
+    check_dims(op, "logits", logits, 2)  # [TOPKP] 维数支持 2 维
+    check_dtype(op, "logits", logits, _FLOATS)
+    rows, vocab = logits.shape
+    if p is not None:
+        check_tensor(op, "p", p)
+        check_dims(op, "p", p, 1)
+        # [TOPKP] p: 数据类型需要与 logits 一致, shape 与 logits 的第一维相同, 值域 [0, 1].
+        require(p.dtype == logits.dtype, op, "p", f"{logits.dtype} like logits", p.dtype)
+        require(p.numel() == rows, op, "p", f"{rows} entries (logits.shape[0])", p.numel())
+        if rows:
+            low, high = p.aminmax()
+            require(0 <= low and high <= 1, op, "p", "within [0, 1]",
+                    f"range [{float(low)}, {float(high)}]")
+    if k is not None:
+        check_tensor(op, "k", k)
+        check_dims(op, "k", k, 1)
+        # [TOPKP] k: int32, 值域 [1, 1024], 最大值 ≤ logits.size(1), shape 与 logits 的第一维相同.
+        check_dtype(op, "k", k, (torch.int32,))
+        require(k.numel() == rows, op, "k", f"{rows} entries (logits.shape[0])", k.numel())
+        if rows:
+            low, high = (int(v) for v in k.aminmax())
+            require(1 <= low and high <= 1024, op, "k", "within [1, 1024]",
+                    f"range [{low}, {high}]")
+            require(high <= vocab, op, "k", f"≤ vocab size {vocab}", high)
+
+    # [TOPKP] 1: stable ascending sort; 2-4: drop values below the k-th largest; 5-8: softmax,
+    # cumulative sum from the smallest, drop where it is ≤ 1 - p but keep the largest; 9: unsort.
+    values, order = logits.sort(dim=-1, stable=True)
+    if k is not None:
+        threshold = values.gather(1, (vocab - k.long())[:, None])
+        values = values.masked_fill(values < threshold, float("-inf"))
+    if p is not None:
+        cumulative = values.float().softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - p.float())[:, None]
+        drop[:, -1] = False
+        values = values.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, values)

@@ -1,0 +1,153 @@
+"""Build the tiny test models locally: there is no model hub on these machines.
+
+Each model is a real Hugging Face checkpoint directory (config, safetensors weights,
+tokenizer) that vLLM and transformers load the normal way:
+
+- a byte-level BPE tokenizer trained on text that ships with Python itself;
+- random-weight ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with grouped-query
+  attention (4 query heads, 2 KV heads), head_dim 64, fp32;
+- weights re-drawn from N(0, 0.2) so greedy decoding does not collapse into one
+  repeated token, which would make token-for-token comparisons meaningless.
+
+    python scripts/make_tiny_models.py OUT_DIR      # writes OUT_DIR/tiny-llama, OUT_DIR/tiny-qwen2
+
+Deterministic: the same seed gives byte-identical weights, and an existing output
+with the same recipe is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import sys
+from pathlib import Path
+
+RECIPE = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "seed": 0,
+    "init_std": 0.2,
+}
+ARCHITECTURES = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM"}
+SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>", "unk": "<unk>"}
+
+
+def _corpus() -> list[str]:
+    """Text that every Python installation has: the Zen of Python and some stdlib sources."""
+    import argparse as argparse_mod
+    import collections
+    import contextlib
+    import io
+    import json as json_mod
+    import textwrap
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    zen = "".join(this.d.get(c, c) for c in this.s)
+    return [zen] + [inspect.getsource(m) for m in (json_mod, argparse_mod, textwrap, collections)]
+
+
+def _tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL["unk"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=RECIPE["vocab_size"],
+        special_tokens=list(SPECIAL.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL["bos"],
+        eos_token=SPECIAL["eos"],
+        pad_token=SPECIAL["pad"],
+        unk_token=SPECIAL["unk"],
+    )
+    # A chat template, so the OpenAI chat endpoint can render conversations.
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def _model(out: Path, architecture: str, tokenizer) -> None:
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=RECIPE["vocab_size"],
+        hidden_size=RECIPE["hidden_size"],
+        intermediate_size=RECIPE["intermediate_size"],
+        num_hidden_layers=RECIPE["num_hidden_layers"],
+        num_attention_heads=RECIPE["num_attention_heads"],
+        num_key_value_heads=RECIPE["num_key_value_heads"],
+        head_dim=RECIPE["head_dim"],
+        max_position_embeddings=RECIPE["max_position_embeddings"],
+        rms_norm_eps=RECIPE["rms_norm_eps"],
+        rope_theta=RECIPE["rope_theta"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_cls(**common)
+    torch.manual_seed(RECIPE["seed"])
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(RECIPE["seed"])
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * RECIPE["init_std"])
+    model.save_pretrained(out, safe_serialization=True)
+    model.generation_config.save_pretrained(out)
+
+
+def build(root: Path) -> dict[str, Path]:
+    stamp = hashlib.sha256(json.dumps([RECIPE, ARCHITECTURES], sort_keys=True).encode()).hexdigest()[:12]
+    paths = {}
+    for name, architecture in ARCHITECTURES.items():
+        out = root / name
+        paths[name] = out
+        marker = out / ".recipe"
+        if marker.is_file() and marker.read_text() == stamp:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"building {out} ({architecture})", file=sys.stderr)
+        tokenizer = _tokenizer(out)
+        _model(out, architecture, tokenizer)
+        marker.write_text(stamp)
+    return paths
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="directory to write the models into")
+    args = parser.parse_args()
+    for name, path in build(args.out).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Each documented contract violation is rejected by the reference kernels, with a message that
+names the op, the argument, what was found and what the documentation expects."""
+
+import re
+
+import pytest
+import torch
+
+from ascend_patch import kernels
+from ascend_patch.kernels import KernelContractError
+
+BF16 = torch.bfloat16
+CAUSAL_MASK = torch.ones(2048, 2048, dtype=torch.int8).triu(1)
+
+
+def fused_attention(*, query_shape=(5, 8, 128), block_size=128, num_blocks=8, **overrides):
+    """A valid paged call (a decode of kv 200 and a 4-token chunk over kv 140), then overrides."""
+    tokens, heads, head_dim = query_shape
+    kv_heads = overrides.pop("kv_heads", 2)
+    cache = torch.zeros(num_blocks, block_size, kv_heads * head_dim, dtype=BF16)
+    args = dict(
+        query=torch.zeros(query_shape, dtype=BF16), key=cache, value=cache.clone(),
+        atten_mask=CAUSAL_MASK, block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        actual_seq_lengths=[1, 5], actual_seq_lengths_kv=[200, 140], num_heads=heads,
+        num_key_value_heads=kv_heads, scale=head_dim**-0.5, input_layout="TND",
+        block_size=block_size, sparse_mode=3,
+    )
+    args.update(overrides)
+    return kernels.fused_infer_attention_score(args.pop("query"), args.pop("key"),
+                                               args.pop("value"), **args)
+
+
+def paged_attention(*, head_size=128, block_size=128, **overrides):
+    """A valid decode of three sequences over [8, block_size, 2, head_size] caches, then edits."""
+    query = torch.zeros(3, 8, head_size, dtype=BF16)
+    cache = torch.zeros(8, block_size, 2, head_size, dtype=BF16)
+    args = dict(query=query, key_cache=cache, value_cache=cache.clone(), num_kv_heads=2,
+                num_heads=8, scale_value=0.1,
+                block_table=torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32),
+                context_lens=torch.tensor([5, 17, 16], dtype=torch.int32),
+                out=torch.empty_like(query))
+    args.update(overrides)
+    return kernels.paged_attention(**args)
+
+
+def scatter(**overrides):
+    """A valid write of 4 tokens into a [2, 16, 2, 64] cache, then overrides."""
+    cache = torch.zeros(2, 16, 2, 64, dtype=BF16)
+    args = dict(key=torch.ones(4, 2, 64, dtype=BF16), value=torch.ones(4, 2, 64, dtype=BF16),
+                key_cache=cache, value_cache=cache.clone(),
+                slot_mapping=torch.tensor([0, 5, 17, 31], dtype=torch.int32))
+    args.update(overrides)
+    return kernels.scatter_pa_kv_cache(**args)
+
+
+def rope(**overrides):
+    cache = torch.rand(64, 32, dtype=BF16)
+    args = dict(positions=torch.arange(3), query=torch.zeros(3, 4 * 32, dtype=BF16),
+                key=torch.zeros(3, 2 * 32, dtype=BF16), head_size=32, cos_sin_cache=cache,
+                is_neox_style=True)
+    args.update(overrides)
+    return kernels.rotary_embedding(**args)
+
+
+def rotary_mul(**overrides):
+    x = torch.zeros(3, 4, 64)
+    args = dict(self=x, r1=torch.rand(3, 1, 64), r2=torch.rand(3, 1, 64), rotary_mode="half")
+    args.update(overrides)
+    return kernels.rotary_mul(**args)
+
+
+def top_k_top_p(**overrides):
+    args = dict(logits=torch.zeros(2, 50), p=torch.tensor([0.5, 0.9]),
+                k=torch.tensor([5, 10], dtype=torch.int32))
+    args.update(overrides)
+    return kernels.top_k_top_p(**args)
+
+
+FIA = "npu_fused_infer_attention_score"
+PA = "_npu_paged_attention"
+
+VIOLATIONS = {
+    # npu_fused_infer_attention_score
+    "fia block_table int64": (
+        lambda: fused_attention(block_table=torch.tensor([[0, 1], [2, 3]])),
+        f"{FIA}: block_table must be int32, got torch.int64"),
+    "fia block size 64 with a prefill query": (
+        lambda: fused_attention(block_size=64, num_blocks=16,
+                                block_table=torch.arange(16, dtype=torch.int32).view(2, 8)),
+        f"{FIA}: block_size must be a multiple of 128 in [128, 512] when a query is longer "
+        "than 1, got 64"),
+    "fia decode block size not a multiple of 16": (
+        lambda: fused_attention(query_shape=(2, 8, 128), block_size=24, num_blocks=32,
+                                actual_seq_lengths=[1, 2],
+                                block_table=torch.arange(32, dtype=torch.int32).view(2, 16)),
+        f"{FIA}: block_size must be a multiple of 16 in [16, 512] for decode, got 24"),
+    "fia block_size argument disagrees with the cache": (
+        lambda: fused_attention(block_size=128, key=torch.zeros(8, 256, 256, dtype=BF16),
+                                value=torch.zeros(8, 256, 256, dtype=BF16)),
+        f"{FIA}: block_size must be key.shape[1] = 256, got 128"),
+    "fia actual_seq_lengths decreasing": (
+        lambda: fused_attention(actual_seq_lengths=[4, 1]),
+        f"{FIA}: actual_seq_lengths must be cumulative (non-negative and non-decreasing), "
+        "got [4, 1]"),
+    "fia actual_seq_lengths per-sequence instead of cumulative": (
+        lambda: fused_attention(actual_seq_lengths=[1, 4]),
+        f"{FIA}: actual_seq_lengths must be cumulative, ending at query.shape[0] = 5, got [1, 4]"),
+    "fia actual_seq_lengths as a device tensor": (
+        lambda: fused_attention(actual_seq_lengths=torch.tensor([1, 5])),
+        f"{FIA}: actual_seq_lengths must be a host list[int], got Tensor"),
+    "fia head dim over the TND limit": (
+        lambda: fused_attention(query_shape=(5, 8, 256)),
+        f"{FIA}: query head dim (D) must be 64 or 128 for TND, got 256"),
+    "fia float32 query": (
+        lambda: fused_attention(query=torch.zeros(5, 8, 128)),
+        f"{FIA}: query must be float16 or bfloat16, got torch.float32"),
+    "fia non-contiguous query": (
+        lambda: fused_attention(query=torch.zeros(8, 5, 128, dtype=BF16).transpose(0, 1)),
+        f"{FIA}: query must be contiguous"),
+    "fia heads not divisible": (
+        lambda: fused_attention(num_key_value_heads=3),
+        f"{FIA}: num_key_value_heads must be a divisor of num_heads=8 with ratio ≤ 64, got 3"),
+    "fia mask of the wrong shape": (
+        lambda: fused_attention(atten_mask=CAUSAL_MASK[:1024, :1024].contiguous()),
+        f"{FIA}: atten_mask must be (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048), "
+        "got (1024, 1024)"),
+    "fia mask of a float dtype": (
+        lambda: fused_attention(atten_mask=CAUSAL_MASK.float()),
+        f"{FIA}: atten_mask must be bool or int8 or uint8, got torch.float32"),
+    "fia mask with the keep region marked": (
+        lambda: fused_attention(atten_mask=torch.ones(2048, 2048, dtype=torch.bool).tril()),
+        f"{FIA}: atten_mask must be nonzero exactly above the diagonal"),
+    "fia causal without a mask": (
+        lambda: fused_attention(atten_mask=None),
+        f"{FIA}: atten_mask must be the 2048×2048 causal mask with sparse_mode=3, got None"),
+    "fia block id out of range": (
+        lambda: fused_attention(block_table=torch.tensor([[0, 1], [2, 99]], dtype=torch.int32)),
+        f"{FIA}: block_table must be block ids in [0, 8), got 99 at [1, 1]"),
+    "fia block_table rows differ from the batch": (
+        lambda: fused_attention(block_table=torch.zeros(3, 2, dtype=torch.int32)),
+        f"{FIA}: block_table must be 2 rows (one per sequence), got 3"),
+    "fia kv length beyond the block table": (
+        lambda: fused_attention(actual_seq_lengths_kv=[200, 300]),
+        f"{FIA}: actual_seq_lengths_kv must be per-sequence lengths in [0, 256]"),
+    "fia query longer than its kv": (
+        lambda: fused_attention(actual_seq_lengths_kv=[200, 3]),
+        f"{FIA}: actual_seq_lengths_kv must be ≥ the query length of each sequence under "
+        "sparse_mode=3, got (4, 3)"),
+    "fia cache smaller than the sequences need": (
+        lambda: fused_attention(num_blocks=3, block_table=torch.tensor([[0, 1], [2, 0]],
+                                                                      dtype=torch.int32)),
+        f"{FIA}: key must be ≥ 4 blocks (the sum over sequences), got 3"),
+    # _npu_paged_attention
+    "pa head size over 576": (
+        lambda: paged_attention(head_size=640, block_size=16),
+        f"{PA}: head_size must be ≤ 576, got 640"),
+    "pa block size over 128 with a head size over 256": (
+        lambda: paged_attention(head_size=512, block_size=256),
+        f"{PA}: block_size (key_cache.shape[1]) must be ≤ 128 when head_size > 256, got 256"),
+    "pa block size not a multiple of 16": (
+        lambda: paged_attention(block_size=24),
+        f"{PA}: block_size (key_cache.shape[1]) must be a multiple of 16, got 24"),
+    "pa block_table int64": (
+        lambda: paged_attention(block_table=torch.tensor([[0, 1], [2, 3], [4, 5]])),
+        f"{PA}: block_table must be int32, got torch.int64"),
+    "pa context_lens int64": (
+        lambda: paged_attention(context_lens=torch.tensor([5, 17, 16])),
+        f"{PA}: context_lens must be int32, got torch.int64"),
+    "pa context_lens on the device": (
+        lambda: paged_attention(context_lens=torch.empty(3, dtype=torch.int32, device="meta")),
+        f"{PA}: context_lens must be a host (CPU) tensor, got meta"),
+    "pa empty context": (
+        lambda: paged_attention(context_lens=torch.tensor([5, 0, 16], dtype=torch.int32)),
+        f"{PA}: context_lens must be in [1, 256] (block_table columns × block_size), got 0"),
+    "pa non-contiguous out": (
+        lambda: paged_attention(out=torch.empty(8, 3, 128, dtype=BF16).transpose(0, 1)),
+        f"{PA}: out must be contiguous"),
+    # npu_scatter_pa_kv_cache
+    "scatter duplicate slots": (
+        lambda: scatter(slot_mapping=torch.tensor([0, 5, 5, 31], dtype=torch.int32)),
+        "npu_scatter_pa_kv_cache: slot_mapping must be free of duplicates, got 1 duplicate"),
+    "scatter padding slot -1": (
+        lambda: scatter(slot_mapping=torch.tensor([0, -1, 17, 31], dtype=torch.int32)),
+        "npu_scatter_pa_kv_cache: slot_mapping must be within [0, 31], got range [-1, 31]"),
+    "scatter float slots": (
+        lambda: scatter(slot_mapping=torch.tensor([0.0, 5.0, 17.0, 31.0])),
+        "npu_scatter_pa_kv_cache: slot_mapping must be int32 or int64, got torch.float32"),
+    "scatter cache dtype differs": (
+        lambda: scatter(key_cache=torch.zeros(2, 16, 2, 64, dtype=torch.float16)),
+        "npu_scatter_pa_kv_cache: key_cache must be torch.bfloat16 like key, got torch.float16"),
+    "scatter non-contiguous key": (
+        lambda: scatter(key=torch.ones(2, 4, 64, dtype=BF16).transpose(0, 1)),
+        "npu_scatter_pa_kv_cache: key must be contiguous"),
+    # norms and activation
+    "rms_norm 1-D input": (
+        lambda: kernels.rms_norm(torch.zeros(64), torch.ones(64)),
+        "npu_rms_norm: self must be 2-D to 8-D, got 1-D (64,)"),
+    "rms_norm bf16 gamma for fp32 input": (
+        lambda: kernels.rms_norm(torch.zeros(2, 64), torch.ones(64, dtype=BF16)),
+        "npu_rms_norm: gamma must be a dtype the A2/A3 table pairs with self"),
+    "rms_norm gamma not trailing": (
+        lambda: kernels.rms_norm(torch.zeros(2, 64), torch.ones(32)),
+        "npu_rms_norm: gamma must be trailing dims of (2, 64), got (32,)"),
+    "add_rms_norm x2 shape differs": (
+        lambda: kernels.add_rms_norm(torch.zeros(2, 64), torch.zeros(1, 64), torch.ones(64)),
+        "npu_add_rms_norm: x2 must be torch.float32 of shape (2, 64) like x1"),
+    "add_rms_norm empty input": (
+        lambda: kernels.add_rms_norm(torch.zeros(0, 64), torch.zeros(0, 64), torch.ones(64)),
+        "npu_add_rms_norm: x1 must be non-empty, got shape (0, 64)"),
+    "swiglu odd last dim": (
+        lambda: kernels.swiglu(torch.zeros(4, 7)),
+        "npu_swiglu: self must be even-sized on dim -1, got (4, 7)"),
+    "swiglu non-contiguous": (
+        lambda: kernels.swiglu(torch.zeros(8, 4).t()),
+        "npu_swiglu: self must be contiguous"),
+    # rotary
+    "rope query sliced out of a fused qkv": (
+        lambda: rope(query=torch.zeros(3, 7 * 32, dtype=BF16)[:, :4 * 32]),
+        "_npu_rotary_embedding: query must be contiguous"),
+    "rope float32 query": (
+        lambda: rope(query=torch.zeros(3, 4 * 32), key=torch.zeros(3, 2 * 32)),
+        "_npu_rotary_embedding: query must be float16 or bfloat16, got torch.float32"),
+    "rope position beyond the cache": (
+        lambda: rope(positions=torch.tensor([0, 1, 64])),
+        "_npu_rotary_embedding: positions must be within [0, 63] (cos_sin_cache rows), "
+        "got range [0, 64]"),
+    "rope rotary dim over head size": (
+        lambda: rope(cos_sin_cache=torch.rand(64, 48, dtype=BF16)),
+        "_npu_rotary_embedding: cos_sin_cache must be an even width ≤ head_size=32"),
+    "rope without key": (
+        lambda: rope(key=None),
+        "_npu_rotary_embedding: key must be a tensor (the binding updates query and key), "
+        "got None"),
+    "rotary_mul unknown mode": (
+        lambda: rotary_mul(rotary_mode="neox"),
+        "npu_rotary_mul: rotary_mode must be 'half' or 'interleave', got 'neox'"),
+    "rotary_mul factor outside [-1, 1]": (
+        lambda: rotary_mul(r1=torch.full((3, 1, 64), 1.5)),
+        "npu_rotary_mul: r1 must be within [-1, 1], got range [1.5, 1.5]"),
+    "rotary_mul odd head dim": (
+        lambda: rotary_mul(self=torch.zeros(3, 4, 63), r1=torch.rand(3, 1, 63),
+                           r2=torch.rand(3, 1, 63)),
+        "npu_rotary_mul: self must be an even last dim below 896, got 63"),
+    "rotary_mul interleave with per-head factors": (
+        lambda: rotary_mul(r1=torch.rand(3, 4, 64), rotary_mode="interleave"),
+        "npu_rotary_mul: r1 must be 11SD, 1S1D, S11D or T1D in interleave mode, got (3, 4, 64)"),
+    # top-k / top-p
+    "top_k k = 0": (
+        lambda: top_k_top_p(k=torch.tensor([0, 5], dtype=torch.int32)),
+        "npu_top_k_top_p: k must be within [1, 1024], got range [0, 5]"),
+    "top_k k = 1025": (
+        lambda: top_k_top_p(logits=torch.zeros(2, 2000),
+                            k=torch.tensor([1025, 5], dtype=torch.int32)),
+        "npu_top_k_top_p: k must be within [1, 1024], got range [5, 1025]"),
+    "top_k k over the vocab": (
+        lambda: top_k_top_p(k=torch.tensor([60, 5], dtype=torch.int32)),
+        "npu_top_k_top_p: k must be ≤ vocab size 50, got 60"),
+    "top_k k int64": (
+        lambda: top_k_top_p(k=torch.tensor([5, 10])),
+        "npu_top_k_top_p: k must be int32, got torch.int64"),
+    "top_p dtype differs from logits": (
+        lambda: top_k_top_p(p=torch.tensor([0.5, 0.9], dtype=torch.float16)),
+        "npu_top_k_top_p: p must be torch.float32 like logits, got torch.float16"),
+    "top_p above 1": (
+        lambda: top_k_top_p(p=torch.tensor([0.5, 1.5])),
+        "npu_top_k_top_p: p must be within [0, 1], got range [0.5, 1.5]"),
+    "top_k_top_p neither p nor k": (
+        lambda: top_k_top_p(p=None, k=None),
+        "npu_top_k_top_p: p/k must be at least one of p and k, got both None"),
+}
+
+
+@pytest.mark.parametrize("call, message", VIOLATIONS.values(), ids=VIOLATIONS.keys())
+def test_violation_is_rejected_with_a_clear_message(call, message):
+    with pytest.raises(KernelContractError, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.parametrize("build", [fused_attention, paged_attention, scatter, rope, rotary_mul,
+                                   top_k_top_p])
+def test_the_baselines_are_valid(build):
+    """Each violation above is one change away from a call that passes."""
+    build()
+
+
+def test_contract_error_is_a_value_error():
+    assert issubclass(KernelContractError, ValueError)
+
+
+def test_rotary_embedding_rejects_a_second_cos_sin_cache():
+    """_npu_rotary_embedding keeps cos/sin from its first cache in static globals; a process that
+    passes another cache would get silently wrong rotations on hardware."""
+    first = torch.rand(64, 32, dtype=BF16)
+    rope(cos_sin_cache=first)
+    rope(cos_sin_cache=first)  # the same cache again is fine
+    with pytest.raises(KernelContractError, match=re.escape(
+            "_npu_rotary_embedding: cos_sin_cache must be the first cache this process passed")):
+        rope(cos_sin_cache=torch.rand(64, 32, dtype=BF16))
+
+
+def test_unsupported_layout_and_sparse_mode_are_not_contract_errors():
+    """The op documents these; the seam does not implement them, and says so."""
+    with pytest.raises(NotImplementedError, match="input_layout='TND' only"):
+        fused_attention(input_layout="BSH")
+    with pytest.raises(NotImplementedError, match="sparse_mode 0 .* and 3"):
+        fused_attention(sparse_mode=4)
