@@ -1,20 +1,31 @@
 """Device runtime behind the platform: a real NPU, or the emulated one.
 
 The platform, worker and allocator ask this module about the device (name,
-memory, seeding, streams) and never branch on the mode themselves. The real
-runtime forwards to :mod:`ascend_patch.kernels.npu`, the only module that
-talks to torch_npu; the emulated runtime answers for a CPU-backed NPU whose
-memory is the configured emulated HBM.
+memory, seeding) and never branch on the mode themselves.
+
+vLLM's GPU worker and V1 model runner, which the overlay reuses, call
+``torch.cuda.Stream/Event/current_stream`` and the ``torch.accelerator`` memory
+API directly. :meth:`Runtime.install` points those at the device: at
+``torch.npu`` (through :mod:`ascend_patch.kernels.npu`, the only module that
+talks to torch_npu) on real hardware, and at the emulated NPU otherwise. The
+emulated NPU executes in order on one stream, so its streams and events are
+exact no-ops, and its memory is ``ASCEND_PATCH_EMULATED_HBM`` with its own
+books: weights and KV cache are charged when placed, and activations are
+measured during vLLM's profiling run. vLLM's own ``determine_available_memory``
+then sizes the KV cache from those numbers exactly as it would on a device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 from typing import Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ascend_patch import env
 
@@ -28,44 +39,143 @@ class Runtime(Protocol):
     def manual_seed_all(self, seed: int) -> None: ...
     def pin_memory_available(self) -> bool: ...
     def num_compute_units(self, index: int) -> int: ...
+    def charge(self, owner: str, nbytes: int) -> None: ...
+    def track_activations(self) -> contextlib.AbstractContextManager: ...
+    def install(self) -> None: ...
+
+
+class _EmulatedStream:
+    """One in-order stream: waiting and synchronising are already satisfied."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream) -> None: ...
+    def wait_event(self, event) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None):
+        return event if event is not None else _EmulatedEvent()
+
+
+class _EmulatedEvent:
+    def __init__(self, *args, **kwargs) -> None: ...
+    def record(self, stream=None) -> None: ...
+    def wait(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event) -> float:
+        return 0.0
+
+
+class _ActivationTracker(TorchDispatchMode):
+    """Peak bytes of the storages that ops allocate while active.
+
+    A storage counts from the op that creates it until it is freed (tracked with
+    storage weak references, so views keep it alive as they should); outputs that
+    alias an input (views, in-place ops) allocate nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[int, int]] = {}  # data_ptr -> (weak ref handle, bytes)
+        self._current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key, (ref, nbytes) in list(self._live.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self._live[key]
+                self._current -= nbytes
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in inputs and key not in self._live:
+                    self._live[key] = (storage._weak_ref(), storage.nbytes())
+                    self._current += storage.nbytes()
+        self.peak = max(self.peak, self._current)
+        return out
+
+    def __exit__(self, *exc_info):
+        for ref, _ in self._live.values():
+            torch.UntypedStorage._free_weak_ref(ref)
+        self._live.clear()
+        return super().__exit__(*exc_info)
 
 
 class EmulatedRuntime:
-    """A CPU-backed NPU with ``ASCEND_PATCH_EMULATED_HBM`` bytes of device memory.
-
-    CPU tensors are not device memory, so the emulated device keeps its own
-    books: whoever places something "on the device" (weights, KV cache)
-    charges it with :meth:`charge`, and the free memory vLLM's profiler sees
-    is HBM minus those charges.
-    """
+    """A CPU-backed NPU with ``ASCEND_PATCH_EMULATED_HBM`` bytes of device memory."""
 
     def __init__(self, hbm_bytes: int):
         self.hbm_bytes = hbm_bytes
         self._charged: dict[str, int] = {}
+        self._peak = 0
         self._lock = threading.Lock()
 
+    # -- the books --------------------------------------------------------------------------
+
     def charge(self, owner: str, nbytes: int) -> None:
+        """Place ``nbytes`` on the device under ``owner`` (replacing its previous charge)."""
         with self._lock:
             in_use = sum(v for k, v in self._charged.items() if k != owner)
             if in_use + nbytes > self.hbm_bytes:
                 raise torch.OutOfMemoryError(
-                    f"emulated NPU out of memory: {owner} needs {nbytes / 2**30:.2f} GiB, "
-                    f"{(self.hbm_bytes - in_use) / 2**30:.2f} GiB of "
-                    f"{self.hbm_bytes / 2**30:.2f} GiB free "
-                    "(raise ASCEND_PATCH_EMULATED_HBM)"
+                    f"emulated NPU out of memory: {owner} needs {nbytes / 2**30:.3f} GiB but only "
+                    f"{(self.hbm_bytes - in_use) / 2**30:.3f} GiB of "
+                    f"{self.hbm_bytes / 2**30:.3f} GiB are free (raise ASCEND_PATCH_EMULATED_HBM)"
                 )
             self._charged[owner] = nbytes
-
-    def release(self, owner: str) -> None:
-        with self._lock:
-            self._charged.pop(owner, None)
+            self._peak = max(self._peak, in_use + nbytes)
 
     def memory_allocated(self, device: object = None) -> int:
         with self._lock:
             return sum(self._charged.values())
 
+    @contextlib.contextmanager
+    def track_activations(self):
+        """Measure the transient memory of the enclosed forward passes into the peak."""
+        tracker = _ActivationTracker()
+        with tracker:
+            yield
+        base = self.memory_allocated()
+        if base + tracker.peak > self.hbm_bytes:
+            raise torch.OutOfMemoryError(
+                f"emulated NPU out of memory: activations need {tracker.peak / 2**30:.3f} GiB on "
+                f"top of {base / 2**30:.3f} GiB in use, HBM is {self.hbm_bytes / 2**30:.3f} GiB"
+            )
+        with self._lock:
+            self._peak = max(self._peak, base + tracker.peak)
+
     def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
         return self.hbm_bytes - self.memory_allocated(), self.hbm_bytes
+
+    def _memory_stats(self, device=None) -> dict[str, int]:
+        current = self.memory_allocated()
+        with self._lock:
+            return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": max(self._peak, current)}
+
+    def _reset_peak(self, device=None) -> None:
+        with self._lock:
+            self._peak = sum(self._charged.values())
+
+    def _max_memory_allocated(self, device=None) -> int:
+        return self._memory_stats()["allocated_bytes.all.peak"]
+
+    # -- identity -----------------------------------------------------------------------------
 
     def device_name(self, index: int) -> str:
         return f"Ascend NPU (emulated on CPU, {self.hbm_bytes / 2**30:.1f} GiB HBM)"
@@ -85,9 +195,52 @@ class EmulatedRuntime:
     def num_compute_units(self, index: int) -> int:
         return os.cpu_count() or 1
 
+    def install(self) -> None:
+        from ascend_patch.patching import REGISTRY
+
+        def noop(*args, **kwargs) -> None:
+            return None
+
+        def empty_cache(*args, **kwargs) -> None:  # distinct object from noop (dynamo keys on it)
+            return None
+
+        accelerator = {
+            "synchronize": noop,
+            "empty_cache": empty_cache,
+            "empty_host_cache": noop,
+            "current_device_index": lambda: 0,
+            "set_device_index": noop,
+            "device_index": lambda index: contextlib.nullcontext(),
+            "current_stream": lambda *a, **k: _EmulatedStream(),
+            "set_stream": noop,
+            "memory_stats": self._memory_stats,
+            "get_memory_info": lambda device=None: self.mem_get_info(),
+            "memory_reserved": lambda device=None: self.memory_allocated(),
+            "memory_allocated": lambda device=None: self.memory_allocated(),
+            "max_memory_allocated": self._max_memory_allocated,
+            "reset_peak_memory_stats": self._reset_peak,
+        }
+        cuda = {
+            "Stream": _EmulatedStream,
+            "Event": _EmulatedEvent,
+            "current_stream": lambda *a, **k: _EmulatedStream(),
+            "default_stream": lambda *a, **k: _EmulatedStream(),
+            "stream": lambda stream=None: contextlib.nullcontext(),
+            "set_stream": noop,
+            "synchronize": noop,
+        }
+        for name, value in accelerator.items():
+            REGISTRY.replace(torch.accelerator, name, value, "emulated NPU: torch.accelerator")
+        for name, value in cuda.items():
+            REGISTRY.replace(torch.cuda, name, value, "emulated NPU: torch.cuda streams/events")
+        REGISTRY.replace(torch, "Event", _EmulatedEvent, "emulated NPU: torch.Event")
+
 
 class NpuRuntime:
-    """Real Ascend devices, through :mod:`ascend_patch.kernels.npu`."""
+    """Real Ascend devices, through :mod:`ascend_patch.kernels.npu`.
+
+    Not run on hardware by this project: it follows torch_npu's documented API.
+    """
 
     def __init__(self) -> None:
         from ascend_patch.kernels import npu
@@ -118,7 +271,29 @@ class NpuRuntime:
     def num_compute_units(self, index: int) -> int:
         return self._npu.num_compute_units(index)
 
+    def charge(self, owner: str, nbytes: int) -> None:
+        return None  # the device's own allocator keeps these books
+
+    def track_activations(self):
+        return contextlib.nullcontext()  # torch.npu memory stats measure the real peak
+
+    def install(self) -> None:
+        from ascend_patch.patching import REGISTRY
+
+        for name, value in self._npu.cuda_api().items():
+            REGISTRY.replace(torch.cuda, name, value, "NPU: torch.cuda streams/events -> torch.npu")
+        REGISTRY.replace(
+            torch.accelerator, "get_memory_info", self._npu.mem_get_info,
+            "NPU: torch.accelerator.get_memory_info -> torch.npu.mem_get_info",
+        )
+
 
 @functools.cache
 def runtime(emulated: bool) -> Runtime:
     return EmulatedRuntime(env.emulated_hbm_bytes()) if emulated else NpuRuntime()
+
+
+def current_runtime() -> Runtime:
+    from vllm.platforms import current_platform
+
+    return current_platform.runtime()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -231,6 +232,24 @@ def deactivate() -> list[str]:
             _activation.state = "reverted"
         _activation = None
         return restored
+
+
+def require_active_in_this_process() -> None:
+    """Fail loudly in a process vLLM started for the NPU platform when the overlay is
+    not active in it (wrong environment, ``ASCEND_PATCH`` differs, no ``.pth``):
+    running on stock vLLM there would give errors far from the cause, or wrong output."""
+    act = _activation
+    if act is not None and act.active:
+        return
+    why = act.reason if act is not None else (
+        "the overlay never ran in this interpreter (is ascend-patch installed in "
+        f"{sys.prefix}, and is ASCEND_PATCH set the same as in the parent process?)"
+    )
+    raise AscendPatchError(
+        f"ascend-patch is not active in this vLLM process (pid {os.getpid()}): {why}. Every "
+        "process of an engine (EngineCore, workers, Ray actors) must run in an environment "
+        "with ascend-patch installed and the same ASCEND_PATCH setting"
+    )
 
 
 def on_vllm_imported(module) -> None:

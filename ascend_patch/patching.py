@@ -14,6 +14,7 @@ copies that other modules took with ``from module import name``.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from types import ModuleType
 
 from ascend_patch import _bootstrap
 from ascend_patch.source import SourceTree, render_signature
+
+
+_MISSING = object()  # an attribute the overlay added rather than replaced
 
 
 class PatchError(RuntimeError):
@@ -44,10 +48,12 @@ class Patch:
     """The vLLM releases this patch is for, as a PEP 440 specifier."""
     signature: tuple[str, ...] | None = None
     """Accepted signatures (``source.render_arguments`` form); None for classes and values."""
-    wrapper: Callable | None = None
-    """``wrapper(wrapped, instance, args, kwargs)``, installed with ``wrapt.FunctionWrapper``."""
-    replacement: Callable[[object], object] | None = None
-    """``replacement(original) -> new object``, installed as-is."""
+    wrapper: Callable | str | None = None
+    """``wrapper(wrapped, instance, args, kwargs)``, installed with ``wrapt.FunctionWrapper``;
+    or its ``"module:function"`` path, imported only when the patch is applied, which keeps
+    patch sets cheap to import (doctor, verification at ``import vllm``)."""
+    replacement: Callable[[object], object] | str | None = None
+    """``replacement(original) -> new object``, installed as-is (or its path, like ``wrapper``)."""
 
     def __post_init__(self):
         if ":" not in self.target:
@@ -121,6 +127,13 @@ class _Applied:
     rebinds: list[tuple[ModuleType, str]] = field(default_factory=list)
 
 
+def _resolve(obj: Callable | str) -> Callable:
+    if not isinstance(obj, str):
+        return obj
+    module, _, attr = obj.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _owner_and_attr(module: ModuleType, qualname: str) -> tuple[object, str]:
     *path, attr = qualname.split(".")
     owner: object = module
@@ -166,6 +179,10 @@ class Registry:
     def applied_targets(self) -> list[str]:
         return list(self._applied)
 
+    def entries(self) -> list[tuple[str, object, str, object]]:
+        """``(target, owner, attribute, original)`` for everything currently changed."""
+        return [(t, r.owner, r.attr, r.original) for t, r in self._applied.items()]
+
     def schedule(self, patches: list[Patch]) -> None:
         """Apply each patch when its module has been imported (now, if it has)."""
         by_module: dict[str, list[Patch]] = {}
@@ -200,9 +217,9 @@ class Registry:
         if patch.wrapper is not None:
             import wrapt
 
-            installed = wrapt.FunctionWrapper(original, patch.wrapper)
+            installed = wrapt.FunctionWrapper(original, _resolve(patch.wrapper))
         else:
-            installed = patch.replacement(original)
+            installed = _resolve(patch.replacement)(original)
         setattr(owner, attr, installed)
         record = _Applied(patch, owner, attr, original, installed)
         if isinstance(owner, ModuleType):
@@ -213,11 +230,27 @@ class Registry:
                     record.rebinds.append((other, attr))
         self._applied[patch.target] = record
 
+    def replace(self, owner: object, attr: str, value: object, reason: str) -> None:
+        """Replace an attribute outside vLLM (torch device APIs the NPU runtime takes over),
+        keeping the original here like any patch. Idempotent per target."""
+        name = getattr(owner, "__name__", type(owner).__name__)
+        target = f"{name}:{attr}"
+        if target in self._applied:
+            return
+        original = vars(owner).get(attr, _MISSING)
+        setattr(owner, attr, value)
+        self._applied[target] = _Applied(
+            Patch(target, reason, "*", replacement=lambda _: value), owner, attr, original, value
+        )
+
     def revert_all(self) -> list[str]:
         """Restore every original; returns the targets restored."""
         restored = []
         for target, record in reversed(list(self._applied.items())):
-            setattr(record.owner, record.attr, record.original)
+            if record.original is _MISSING:
+                delattr(record.owner, record.attr)
+            else:
+                setattr(record.owner, record.attr, record.original)
             for module, attr in record.rebinds:
                 setattr(module, attr, record.original)
             if isinstance(record.owner, ModuleType):

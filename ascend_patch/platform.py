@@ -14,10 +14,18 @@ memory is the configured emulated HBM.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from ascend_patch import device
+
+logger = logging.getLogger("vllm.ascend_patch")
+
+ATTENTION_BACKEND = "ascend_patch.attention.AscendAttentionBackend"
+WORKER = "ascend_patch.worker.NPUWorker"
 
 
 class NPUPlatform(Platform):
@@ -33,9 +41,97 @@ class NPUPlatform(Platform):
     simple_compile_backend = "eager"
     emulated = False
 
+    def __init__(self) -> None:
+        # vLLM's GPU runner calls torch.cuda streams/events and the
+        # torch.accelerator memory API; point them at this device.
+        self.runtime().install()
+        _force_v1_model_runner()
+
     @classmethod
     def runtime(cls) -> device.Runtime:
         return device.runtime(emulated=cls.emulated)
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        config = attn_selector_config
+        for feature in ("use_mla", "use_sparse", "has_sink"):
+            if getattr(config, feature, False):
+                raise NotImplementedError(
+                    f"the Ascend attention backend does not support models that need "
+                    f"{feature.removeprefix('use_').removeprefix('has_')} attention"
+                )
+        return ATTENTION_BACKEND
+
+    @classmethod
+    def apply_config_platform_defaults(cls, vllm_config) -> None:
+        # Runs before vLLM settles the compilation mode and the custom-op default:
+        # eager mode makes every custom op ("all") dispatch to forward_oot.
+        from vllm.config import CompilationMode
+
+        if vllm_config.compilation_config.mode is None:
+            vllm_config.compilation_config.mode = CompilationMode.NONE
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        from ascend_patch.attention import KERNEL_BLOCK_SIZE
+
+        unsupported = {
+            "speculative decoding": vllm_config.speculative_config is not None,
+            "LoRA": vllm_config.lora_config is not None,
+        }
+        for feature, requested in unsupported.items():
+            if requested:
+                raise NotImplementedError(f"{feature} is not supported by ascend-patch yet")
+
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER
+
+        cache = vllm_config.cache_config
+        if cache is not None and getattr(cache, "user_specified_block_size", False):
+            if cache.block_size % KERNEL_BLOCK_SIZE:
+                raise ValueError(
+                    f"--block-size {cache.block_size} is not supported on Ascend: the NPU "
+                    f"attention kernels need a KV block size that is a multiple of "
+                    f"{KERNEL_BLOCK_SIZE} (npu_fused_infer_attention_score, paged). Use "
+                    f"--block-size {KERNEL_BLOCK_SIZE} or leave it unset"
+                )
+
+        compilation = vllm_config.compilation_config
+        if compilation.mode != CompilationMode.NONE:
+            logger.warning("ascend-patch: torch.compile is not supported on Ascend yet; running eager")
+            compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True
+
+    @classmethod
+    def import_ir_kernels(cls) -> None:
+        import vllm.kernels  # noqa: F401  (vLLM's own IR implementations)
+
+        from ascend_patch import custom_ops
+
+        custom_ops.register()
+
+    @classmethod
+    def get_default_ir_op_priority(cls, vllm_config):
+        from vllm.config.kernel import IrOpPriorityConfig
+
+        from ascend_patch.custom_ops import IR_PROVIDER
+
+        if "none" in vllm_config.compilation_config.custom_ops:
+            return IrOpPriorityConfig.with_default(["native"])  # custom ops switched off
+        preferred = [IR_PROVIDER, "native"]
+        return IrOpPriorityConfig.with_default(
+            ["native"], rms_norm=preferred, fused_add_rms_norm=list(preferred)
+        )
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise NotImplementedError("LoRA is not supported by ascend-patch yet")
 
     @classmethod
     def import_kernels(cls) -> None:
@@ -98,3 +194,17 @@ class EmulatedNPUPlatform(NPUPlatform):
     dist_backend = "gloo"
     emulated = True
 
+
+
+def _force_v1_model_runner() -> None:
+    """Model Runner V2 (vllm/v1/worker/gpu/) is not supported: pin the V1 runner.
+
+    vLLM 0.29+ picks V2 whenever Triton imports, which triton-ascend makes true.
+    Set in the environment so every process vLLM spawns agrees.
+    """
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true"):
+        logger.warning(
+            "ascend-patch: VLLM_USE_V2_MODEL_RUNNER=1 ignored; Model Runner V2 is not "
+            "supported on Ascend yet, using the V1 model runner"
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"

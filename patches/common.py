@@ -7,7 +7,6 @@ signature change in a new vLLM release makes verification fail loudly
 instead of leaving an override that vLLM no longer calls the same way.
 """
 
-from ascend_patch import loader
 from ascend_patch.patching import Patch
 
 ALL = ">=0.20,<0.34"
@@ -28,7 +27,7 @@ DEVICE_SELECTION = [
         reason="device selection: current_platform resolves to NPUPlatform, not CUDA/CPU",
         vllm=ALL,
         signature=("()",),
-        wrapper=loader.select_platform,
+        wrapper="ascend_patch.loader:select_platform",
     ),
     _platform_hook("get_device_name", "(cls, device_id=...)", "device name from the NPU runtime"),
     _platform_hook("get_device_uuid", "(cls, device_id=...)", "device identity from the NPU runtime"),
@@ -42,4 +41,53 @@ DEVICE_SELECTION = [
     _platform_hook("num_compute_units", "(cls, device_id=...)", "AI core count"),
     _platform_hook("support_hybrid_kv_cache", "(cls)", "hybrid (Mamba) KV cache is not supported"),
     _platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
+]
+
+
+def _contract(target: str, signature: str | tuple[str, ...] | None, reason: str) -> Patch:
+    if isinstance(signature, str):
+        signature = (signature,)
+    return Patch(target, reason=reason, vllm=ALL, signature=signature)
+
+
+# What the engine classes (NPUWorker, NPUModelRunner, the attention backend, the
+# custom ops, the sampler) override or call; verified, never patched.
+ENGINE_CONTRACTS = [
+    _platform_hook("get_attn_backend_cls", "(cls, selected_backend, attn_selector_config, num_heads=...)",
+                   "attention backend selection"),
+    _platform_hook("check_and_update_config", "(cls, vllm_config)", "worker class, block size, eager mode"),
+    _platform_hook("apply_config_platform_defaults", "(cls, vllm_config)", "eager mode before custom-op defaults"),
+    _platform_hook("import_ir_kernels", "(cls)", "register the ascend vLLM-IR implementations"),
+    _platform_hook("get_default_ir_op_priority", "(cls, vllm_config)", "ascend IR implementations first"),
+    _platform_hook("get_punica_wrapper", "(cls)", "LoRA is unsupported"),
+    _contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device"),
+    _contract("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", "(self, tag)",
+              "the CuMem pool is CUDA-only"),
+    _contract("vllm.v1.worker.gpu_worker:Worker.sleep", "(self, level=...)", "sleep mode is unsupported"),
+    _contract("vllm.v1.worker.gpu_worker:Worker.wake_up", "(self, tags=...)", "sleep mode is unsupported"),
+    _contract("vllm.v1.worker.gpu_worker:init_worker_distributed_environment",
+              "(vllm_config, rank, distributed_init_method=..., local_rank=..., backend=...)",
+              "NPUWorker initialises HCCL/gloo with it"),
+    _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", None,
+              "NPUModelRunner charges the loaded weights to the emulated HBM"),
+    _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run", None,
+              "NPUModelRunner measures the profiling pass's activations"),
+    _contract("vllm.v1.attention.backend:AttentionImpl.forward",
+              "(self, layer, query, key, value, kv_cache, attn_metadata, output, "
+              "output_scale=..., output_block_scale=...)", "the Ascend attention impl"),
+    _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.build",
+              "(self, common_prefix_len, common_attn_metadata, fast_build=...)",
+              "the Ascend metadata builder"),
+    _contract("vllm.model_executor.custom_op:CustomOp.register_oot",
+              "(cls, _decorated_op_cls=..., name=...)", "register the NPU custom ops"),
+    _contract("vllm.model_executor.layers.layernorm:RMSNorm.forward_native", "(self, x, residual=...)",
+              "AscendRMSNorm.forward_oot takes the same arguments"),
+    _contract("vllm.model_executor.layers.activation:SiluAndMul.forward_native", "(x)",
+              "AscendSiluAndMul.forward_oot takes the same arguments"),
+    _contract("vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_native",
+              "(self, positions, query, key=...)", "AscendRotaryEmbedding.forward_oot takes the same arguments"),
+    _contract("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
+              "(self, logits, generators, k, p)", "forward_npu finishes sampling through it"),
+    _contract("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch",
+              "(logits, k, p, allow_cpu_sync=...)", "the sampler's fallback above the NPU op's k limit"),
 ]

@@ -6,9 +6,11 @@ arrive by itself, exactly as it does for ``vllm serve``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import os
+import subprocess
 import textwrap
 import tokenize
 from pathlib import Path
@@ -95,10 +97,11 @@ def test_npu_platform_class_attributes():
     result = run_json(
         """
         import json
+        from vllm.platforms.interface import PlatformEnum
         from ascend_patch.platform import NPUPlatform
         print(json.dumps([NPUPlatform.device_name, NPUPlatform.device_type, NPUPlatform.ray_device_key,
                           NPUPlatform.device_control_env_var, NPUPlatform.dist_backend,
-                          NPUPlatform().is_out_of_tree()]))
+                          NPUPlatform._enum == PlatformEnum.OOT]))
         """
     )
     assert result == ["npu", "npu", "NPU", "ASCEND_RT_VISIBLE_DEVICES", "hccl", True]
@@ -153,31 +156,31 @@ def test_revert_restores_every_original_by_identity():
         import vllm
         from ascend_patch import loader
         from ascend_patch.patches import v0_29
-        def raw(p):
-            owner = importlib.import_module(p.module)
-            *path, attr = p.qualname.split(".")
-            for name in path:
-                owner = getattr(owner, name)
-            return vars(owner)[attr]
-        # Importing the platform module applies its patches (they were verified at `import vllm`).
-        patched = {p.target: raw(p) for p in v0_29.PATCHES}
-        applied = loader.REGISTRY.applied_targets()
-        originals = {t: loader.REGISTRY.get_original(t) for t in applied}
+        # Importing the target modules applies their patches (verified at `import vllm`);
+        # resolving the platform also points torch's device APIs at the emulated NPU.
+        for p in v0_29.PATCHES:
+            importlib.import_module(p.module)
+        from vllm.platforms import current_platform
+        entries = loader.REGISTRY.entries()
+        changed = sorted(t for t, owner, attr, original in entries if vars(owner).get(attr) is not original)
         restored = loader.deactivate()
+        identical = [t for t, owner, attr, original in entries if vars(owner).get(attr) is original]
         print(json.dumps({
-            "applied": applied,
+            "applied": sorted(t for t, *_ in entries),
+            "changed_while_active": changed,
             "restored": sorted(restored),
-            "identity": all(raw(p) is originals[p.target] for p in v0_29.PATCHES if p.target in originals),
-            "changed_while_active": sorted(t for t in applied if patched[t] is not originals[t]),
+            "identical_after_revert": sorted(identical),
         }))
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
     )
-    wrapped = sorted(p.target for p in v0_29.PATCHES if p.kind != "contract")
-    assert sorted(result["applied"]) == wrapped
-    assert result["changed_while_active"] == wrapped
-    assert result["restored"] == wrapped
-    assert result["identity"] is True
+    wrapped = {p.target for p in v0_29.PATCHES if p.kind != "contract"}
+    assert wrapped <= set(result["applied"])
+    device_apis = set(result["applied"]) - wrapped
+    assert device_apis and all(t.startswith(("torch:", "torch.cuda:", "torch.accelerator:")) for t in device_apis)
+    assert result["changed_while_active"] == result["applied"]
+    assert result["restored"] == result["applied"]
+    assert result["identical_after_revert"] == result["applied"]
 
 
 def test_second_trigger_applies_nothing_twice():
@@ -189,12 +192,14 @@ def test_second_trigger_applies_nothing_twice():
         from vllm.plugins import load_general_plugins
         from ascend_patch import loader
         first = platforms.resolve_current_platform_cls_qualname
+        before = loader.REGISTRY.entries()
         load_general_plugins()
         loader.general_plugin()
         second = platforms.resolve_current_platform_cls_qualname
         print(json.dumps({
             "same": first is second,
             "single_wrap": not hasattr(second.__wrapped__, "__wrapped__"),
+            "unchanged": [(t, o) for t, _, _, o in before] == [(t, o) for t, _, _, o in loader.REGISTRY.entries()],
             "applied": loader.REGISTRY.applied_targets(),
             "trigger": loader.current().trigger,
         }))
@@ -202,7 +207,8 @@ def test_second_trigger_applies_nothing_twice():
         env=clean_env(ASCEND_PATCH="emulate"),
     )
     assert result["same"] and result["single_wrap"]
-    assert result["applied"] == ["vllm.platforms:resolve_current_platform_cls_qualname"]
+    assert result["unchanged"] is True
+    assert "vllm.platforms:resolve_current_platform_cls_qualname" in result["applied"]
     assert result["trigger"] == "import vllm"
 
 
@@ -241,51 +247,67 @@ def _add_parameter(path: Path, lineno: int) -> None:
     """Give the function defined at ``lineno`` one extra, defaulted parameter, so vLLM
     still runs but its signature no longer matches the declaration."""
     source = path.read_text()
-    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    tokens = [
+        t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
+    ]
     start = next(i for i, t in enumerate(tokens) if t.start[0] >= lineno and t.string == "def")
-    depth, close, star_star = 0, None, None
-    for tok in tokens[start:]:
-        if tok.string == "(":
+    depth, anchor_index = 0, None
+    for index in range(start, len(tokens)):
+        text = tokens[index].string
+        if text == "(":
             depth += 1
-        elif tok.string == ")":
+        elif text == ")":
             depth -= 1
             if depth == 0:
-                close = tok
+                anchor_index = anchor_index or index
                 break
-        elif tok.string == "**" and depth == 1:
-            star_star = tok
+        elif text == "**" and depth == 1:
+            anchor_index = index  # parameters may not follow **kwargs
+    anchor, previous = tokens[anchor_index], tokens[anchor_index - 1].string
+    if tokens[anchor_index].string == "**":
+        insert = "ascend_patch_fault=None, "
+    elif previous in ("(", ","):
+        insert = "ascend_patch_fault=None"
+    else:
+        insert = ", ascend_patch_fault=None"
     lines = source.splitlines(keepends=True)
-    anchor = star_star or close
     row, col = anchor.start
-    line = lines[row - 1]
-    before = line[:col].rstrip()
-    insert = "ascend_patch_fault=None, " if star_star or before.endswith("(") else ", ascend_patch_fault=None"
-    if not star_star and before.endswith(","):
-        insert = " ascend_patch_fault=None"
-    lines[row - 1] = line[:col] + insert + line[col:]
+    lines[row - 1] = lines[row - 1][:col] + insert + lines[row - 1][col:]
     path.write_text("".join(lines))
 
 
 INJECTABLE = [p for p in v0_29.PATCHES if p.signature is not None]
 
 
-@pytest.mark.parametrize("patch", INJECTABLE, ids=[p.target for p in INJECTABLE])
-def test_fault_injection_leaves_vllm_stock_and_names_the_target(patch, vllm_dir, tmp_path):
+def _inject_and_report(patch, vllm_dir: Path, root: Path) -> tuple[str, subprocess.CompletedProcess]:
     tree = SourceTree(vllm_dir)
-    target_file = tree.module_path(patch.module)
-    found = tree.lookup(patch.module, patch.qualname)
-    copy = _mirror(vllm_dir, tmp_path / "vllm", target_file)
-    _add_parameter(copy, found.lineno)
-    faulty = SourceTree(tmp_path / "vllm").lookup(patch.module, patch.qualname).signature
-    assert faulty not in patch.signature and "ascend_patch_fault=..." in faulty
+    copy = _mirror(vllm_dir, root / "vllm", tree.module_path(patch.module))
+    _add_parameter(copy, tree.lookup(patch.module, patch.qualname).lineno)
+    faulty = SourceTree(root / "vllm").lookup(patch.module, patch.qualname).signature
+    env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root))
+    return faulty, run_python(STOCK_REPORT, env=env)
 
-    env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(tmp_path))
-    proc = run_python(STOCK_REPORT, env=env)
+
+@pytest.fixture(scope="module")
+def injected(vllm_dir, tmp_path_factory):
+    """Every injection's fresh interpreter, two at a time (each imports vLLM and all
+    target modules, about ten seconds)."""
+    roots = {p.target: tmp_path_factory.mktemp("fault") for p in INJECTABLE}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {p.target: pool.submit(_inject_and_report, p, vllm_dir, roots[p.target]) for p in INJECTABLE}
+        return {target: (roots[target], future.result()) for target, future in futures.items()}
+
+
+@pytest.mark.parametrize("patch", INJECTABLE, ids=[p.target for p in INJECTABLE])
+def test_fault_injection_leaves_vllm_stock_and_names_the_target(patch, vllm_dir, injected):
+    root, (faulty, proc) = injected[patch.target]
+    assert faulty not in patch.signature and "ascend_patch_fault=..." in faulty
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
-    assert report["vllm_dir"] == str(tmp_path / "vllm"), "the injected copy is what got imported"
+    assert report["vllm_dir"] == str(root / "vllm"), "the injected copy is what got imported"
     assert report["state"] == "inert"
-    assert_stock_from_copy(report, vllm_dir, tmp_path / "vllm")
+    assert_stock_from_copy(report, vllm_dir, root / "vllm")
     assert f"{patch.target}: expected {patch.expected()}, found {faulty}" in report["reason"]
     assert "1 of" in report["reason"] and "nothing was patched" in report["reason"]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("ascend-patch:")]

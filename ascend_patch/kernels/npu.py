@@ -159,3 +159,17 @@ def manual_seed_all(seed: int) -> None:
 def num_compute_units(index: int) -> int:
     # The NPU's counterpart of CUDA's SM count is its cube-core count.
     return _torch_npu().npu.get_device_properties(index).cube_core_num
+
+
+def cuda_api() -> dict:
+    """The torch.cuda stream/event entry points vLLM's GPU runner calls, as torch.npu's."""
+    npu = _torch_npu().npu
+    return {
+        "Stream": npu.Stream,
+        "Event": npu.Event,
+        "current_stream": npu.current_stream,
+        "default_stream": npu.default_stream,
+        "stream": npu.stream,
+        "set_stream": npu.set_stream,
+        "synchronize": npu.synchronize,
+    }

@@ -369,15 +369,17 @@ def _check_causal_mask(op, atten_mask):
     require(tuple(atten_mask.shape) in _CAUSAL_MASK_SHAPES, op, "atten_mask",
             "(2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048)", tuple(atten_mask.shape))
     check_contiguous(op, "atten_mask", atten_mask)
+    # Inference tensors have no version counter: their content is checked on every call.
+    version = None if atten_mask.is_inference() else atten_mask._version
     verified_ref, verified_version = _verified_mask
-    if verified_ref is not None and verified_ref() is atten_mask \
-            and verified_version == atten_mask._version:
+    if version is not None and verified_ref is not None and verified_ref() is atten_mask \
+            and verified_version == version:
         return
     size = _CAUSAL_MASK_SIZE
     upper = torch.ones(size, size, dtype=torch.bool, device=atten_mask.device).triu(1)
     require(torch.equal(atten_mask.reshape(size, size) != 0, upper), op, "atten_mask",
             "nonzero exactly above the diagonal (torch.triu(ones, 1))", "another pattern")
-    _verified_mask = (weakref.ref(atten_mask), atten_mask._version)
+    _verified_mask = (weakref.ref(atten_mask), version)
 
 
 def _gather_blocks(key_cache, value_cache, block_ids, length):

@@ -1,0 +1,81 @@
+"""KV-cache allocation for the Ascend attention backend (vLLM 0.29+).
+
+From 0.29 vLLM allocates one int8 backing buffer and hands each layer a strided
+``[blocks, kv_heads, block_tokens, K|V content]`` view in which every token's K
+and V sit next to each other. The NPU kernels instead read separate, contiguous
+K and V planes ``[blocks, block_tokens, kv_heads, head_size]``. The backend asks
+for a layer-outermost layout, so each layer owns one dense byte region; this
+module re-views that same region as ``[2, blocks, block_tokens, kv_heads,
+head_size]``. vLLM still decides sizes, placement and sharing; only the
+interpretation of a layer's bytes changes (the cache is empty at this point).
+On the emulated NPU the buffer is also charged against the emulated HBM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-layer ``[B, H, N, C]`` view → ``[2, B, N, H, C // 2]`` over the same bytes."""
+    if view.dim() != 4 or view.shape[-1] % 2:
+        raise ValueError(
+            f"Ascend KV cache: expected a [blocks, heads, tokens, K+V] layer view with equal "
+            f"K and V widths, got shape {tuple(view.shape)}"
+        )
+    blocks, heads, tokens, content = view.shape
+    numel = view.numel()
+    order = sorted(range(4), key=lambda d: view.stride(d), reverse=True)
+    dense = all(
+        view.stride(order[i]) == math.prod(view.shape[d] for d in order[i + 1 :])
+        for i in range(4)
+    )
+    if not dense:
+        raise ValueError(
+            "Ascend KV cache: the layer's cache is not one dense region (strides "
+            f"{view.stride()} for shape {tuple(view.shape)}); set VLLM_KV_CACHE_LAYOUT to a "
+            "layer-outermost layout such as LBNHC"
+        )
+    region = view.as_strided((numel,), (1,), view.storage_offset())
+    return region.view(2, blocks, tokens, heads, content // 2)
+
+
+def allocate_kv_cache(wrapped, instance, args, kwargs):
+    """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache``."""
+    caches = wrapped(*args, **kwargs)
+    from ascend_patch import device
+
+    backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in caches.values()}
+    device.current_runtime().charge("kv_cache", sum(backing.values()))
+    return {name: ascend_layer_view(view) for name, view in caches.items()}
+
+
+def compute_slot_mapping(original):
+    """Replacement for ``BlockTable.compute_slot_mapping``: vLLM's is a Triton kernel.
+
+    Token ``t`` of request ``r`` at position ``p`` goes to slot
+    ``block_table[r, p // block_size] * block_size + p % block_size``; the rest
+    of the buffer is padding (-1), which the attention backend never passes on.
+    """
+
+    def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
+        from vllm.v1.worker.block_table import SlotMappingMode
+
+        if self.slot_mapping_mode == SlotMappingMode.NONE:
+            return
+        if getattr(self, "dcp_world_size", 1) != 1:
+            raise NotImplementedError("decode context parallelism is not supported on Ascend yet")
+        num_tokens = positions.shape[0]
+        ends = query_start_loc[1 : num_reqs + 1]
+        tokens = torch.arange(num_tokens, device=positions.device)
+        request = torch.searchsorted(ends.to(torch.int64), tokens, right=True).clamp_(max=max(num_reqs - 1, 0))
+        table = self.block_table.gpu
+        slots = table[request, positions // self.block_size].to(torch.int64) * self.block_size
+        slots += positions % self.block_size
+        out = self.slot_mapping.gpu
+        out[:num_tokens] = torch.where(tokens < ends[-1], slots, -1) if num_reqs else -1
+        out[num_tokens:].fill_(-1)
+
+    return compute_slot_mapping
