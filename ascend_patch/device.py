@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import threading
+import weakref
 from typing import Protocol
 
 import torch
@@ -39,7 +41,7 @@ class Runtime(Protocol):
     def manual_seed_all(self, seed: int) -> None: ...
     def pin_memory_available(self) -> bool: ...
     def num_compute_units(self, index: int) -> int: ...
-    def charge(self, owner: str, nbytes: int) -> None: ...
+    def charge(self, what: str, nbytes: int, lifetime: object) -> None: ...
     def track_activations(self) -> contextlib.AbstractContextManager: ...
     def install(self) -> None: ...
 
@@ -122,28 +124,36 @@ class EmulatedRuntime:
 
     def __init__(self, hbm_bytes: int):
         self.hbm_bytes = hbm_bytes
-        self._charged: dict[str, int] = {}
+        self._charged: dict[int, tuple[str, int]] = {}  # handle -> (what, bytes)
+        self._handles = itertools.count()
         self._peak = 0
         self._lock = threading.Lock()
 
     # -- the books --------------------------------------------------------------------------
 
-    def charge(self, owner: str, nbytes: int) -> None:
-        """Place ``nbytes`` on the device under ``owner`` (replacing its previous charge)."""
+    def charge(self, what: str, nbytes: int, lifetime: object) -> None:
+        """Place ``nbytes`` of ``what`` on the device until ``lifetime`` is garbage-collected,
+        as a real device frees memory when the tensors holding it die."""
         with self._lock:
-            in_use = sum(v for k, v in self._charged.items() if k != owner)
+            in_use = sum(n for _, n in self._charged.values())
             if in_use + nbytes > self.hbm_bytes:
                 raise torch.OutOfMemoryError(
-                    f"emulated NPU out of memory: {owner} needs {nbytes / 2**30:.3f} GiB but only "
+                    f"emulated NPU out of memory: {what} needs {nbytes / 2**30:.3f} GiB but only "
                     f"{(self.hbm_bytes - in_use) / 2**30:.3f} GiB of "
                     f"{self.hbm_bytes / 2**30:.3f} GiB are free (raise ASCEND_PATCH_EMULATED_HBM)"
                 )
-            self._charged[owner] = nbytes
+            handle = next(self._handles)
+            self._charged[handle] = (what, nbytes)
             self._peak = max(self._peak, in_use + nbytes)
+        weakref.finalize(lifetime, self._release, handle)
+
+    def _release(self, handle: int) -> None:
+        with self._lock:
+            self._charged.pop(handle, None)
 
     def memory_allocated(self, device: object = None) -> int:
         with self._lock:
-            return sum(self._charged.values())
+            return sum(n for _, n in self._charged.values())
 
     @contextlib.contextmanager
     def track_activations(self):
@@ -169,8 +179,7 @@ class EmulatedRuntime:
             return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": max(self._peak, current)}
 
     def _reset_peak(self, device=None) -> None:
-        with self._lock:
-            self._peak = sum(self._charged.values())
+        self._peak = self.memory_allocated()
 
     def _max_memory_allocated(self, device=None) -> int:
         return self._memory_stats()["allocated_bytes.all.peak"]
@@ -271,7 +280,7 @@ class NpuRuntime:
     def num_compute_units(self, index: int) -> int:
         return self._npu.num_compute_units(index)
 
-    def charge(self, owner: str, nbytes: int) -> None:
+    def charge(self, what: str, nbytes: int, lifetime: object) -> None:
         return None  # the device's own allocator keeps these books
 
     def track_activations(self):

@@ -48,8 +48,10 @@ def allocate_kv_cache(wrapped, instance, args, kwargs):
     from ascend_patch import device
 
     backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in caches.values()}
-    device.current_runtime().charge("kv_cache", sum(backing.values()))
-    return {name: ascend_layer_view(view) for name, view in caches.items()}
+    views = {name: ascend_layer_view(view) for name, view in caches.items()}
+    if views:  # the layer views keep the buffer alive; the charge ends with the first of them
+        device.current_runtime().charge("KV cache", sum(backing.values()), next(iter(views.values())))
+    return views
 
 
 def compute_slot_mapping(original):

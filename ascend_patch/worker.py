@@ -43,7 +43,7 @@ class NPUModelRunner(GPUModelRunner):
             model = self.get_model()
             tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                        for t in (*model.parameters(), *model.buffers())}
-            runtime.charge("weights", sum(tensors.values()))
+            runtime.charge("weights", sum(tensors.values()), model)
             self.model_memory_usage = sum(tensors.values())
 
     def profile_run(self, *args, **kwargs):

@@ -67,3 +67,77 @@ def ascend_patch_lines(stderr: str) -> list[str]:
 @pytest.fixture(scope="session")
 def vllm_dir() -> Path:
     return vllm_package_dir()
+
+
+# --- engine tests: tiny local models, the HF oracle, and the engine driver --------------------
+
+MODELS_DIR = ROOT / ".cache" / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, Path]:
+    """The tiny Llama and Qwen2 checkpoints, built locally (there is no model hub)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import make_tiny_models
+    finally:
+        sys.path.pop(0)
+    return make_tiny_models.build(MODELS_DIR)
+
+
+def prompt_token_ids(model_dir: Path, lengths: list[int]) -> list[list[int]]:
+    """Prompts of the given token lengths, cut from text the tokenizer was not trained on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = textwrap.dedent(importlib.util.find_spec("email.message").loader.get_source("email.message"))
+    ids = tokenizer(text).input_ids
+    prompts, start = [], 0
+    for length in lengths:
+        prompts.append(ids[start : start + length])
+        start += length
+    return prompts
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face transformers greedy decoding, fp32: the independent oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+            )
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def hf_logits(model_dir: Path, sequences: list[list[int]]) -> list:
+    """fp32 next-token logits at every position of each sequence (teacher forcing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+
+
+def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600) -> dict:
+    """Run tests/engine_driver.py on ``spec`` in a fresh interpreter (emulated NPU)."""
+    spec_file = tmp_path / f"engine-spec-{len(list(tmp_path.glob('engine-spec-*')))}.json"
+    spec_file.write_text(json.dumps(spec))
+    environment = env or clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "engine_driver.py"), str(spec_file)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, f"engine driver failed:\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
