@@ -30,6 +30,17 @@ def _matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(args: argparse.Namespace) -> int:
+    from ascend_patch import probe
+
+    return probe.run(
+        args.target,
+        version=args.version,
+        index_url=args.index_url or probe.DEFAULT_INDEX,
+        as_json=args.json,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-patch", description="Stock vLLM on Huawei Ascend NPUs, as an overlay."
@@ -51,6 +62,31 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--json", action="store_true", help="machine-readable output")
     table.add_argument("--file", default=None, help="a matrix file other than the installed one")
     table.set_defaults(func=_matrix)
+
+    probe = commands.add_parser(
+        "probe",
+        help="check a vLLM release or source statically: which patch set, does every target verify",
+        description="Check a vLLM release without installing or importing it. Exit status: "
+        "0 would activate, 1 would not, 2 the probe failed (bad input, download failure).",
+    )
+    probe.add_argument(
+        "target",
+        metavar="VERSION|PATH",
+        help="a release on the index (0.33.0; its sdist is fetched into the cache), or a wheel, "
+        "sdist, source tree, vllm package directory or installed site-packages",
+    )
+    probe.add_argument(
+        "--version",
+        default=None,
+        help="the vLLM version of PATH, for a checkout that records none",
+    )
+    probe.add_argument("--json", action="store_true", help="machine-readable output")
+    probe.add_argument(
+        "--index-url",
+        default=None,
+        help="simple-API package index to fetch releases from (default: PyPI, https://pypi.org/simple)",
+    )
+    probe.set_defaults(func=_probe)
     return parser
 
 

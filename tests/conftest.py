@@ -109,8 +109,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     outputs = []
     with torch.no_grad():
         for ids in prompts:
+            # An explicit all-ones mask: otherwise HF masks every prompt token that equals
+            # the pad id, which chat prompts (with <s>/</s> inside) contain.
+            input_ids = torch.tensor([ids])
             out = model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+                input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=0,
             )
             outputs.append(out[0, len(ids):].tolist())
     return outputs

@@ -1,0 +1,535 @@
+"""``ascend-patch probe``: static checks of a vLLM release, sdist, wheel or source tree.
+
+The fixtures are real vLLM sources: the ``.py`` files of every patch target,
+copied from the vLLM installed in this environment, then packed as an sdist or
+a wheel, or edited (a signature changed, a target removed, a body rewritten).
+Downloads go to a package index served on 127.0.0.1 with the same PEP 691 /
+PEP 503 pages PyPI serves, so only the last test needs the network.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import http.server
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+import threading
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ascend_patch import cli, probe
+from ascend_patch import matrix as compat
+from ascend_patch.source import SourceTree
+from tests.conftest import ROOT, clean_env, vllm_package_dir
+
+INSTALLED = "0.33.0"  # the vLLM this environment pins (requirements/test-vllm-0.33.0.txt)
+
+
+def _all_sets() -> list[str]:
+    return [spec.name for spec in compat.load().patch_sets]
+
+
+def _target_modules() -> set[str]:
+    return {p.module for name in _all_sets() for p in probe.patches_of(name)}
+
+
+def _copy_minimal_tree(dest_root: Path) -> Path:
+    """``dest_root/vllm`` with ``__init__``, ``_version`` and every target module."""
+    installed = SourceTree(vllm_package_dir())
+    files = {installed.package_dir / "__init__.py", installed.package_dir / "_version.py"}
+    files |= {path for m in _target_modules() if (path := installed.module_path(m))}
+    for path in files:
+        target = dest_root / "vllm" / path.relative_to(installed.package_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    return dest_root / "vllm"
+
+
+@pytest.fixture(scope="session")
+def base_tree(tmp_path_factory) -> Path:
+    return _copy_minimal_tree(tmp_path_factory.mktemp("tree"))
+
+
+@pytest.fixture
+def tree(base_tree, tmp_path) -> Path:
+    """A private, editable copy of the minimal tree: ``<root>/vllm``."""
+    shutil.copytree(base_tree, tmp_path / "checkout" / "vllm")
+    return tmp_path / "checkout" / "vllm"
+
+
+def _files(package_dir: Path):
+    for path in sorted(package_dir.rglob("*.py")):
+        yield path.relative_to(package_dir).as_posix(), path.read_bytes()
+
+
+def make_sdist(package_dir: Path, out_dir: Path, version: str = INSTALLED) -> Path:
+    path = out_dir / f"vllm-{version}.tar.gz"
+    top = f"vllm-{version}"
+    with tarfile.open(path, "w:gz") as tf:
+        members = [(f"{top}/PKG-INFO", f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n".encode())]
+        members += [(f"{top}/vllm/{name}", data) for name, data in _files(package_dir)]
+        members.append((f"{top}/tests/test_x.py", b"x = 1\n"))  # outside vllm/: not extracted
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def make_wheel(package_dir: Path, out_dir: Path, version: str = INSTALLED) -> Path:
+    path = out_dir / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in _files(package_dir):
+            zf.writestr(f"vllm/{name}", data)
+        zf.writestr(f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
+    return path
+
+
+def run_probe(capsys, *argv: str) -> tuple[int, dict]:
+    """``ascend-patch probe ARGV --json`` in this process; (exit status, document)."""
+    code = cli.main(["probe", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _target(data: dict, suffix: str) -> dict:
+    return next(t for t in data["targets"] if t["target"].endswith(suffix))
+
+
+def _edit(tree: Path, relative: str, old: str, new: str) -> None:
+    path = tree / relative
+    text = path.read_text()
+    assert old in text, f"fixture drift: {old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+# -- input kinds ----------------------------------------------------------------
+
+
+def test_source_tree_by_root_and_by_package_dir(tree, capsys):
+    for argument in (tree.parent, tree):
+        code, data = run_probe(capsys, str(argument))
+        assert code == 0, data["verdict"]
+        assert data["input"]["kind"] == "tree"
+        assert data["input"]["package_dir"] == str(tree)
+        assert data["vllm"]["version"] == INSTALLED
+        assert data["vllm"]["version_source"].endswith("vllm/_version.py")
+        assert data["selection"]["patch_set"] == data["selection"]["probed_set"] == "v0_29"
+        assert {t["state"] for t in data["targets"]} == {"verified"}
+        assert data["would_activate"] is True
+
+
+def test_sdist(tree, tmp_path, capsys):
+    sdist = make_sdist(tree, tmp_path)
+    code, data = run_probe(capsys, str(sdist))
+    assert code == 0
+    assert data["input"]["kind"] == "sdist"
+    assert data["vllm"] == {
+        "version": INSTALLED,
+        "version_source": f"{sdist.name} metadata",
+        "release": INSTALLED,
+    }
+    assert data["summary"]["verified"] == data["summary"]["targets"] > 30
+
+
+def test_wheel(tree, tmp_path, capsys):
+    wheel = make_wheel(tree, tmp_path)
+    code, data = run_probe(capsys, str(wheel))
+    assert code == 0
+    assert data["input"]["kind"] == "wheel"
+    assert data["vllm"]["version"] == INSTALLED
+    assert data["vllm"]["version_source"] == f"{wheel.name} metadata"
+
+
+def test_installed_site_packages():
+    """The real installed vLLM, by its package directory and by site-packages."""
+    package_dir = vllm_package_dir()
+    for argument in (package_dir, package_dir.parent):
+        with probe.open_source(str(argument)) as source:
+            data = probe.probe(source, compat.load())
+        assert data["input"]["kind"] == "installed"
+        assert data["vllm"]["version"] == INSTALLED
+        assert data["vllm"]["version_source"] == f"installed distribution metadata (vllm-{INSTALLED}.dist-info)"
+        assert data["would_activate"] is True
+
+
+# -- what the probe finds -----------------------------------------------------
+
+
+def test_changed_signature_is_a_mismatch(tree, tmp_path, capsys):
+    _edit(
+        tree,
+        "v1/worker/utils.py",
+        "    kernel_block_sizes: list[int] | None = None,\n) -> dict[str, torch.Tensor]:",
+        "    kernel_block_sizes: list[int] | None = None,\n    pin: bool = False,\n) -> dict[str, torch.Tensor]:",
+    )
+    code, data = run_probe(capsys, str(make_sdist(tree, tmp_path)))
+    assert code == 1
+    target = _target(data, ":allocate_kv_cache")
+    assert target["state"] == "mismatch" and target["present"] and target["signature_match"] is False
+    assert target["expected"] == "(kv_cache_config, device, layout, kernel_block_sizes=...)"
+    assert target["found"] == "(kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)"
+    assert data["summary"]["mismatch"] == 1 and data["would_activate"] is False
+    assert data["verdict"].startswith("1 of ") and "would patch nothing" in data["verdict"]
+
+    assert cli.main(["probe", str(tree)]) == 1
+    table = capsys.readouterr().out
+    assert "vllm.v1.worker.utils:allocate_kv_cache: expected (kv_cache_config, device, layout, " \
+        "kernel_block_sizes=...), found (kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)" in table
+    assert "verdict: would NOT activate" in table
+
+
+def test_removed_targets_are_missing(tree, capsys):
+    (tree / "v1" / "worker" / "block_table.py").unlink()
+    _edit(tree, "v1/worker/utils.py", "def request_memory(", "def request_memory_v2(")
+    code, data = run_probe(capsys, str(tree))
+    assert code == 1
+    module_gone = _target(data, "BlockTable.compute_slot_mapping")
+    assert (module_gone["state"], module_gone["present"]) == ("missing", False)
+    assert module_gone["found"] == "no module vllm.v1.worker.block_table"
+    renamed = _target(data, ":request_memory")
+    assert renamed["found"] == "no request_memory in vllm.v1.worker.utils"
+    assert data["summary"]["missing"] == 2
+
+
+def test_body_change_is_reported_but_does_not_block(tree, capsys):
+    path = tree / "model_executor" / "warmup" / "kernel_warmup.py"
+    function = next(
+        node for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name == "kernel_warmup"
+    )
+    lines = path.read_text().splitlines(keepends=True)
+    first = function.body[0]
+    lines.insert(first.lineno - 1, " " * first.col_offset + "print('changed')\n")
+    path.write_text("".join(lines))
+    code, data = run_probe(capsys, str(tree))
+    assert code == 0, "a body change is informational"
+    assert data["body_reference"] == INSTALLED
+    changed = _target(data, ":kernel_warmup")
+    assert (changed["state"], changed["body"]) == ("verified", "changed")
+    others = [t["body"] for t in data["targets"] if t is not changed]
+    assert set(others) <= {"same", None} and "same" in others
+    assert data["summary"]["body_changed"] == 1
+
+
+# -- versions and selection -----------------------------------------------------
+
+
+def test_tree_without_version_file(tree, capsys):
+    (tree / "_version.py").unlink()
+    code, data = run_probe(capsys, str(tree.parent))
+    assert code == 0
+    assert data["vllm"]["version"] is None and data["vllm"]["release"] is None
+    assert data["selection"]["kind"] == "unknown"
+    newest = _all_sets()[-1]
+    assert data["selection"]["patch_set"] == newest
+    assert "no _version.py" in data["warnings"][0] and "--version X" in data["warnings"][0]
+    assert "as assumed" in data["verdict"]
+
+    code, data = run_probe(capsys, str(tree.parent), "--version", "0.31.0")
+    assert code == 0
+    assert data["vllm"]["version_source"] == "--version"
+    assert (data["selection"]["kind"], data["selection"]["patch_set"]) == ("in-range", "v0_29")
+    assert data["warnings"] == []
+
+
+def test_newer_and_older_versions(tree, capsys):
+    sets = compat.load().patch_sets
+    code, data = run_probe(capsys, str(tree), "--version", "0.40.0")
+    assert code == 0
+    assert (data["selection"]["kind"], data["selection"]["patch_set"]) == ("newer", sets[-1].name)
+    assert "newer than every patch set" in data["warnings"][0]
+
+    code, data = run_probe(capsys, str(tree), "--version", "0.11.0")
+    assert code == 1
+    assert (data["selection"]["kind"], data["selection"]["patch_set"]) == ("older", None)
+    assert data["selection"]["probed_set"] == sets[0].name, "an older release is shown against the oldest set"
+    assert "older than every patch set" in data["verdict"] and "stay inert" in data["verdict"]
+    assert data["would_activate"] is False
+
+
+def test_json_schema(tree, capsys):
+    code, data = run_probe(capsys, str(tree))
+    assert set(data) == {
+        "schema", "input", "vllm", "selection", "matrix_status", "limitations", "body_reference",
+        "targets", "summary", "would_activate", "verdict", "warnings",
+    }
+    assert data["schema"] == 1
+    assert set(data["selection"]) == {"kind", "patch_set", "probed_set", "range", "reason"}
+    assert data["matrix_status"] == compat.load().versions[INSTALLED].status
+    assert {lim["id"] for lim in data["limitations"]} >= {"model-runner-v2"}
+    for target in data["targets"]:
+        assert set(target) == {
+            "target", "kind", "state", "present", "signature_match", "expected", "found", "body", "reason",
+        }
+        assert target["kind"] in ("wrap", "replace", "contract")
+        assert target["body"] in ("same", "changed", None)
+    assert set(data["summary"]) == {"targets", "verified", "missing", "mismatch", "body_changed"}
+
+
+def test_bad_inputs_exit_2(tree, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    broken = tmp_path / "vllm-0.33.0.tar.gz"
+    broken.write_bytes(make_sdist(tree, tmp_path).read_bytes()[:5000])
+    empty = tmp_path / "vllm-0.1.0.tar.gz"
+    with tarfile.open(empty, "w:gz"):
+        pass
+    cases = {
+        "not-a-version": "neither an existing path nor a version",
+        str(tmp_path / "notes.txt"): "expected a wheel (.whl), an sdist",
+        str(tmp_path): "is not a vLLM source",
+        str(broken): "is not a readable tar archive",
+        str(empty): "holds no vllm/__init__.py",
+    }
+    for argument, message in cases.items():
+        code, data = run_probe(capsys, argument)
+        assert code == 2, argument
+        assert message in data["error"], data["error"]
+    code, data = run_probe(capsys, str(tree), "--version", "one")
+    assert code == 2 and "is not a PEP 440 version" in data["error"]
+
+
+# -- downloads, through a package index on 127.0.0.1 ----------------------------------
+
+
+@contextlib.contextmanager
+def serve(routes: dict[str, tuple[str, bytes]]):
+    """A package index: ``routes`` maps a path to (content type, body)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path not in routes:
+                self.send_error(404)
+                return
+            content_type, body = routes[self.path]
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/simple"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def json_index(archives: list[Path], versions: list[str], sha256: dict[str, str] | None = None):
+    files = [
+        {
+            "filename": a.name,
+            "url": f"../../files/{a.name}",
+            "hashes": {"sha256": (sha256 or {}).get(a.name) or hashlib.sha256(a.read_bytes()).hexdigest()},
+            "size": a.stat().st_size,
+            "yanked": False,
+        }
+        for a in archives
+    ]
+    document = {"meta": {"api-version": "1.1"}, "name": "vllm", "files": files, "versions": versions}
+    routes = {"/simple/vllm/": ("application/vnd.pypi.simple.v1+json", json.dumps(document).encode())}
+    routes.update({f"/files/{a.name}": ("application/octet-stream", a.read_bytes()) for a in archives})
+    return routes
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("ASCEND_PATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    return tmp_path / "cache"
+
+
+def test_download_verifies_extracts_and_reuses_the_cache(tree, tmp_path, cache, capsys):
+    archives = [make_sdist(tree, tmp_path), make_wheel(tree, tmp_path)]
+    with serve(json_index(archives, ["0.32.0", INSTALLED])) as index:
+        code, data = run_probe(capsys, "0.33", "--index-url", index)
+    assert code == 0
+    given = data["input"]
+    assert given["kind"] == "release" and given["archive"] == f"vllm-{INSTALLED}.tar.gz", "the sdist, not the wheel"
+    assert given["sha256_verified"] is True and given["cached"] is False
+    assert data["vllm"]["version"] == INSTALLED, "the index's spelling of the version"
+    release_dir = cache / "releases" / f"vllm-{INSTALLED}"
+    assert sorted(p.name for p in release_dir.iterdir()) == ["release.json", "vllm"]
+    assert not (release_dir / "vllm" / "tests").exists()
+
+    # The server is gone: a warm cache needs no network.
+    code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 0 and data["input"]["cached"] is True
+
+
+def test_download_progress_goes_to_stderr(tree, tmp_path, cache, capsys):
+    with serve(json_index([make_sdist(tree, tmp_path)], [INSTALLED])) as index:
+        assert cli.main(["probe", INSTALLED, "--index-url", index]) == 0
+    captured = capsys.readouterr()
+    assert f"downloading vllm-{INSTALLED}.tar.gz" in captured.err
+    assert "extracted" in captured.err
+    assert "downloading" not in captured.out and "verdict: would activate" in captured.out
+
+
+def test_html_index_and_wheel_only_release(tree, tmp_path, cache, capsys):
+    wheel = make_wheel(tree, tmp_path, "0.32.0")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    page = f'<html><body><a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a></body></html>'
+    routes = {
+        "/simple/vllm/": ("text/html", page.encode()),
+        f"/files/{wheel.name}": ("application/octet-stream", wheel.read_bytes()),
+    }
+    with serve(routes) as index:
+        code, data = run_probe(capsys, "0.32.0", "--index-url", index)
+    assert code == 0
+    assert data["input"]["archive"] == wheel.name and data["input"]["sha256_verified"] is True
+    assert data["vllm"]["version"] == "0.32.0"
+
+
+def test_corrupt_download_is_refused_and_not_cached(tree, tmp_path, cache, capsys):
+    sdist = make_sdist(tree, tmp_path)
+    with serve(json_index([sdist], [INSTALLED], sha256={sdist.name: "0" * 64})) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2
+    assert f"{sdist.name} is corrupt" in data["error"] and "the index says " + "0" * 64 in data["error"]
+    assert list((cache / "releases").iterdir()) == []
+
+
+def test_unknown_version_lists_the_nearest(tree, tmp_path, cache, capsys):
+    with serve(json_index([make_sdist(tree, tmp_path)], ["0.31.0", "0.32.0", INSTALLED])) as index:
+        code, data = run_probe(capsys, "0.34.0", "--index-url", index)
+    assert code == 2
+    assert f"vLLM 0.34.0: no such release on {index}" in data["error"]
+    assert f"newest: {INSTALLED}; nearest: 0.32.0, {INSTALLED}" in data["error"]
+    assert "probe a source tree" in data["error"]
+
+
+def test_no_network(cache, capsys):
+    with serve({}) as index:
+        pass  # the port is closed again
+    code, data = run_probe(capsys, "0.30.0", "--index-url", index)
+    assert code == 2
+    assert data["error"].startswith(f"cannot reach {index}/vllm/")
+    assert "Check the network" in data["error"]
+
+
+# -- the command, the digests -------------------------------------------------
+
+
+def test_cli_entry_point_imports_neither_torch_nor_vllm(tree, tmp_path):
+    sdist = make_sdist(tree, tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ascend_patch", "probe", str(sdist), "--json"],
+        capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["would_activate"] is True
+
+    script = Path(sys.executable).parent / "ascend-patch"
+    if script.exists():
+        proc = subprocess.run([str(script), "probe", str(tree), "--version", "0.11.0"],
+                              capture_output=True, text=True, env=clean_env(), timeout=120)
+        assert proc.returncode == 1 and "verdict: would NOT activate" in proc.stdout
+
+    code = f"""
+        import sys
+        from ascend_patch.cli import main
+        status = main(["probe", {str(tree)!r}, "--json"])
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm"))
+        assert status == 0 and not heavy, (status, heavy)
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("set_name", _all_sets())
+def test_digests_cover_every_target(set_name):
+    digests = probe.load_digests(set_name)
+    assert digests is not None, f"no {probe.digests_path(set_name)}; run scripts/update_digests.py {set_name}"
+    table = compat.load()
+    assert digests["reference"] == probe.reference_release(table, set_name), (
+        f"the matrix's newest {set_name} release moved; run scripts/update_digests.py {set_name}"
+    )
+    targets = [p.target for p in probe.patches_of(set_name)]
+    assert list(digests["digests"]) == targets, f"targets changed; run scripts/update_digests.py {set_name}"
+
+
+def test_digests_match_the_installed_reference():
+    """Where the installed vLLM is a set's reference release, its digests are reproducible here."""
+    table = compat.load()
+    checked = 0
+    for name in _all_sets():
+        if probe.reference_release(table, name) != INSTALLED:
+            continue
+        expected = probe.compute_digests(probe.patches_of(name), SourceTree(vllm_package_dir()))
+        assert probe.load_digests(name)["digests"] == expected
+        checked += 1
+    assert checked, f"no patch set has {INSTALLED} as its reference"
+
+
+def test_wheel_ships_the_digests(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = tmp_path.glob("ascend_patch-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for set_name in _all_sets():
+        assert f"ascend_patch/patches/{set_name}_digests.json" in names
+
+
+def test_update_digests_script_refuses_the_wrong_reference(tree, tmp_path):
+    sdist = make_sdist(tree, tmp_path, "0.32.0")
+    proc = subprocess.run(
+        [sys.executable, "scripts/update_digests.py", f"v0_29={sdist}"],
+        capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "is vLLM 0.32.0, but the reference release of v0_29 is" in proc.stderr
+
+
+# -- the real index ------------------------------------------------------------------
+
+
+def _pypi_reachable() -> str | None:
+    try:
+        urllib.request.urlopen(f"{probe.DEFAULT_INDEX}/vllm/", timeout=5).close()
+    except OSError as exc:
+        return f"PyPI is unreachable ({getattr(exc, 'reason', exc)}); the probe of a real release needs it"
+    return None
+
+
+def test_real_release_from_pypi(tmp_path, monkeypatch, capsys):
+    reason = _pypi_reachable()
+    if reason:
+        pytest.skip(reason)
+    cache = tmp_path / "pypi-cache"
+    monkeypatch.setenv("ASCEND_PATCH_CACHE_DIR", str(cache))
+    try:
+        started = time.monotonic()
+        code, data = run_probe(capsys, "0.29.0")
+        cold = time.monotonic() - started
+        assert code == 0, data
+        assert data["input"]["archive"] == "vllm-0.29.0.tar.gz" and data["input"]["sha256_verified"]
+        assert data["selection"]["patch_set"] == "v0_29"
+        assert data["summary"]["body_changed"] > 0, "0.29's bodies differ from the 0.33 reference"
+        assert cold < 60, f"cold probe took {cold:.1f} s"
+
+        started = time.monotonic()
+        code, data = run_probe(capsys, "0.29.0")
+        assert code == 0 and data["input"]["cached"] is True
+        assert time.monotonic() - started < 5
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)  # ~40 MB of .py files
