@@ -3,8 +3,9 @@
 This runs before every ``python -c pass`` in the environment, so it must cost
 nothing: standard library only, and no module that plain Python does not
 already import at start-up (``os`` and ``sys`` are). All it does is put one
-finder at the front of ``sys.meta_path`` that notices when ``vllm`` has been
-imported and hands over to :mod:`ascend_patch.loader`. The loader reuses the
+finder at the front of ``sys.meta_path`` that notices when ``vllm`` (or, if
+first, ``vllm.platforms``) has been imported and hands over to
+:mod:`ascend_patch.loader`. The loader reuses the
 same finder to patch vLLM submodules right after they execute.
 
 No exception may escape :func:`install`; the ``.pth`` line also guards the
@@ -125,6 +126,10 @@ def install():
         if "vllm" in _callbacks or "vllm" in sys.modules:
             return
         watch("vllm", "ascend_patch.loader:on_vllm_imported")
+        # vLLM 0.24-0.31 resolve current_platform while vllm/__init__.py still runs
+        # (vllm.utils.torch_utils computes PIN_MEMORY on import): the platform
+        # module's import is the last moment the overlay can still choose it.
+        watch("vllm.platforms", "ascend_patch.loader:on_vllm_imported")
         _debug("watching for `import vllm`")
     except Exception as exc:  # never break interpreter start-up
         sys.stderr.write(f"ascend-patch: bootstrap disabled: {exc!r}\n")

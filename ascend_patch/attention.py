@@ -15,8 +15,9 @@ metadata through *composed* attention: the gather/matmul/softmax of standard
 torch ops, which the NPU runs as generic kernels (several launches, not one).
 
 KV cache: each layer's cache is ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` (K plane, V plane), the ND layout the kernels read. See
-:mod:`ascend_patch.kv_cache` for how it is carved out of vLLM's allocation.
+head_size]`` (K plane, V plane), the ND layout the kernels read. vLLM 0.20–0.28
+shape it from ``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.kv_cache`
+carves it out of vLLM's single allocation.
 """
 
 from __future__ import annotations
@@ -69,11 +70,26 @@ class AscendAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        # Layer-outermost: each layer owns one dense region, which kv_cache.py
-        # re-views as separate K and V planes.
+        # vLLM 0.29+. Layer-outermost: each layer owns one dense region, which
+        # kv_cache.py re-views as separate K and V planes.
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
         return (KVCacheLayout.LBNHC,)
+
+    if hasattr(AttentionBackend, "get_kv_cache_shape"):
+        # vLLM 0.20–0.28 view each layer's raw KV bytes in the shape the backend
+        # names here (with the default identity stride order): the K and V planes
+        # come out contiguous, as the kernels read them. 0.29 removed the hook.
+
+        @staticmethod
+        def get_kv_cache_shape(
+            num_blocks: int,
+            block_size: int,
+            num_kv_heads: int,
+            head_size: int,
+            cache_dtype_str: str = "auto",
+        ) -> tuple[int, ...]:
+            return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:

@@ -5,9 +5,9 @@ Registered two ways, both sanctioned by vLLM:
 - ``CustomOp.register_oot``: vLLM instantiates our subclass wherever a model builds
   ``RMSNorm``, ``SiluAndMul`` or ``RotaryEmbedding``, and an out-of-tree platform
   dispatches enabled custom ops to ``forward_oot``;
-- vLLM IR (0.29+): ``rms_norm`` and ``fused_add_rms_norm`` get an ``ascend``
-  implementation, put first by ``NPUPlatform.get_default_ir_op_priority``, so IR
-  callers other than ``RMSNorm`` reach the seam too.
+- vLLM IR (0.20+): ``rms_norm`` and ``fused_add_rms_norm`` (0.21+) get an
+  ``ascend`` implementation, put first by ``NPUPlatform.get_default_ir_op_priority``,
+  so IR callers other than ``RMSNorm`` reach the seam too.
 
 Nothing here can fall back to vLLM's CUDA/CPU ``_C`` kernels: a disabled custom op
 runs ``forward_native``, which is plain torch.
@@ -22,6 +22,8 @@ from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from ascend_patch import kernels
 
 IR_PROVIDER = "ascend"
+IR_OPS = ("rms_norm", "fused_add_rms_norm")
+"""The vLLM IR ops given an ``IR_PROVIDER`` implementation, where the release has them."""
 _registered = False
 
 
@@ -96,6 +98,9 @@ def _register_ir_impls() -> None:
         x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None
     ) -> torch.Tensor:
         return kernels.rms_norm(x, weight, epsilon)[0]
+
+    if not hasattr(ir.ops, "fused_add_rms_norm"):  # added in vLLM 0.21
+        return
 
     @ir.ops.fused_add_rms_norm.register_impl(
         IR_PROVIDER, supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (

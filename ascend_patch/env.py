@@ -48,9 +48,9 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "ASCEND_PATCH_EMULATED_HBM",
-        "8GiB",
-        "Device memory of the emulated NPU, e.g. `8GiB`, `512MiB`. Only used with "
-        "`ASCEND_PATCH=emulate`.",
+        "4GiB",
+        "Device memory of the emulated NPU, e.g. `8GiB`, `512MiB`; vLLM sizes the KV cache "
+        "from it, and the KV cache is real host memory. Only used with `ASCEND_PATCH=emulate`.",
     ),
     Variable(
         "ASCEND_PATCH_DEBUG",

@@ -1,4 +1,8 @@
-"""KV-cache allocation for the Ascend attention backend (vLLM 0.29+).
+"""KV-cache allocation for the Ascend attention backend.
+
+vLLM 0.20–0.28 allocate one int8 buffer per layer and view it in the shape the
+backend's ``get_kv_cache_shape`` names, which is already the Ascend layout; the
+only glue there is charging the buffers to the emulated HBM.
 
 From 0.29 vLLM allocates one int8 backing buffer and hands each layer a strided
 ``[blocks, kv_heads, block_tokens, K|V content]`` view in which every token's K
@@ -27,10 +31,12 @@ def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
         )
     blocks, heads, tokens, content = view.shape
     numel = view.numel()
-    order = sorted(range(4), key=lambda d: view.stride(d), reverse=True)
+    # Dense: some order of the non-trivial dims has the strides of a contiguous tensor
+    # (a dim of size 1 never moves, so its stride says nothing).
+    order = sorted((d for d in range(4) if view.shape[d] > 1), key=view.stride, reverse=True)
     dense = all(
-        view.stride(order[i]) == math.prod(view.shape[d] for d in order[i + 1 :])
-        for i in range(4)
+        view.stride(d) == math.prod(view.shape[e] for e in order[i + 1 :])
+        for i, d in enumerate(order)
     )
     if not dense:
         raise ValueError(
@@ -42,16 +48,32 @@ def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
     return region.view(2, blocks, tokens, heads, content // 2)
 
 
-def allocate_kv_cache(wrapped, instance, args, kwargs):
-    """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache``."""
-    caches = wrapped(*args, **kwargs)
+def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
+    """Charge the buffers behind the layer caches to the device, until the first
+    layer cache dies (the layer caches keep their buffers alive)."""
     from ascend_patch import device
 
-    backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in caches.values()}
-    views = {name: ascend_layer_view(view) for name, view in caches.items()}
-    if views:  # the layer views keep the buffer alive; the charge ends with the first of them
-        device.current_runtime().charge("KV cache", sum(backing.values()), next(iter(views.values())))
+    backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in layer_caches.values()}
+    if layer_caches:
+        device.current_runtime().charge("KV cache", sum(backing.values()), next(iter(layer_caches.values())))
+
+
+def allocate_kv_cache(wrapped, instance, args, kwargs):
+    """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache`` (vLLM 0.29+)."""
+    views = {name: ascend_layer_view(view) for name, view in wrapped(*args, **kwargs).items()}
+    _charge(views)
     return views
+
+
+def reshape_kv_cache_tensors(wrapped, instance, args, kwargs):
+    """Wrapper of ``GPUModelRunner._reshape_kv_cache_tensors`` (vLLM 0.20–0.28).
+
+    Charges here rather than at allocation: the raw buffers' tensors die once
+    vLLM has viewed them, the layer caches returned here live with the engine.
+    """
+    caches = wrapped(*args, **kwargs)
+    _charge(caches)
+    return caches
 
 
 def compute_slot_mapping(original):
@@ -63,12 +85,16 @@ def compute_slot_mapping(original):
     """
 
     def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
-        from vllm.v1.worker.block_table import SlotMappingMode
+        if hasattr(self, "slot_mapping_mode"):  # vLLM 0.26+
+            from vllm.v1.worker.block_table import SlotMappingMode
 
-        if self.slot_mapping_mode == SlotMappingMode.NONE:
-            return
-        if getattr(self, "dcp_world_size", 1) != 1:
-            raise NotImplementedError("decode context parallelism is not supported on Ascend yet")
+            if self.slot_mapping_mode == SlotMappingMode.NONE:
+                return
+            context_parallel = self.dcp_world_size
+        else:  # before 0.26 prefill context parallelism interleaves the slots too
+            context_parallel = self.dcp_world_size * self.pcp_world_size
+        if context_parallel != 1:
+            raise NotImplementedError("context parallelism is not supported on Ascend yet")
         num_tokens = positions.shape[0]
         ends = query_start_loc[1 : num_reqs + 1]
         tokens = torch.arange(num_tokens, device=positions.device)

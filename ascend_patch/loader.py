@@ -258,9 +258,9 @@ def on_vllm_imported(module) -> None:
 
 
 def general_plugin() -> None:
-    """``vllm.general_plugins`` entry point: a second, idempotent trigger."""
-    if env.raw("ASCEND_PATCH").lower() != "off":
-        activate("vllm.general_plugins")
+    """``vllm.general_plugins`` entry point: a second, idempotent trigger (with
+    ``ASCEND_PATCH=off`` it only records that decision)."""
+    activate("vllm.general_plugins")
 
 
 def select_platform(wrapped, instance, args, kwargs) -> str:

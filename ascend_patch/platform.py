@@ -26,6 +26,7 @@ logger = logging.getLogger("vllm.ascend_patch")
 
 ATTENTION_BACKEND = "ascend_patch.attention.AscendAttentionBackend"
 WORKER = "ascend_patch.worker.NPUWorker"
+COMMUNICATOR = "ascend_patch.communicator.NPUCommunicator"
 
 
 class NPUPlatform(Platform):
@@ -46,6 +47,7 @@ class NPUPlatform(Platform):
         # torch.accelerator memory API; point them at this device.
         self.runtime().install()
         _force_v1_model_runner()
+        _force_spawned_workers()
 
     @classmethod
     def runtime(cls) -> device.Runtime:
@@ -118,16 +120,22 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_default_ir_op_priority(cls, vllm_config):
+        from dataclasses import fields
+
         from vllm.config.kernel import IrOpPriorityConfig
 
-        from ascend_patch.custom_ops import IR_PROVIDER
+        from ascend_patch.custom_ops import IR_OPS, IR_PROVIDER
 
         if "none" in vllm_config.compilation_config.custom_ops:
             return IrOpPriorityConfig.with_default(["native"])  # custom ops switched off
-        preferred = [IR_PROVIDER, "native"]
+        known = {field.name for field in fields(IrOpPriorityConfig)}  # fused_add_rms_norm: 0.21+
         return IrOpPriorityConfig.with_default(
-            ["native"], rms_norm=preferred, fused_add_rms_norm=list(preferred)
+            ["native"], **{op: [IR_PROVIDER, "native"] for op in IR_OPS if op in known}
         )
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return COMMUNICATOR
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
@@ -194,6 +202,12 @@ class EmulatedNPUPlatform(NPUPlatform):
     dist_backend = "gloo"
     emulated = True
 
+    @classmethod
+    def mem_get_info(cls, device=None) -> tuple[int, int]:
+        # vLLM before 0.25 reads free/total device memory from the platform, which
+        # would otherwise look for it in torch.cpu.
+        return cls.runtime().mem_get_info()
+
 
 
 def _force_v1_model_runner() -> None:
@@ -208,3 +222,20 @@ def _force_v1_model_runner() -> None:
             "supported on Ascend yet, using the V1 model runner"
         )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _force_spawned_workers() -> None:
+    """Workers must be spawned, never forked.
+
+    A forked child inherits an initialised NPU runtime, which torch_npu refuses to use
+    ("Cannot re-initialize NPU in forked subprocess"). A spawned worker is a fresh
+    interpreter that gets the overlay from the .pth like any other process, and the
+    emulated NPU follows the same path.
+    """
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if method != "spawn":
+        logger.warning(
+            "ascend-patch: VLLM_WORKER_MULTIPROC_METHOD=%s ignored; NPU workers must be spawned",
+            method,
+        )
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -100,11 +100,15 @@ class NPUWorker(Worker):
         if hasattr(Worker, "_init_workspace_and_model_runner"):  # vLLM 0.32+
             self._init_workspace_and_model_runner()
         else:
-            from vllm.v1.worker.gpu_worker import _num_workspace_lanes
+            from vllm.v1.worker import gpu_worker
             from vllm.v1.worker.workspace import init_workspace_manager
 
             num_ubatches = 2 if self.parallel_config.enable_dbo else 1
-            init_workspace_manager(self.device, num_ubatches, _num_workspace_lanes(self.vllm_config, False))
+            if hasattr(gpu_worker, "_num_workspace_lanes"):  # vLLM 0.28+
+                lanes = gpu_worker._num_workspace_lanes(self.vllm_config, False)
+                init_workspace_manager(self.device, num_ubatches, lanes)
+            else:
+                init_workspace_manager(self.device, num_ubatches)
             self.model_runner = self._make_model_runner()
 
     def _make_model_runner(self) -> NPUModelRunner:

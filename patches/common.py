@@ -60,6 +60,13 @@ ENGINE_CONTRACTS = [
     _platform_hook("import_ir_kernels", "(cls)", "register the ascend vLLM-IR implementations"),
     _platform_hook("get_default_ir_op_priority", "(cls, vllm_config)", "ascend IR implementations first"),
     _platform_hook("get_punica_wrapper", "(cls)", "LoRA is unsupported"),
+    _platform_hook("get_device_communicator_cls", "(cls)", "NPUCommunicator: HCCL, or gloo when emulated"),
+    _contract("vllm.distributed.device_communicators.base_device_communicator:DeviceCommunicatorBase.__init__",
+              ("(self, cpu_group, device=..., device_group=..., unique_name=..., global_ranks=..., "
+               "global_world_size=...)",
+               "(self, cpu_group, device=..., device_group=..., unique_name=..., global_ranks=..., "
+               "global_world_size=..., use_all2all=...)"),
+              "NPUCommunicator forwards every constructor variant"),
     _contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device"),
     _contract("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", "(self, tag)",
               "the CuMem pool is CUDA-only"),
@@ -90,4 +97,49 @@ ENGINE_CONTRACTS = [
               "(self, logits, generators, k, p)", "forward_npu finishes sampling through it"),
     _contract("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch",
               "(logits, k, p, allow_cpu_sync=...)", "the sampler's fallback above the NPU op's k limit"),
+]
+
+
+def no_kernel_warmup(original):
+    def kernel_warmup(worker, *, process_local_only=False):
+        return None  # no JIT-compiled CUDA/Triton kernels to tune on the NPU path
+
+    return kernel_warmup
+
+
+# Model-runner glue whose targets keep one signature (or gain only what the
+# wrapper forwards) from 0.20 to 0.33. Patch set v0_20 uses it as is; v0_29
+# still declares the same patches itself.
+RUNNER_GLUE = [
+    Patch(
+        "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.__init__",
+        reason="route top-k/top-p sampling through npu_top_k_top_p instead of forward_native",
+        vllm=ALL,
+        signature=(
+            "(self, logprobs_mode=...)",
+            "(self, logprobs_mode=..., use_fp64_gumbel=...)",  # 0.23+
+        ),
+        wrapper="ascend_patch.sampler:init_wrapper",
+    ),
+    Patch(
+        "vllm.model_executor.warmup.kernel_warmup:kernel_warmup",
+        reason="CUDA/Triton/FlashInfer kernel autotuning has nothing to tune on Ascend",
+        vllm=ALL,
+        signature=("(worker)", "(worker, *, process_local_only=...)"),  # the keyword: 0.27+
+        replacement=no_kernel_warmup,
+    ),
+    _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
+              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout"),
+    _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids", "(self, block_ids)",
+              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout"),
+    Patch(
+        "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
+        reason="vLLM computes KV slots with a Triton kernel; the NPU path uses torch ops",
+        vllm=ALL,
+        signature=("(self, num_reqs, query_start_loc, positions)",),
+        replacement="ascend_patch.kv_cache:compute_slot_mapping",
+    ),
+    _contract("vllm.v1.worker.utils:request_memory",
+              ("(init_snapshot, cache_config)", "(init_snapshot, cache_config, external_weight_memory=...)"),
+              "NPUWorker.init_device takes vLLM's memory baseline with it"),
 ]

@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
-# The README's main command: build the environment from nothing (or reuse it), then show
-# stock vLLM running on the NPU platform. Without an NPU this is the emulated mode
-# (ASCEND_PATCH=emulate: the NPU code path on CPU tensors); on an Ascend machine run it
-# with ASCEND_PATCH=auto and the real torch-npu installed.
+# The README's main command: build the environment from nothing (or reuse it), then run a
+# real generation through stock vLLM on the NPU platform and print it. Without an NPU this
+# is the emulated mode (ASCEND_PATCH=emulate: the NPU code path on CPU tensors, with a
+# tiny locally built model — there is no model hub here). On an Ascend machine, run it with
+# ASCEND_PATCH=auto and torch-npu installed, and pass a real model: scripts/demo.sh MODEL_DIR
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup_env.sh"
 export ASCEND_PATCH="${ASCEND_PATCH:-emulate}"
+export ASCEND_PATCH_EMULATED_HBM="${ASCEND_PATCH_EMULATED_HBM:-1GiB}"
 export TMPDIR="$ROOT/.tmp" XDG_CACHE_HOME="$ROOT/.cache" VLLM_CACHE_ROOT="$ROOT/.cache/vllm"
 mkdir -p "$TMPDIR" "$XDG_CACHE_HOME"
 PY="$ROOT/.venv/bin/python"
 
+MODEL="${1:-}"
+if [[ -z "$MODEL" ]]; then
+    echo "== building the tiny local test model (no hub needed)"
+    MODEL="$("$PY" "$ROOT/scripts/make_tiny_models.py" "$ROOT/.cache/models" | sed -n 's/^tiny-llama: //p')"
+fi
+
 echo "== ascend-patch doctor (ASCEND_PATCH=$ASCEND_PATCH)"
 "$ROOT/.venv/bin/ascend-patch" doctor
 echo
-echo "== stock vLLM, as any script imports it"
-"$PY" - <<'PY'
+echo "== stock vLLM, unchanged script: LLM(...).generate(...) on $MODEL"
+"$PY" - "$MODEL" <<'PY'
+import sys
+from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
-import torch
-print(f"current_platform = {type(current_platform).__module__}.{type(current_platform).__name__}")
-print(f"device name      = {current_platform.get_device_name(0)}")
-print(f"torch device     = {torch.device(current_platform.device_type)}")
-print(f"dist backend     = {current_platform.dist_backend}")
+
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], max_model_len=512, seed=0)
+    prompts = ["The Zen of Python says", "import json\n", "def main():"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    print(f"\nplatform: {type(current_platform).__name__} ({current_platform.get_device_name(0)})")
+    for output in outputs:
+        print(f"{output.prompt!r} -> {output.outputs[0].text!r}")
+        print(f"    token ids: {list(output.outputs[0].token_ids)}")
 PY

@@ -28,9 +28,15 @@ fi
 # CUDA builds of torch or triton. pip byte-compiles on install, which matters here
 # because PYTHONDONTWRITEBYTECODE=1 would otherwise halve import speed for good.
 echo "setup_env: installing $(grep -c '==' "$REQUIREMENTS") pinned packages (torch, vLLM, tools); this takes a minute or two"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$REQUIREMENTS"
+pip_install() {
+    # This machine's pip config names local index folders that may not exist; their
+    # warnings are noise, every other line is kept.
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$@" \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+pip_install -r "$REQUIREMENTS"
 echo "setup_env: installing ascend-patch (editable) from $ROOT"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
+pip_install --no-build-isolation -e "$ROOT"
 # The editable install imports from the source tree, where PYTHONDONTWRITEBYTECODE=1 would
 # leave every process compiling the .pth bootstrap from source (~2 ms each start-up).
 "$VENV/bin/python" -m compileall -q "$ROOT/ascend_patch" "$ROOT/patches"

@@ -144,4 +144,6 @@ def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, ti
         cwd=tmp_path,
     )
     assert proc.returncode == 0, f"engine driver failed:\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"engine driver printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])

@@ -45,25 +45,25 @@ def _shared_prefix_prompts(prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llama_fp32_runs(llama, prompts, tmp_path_factory):
-    """One engine with prefix caching (vLLM's default), then one forcing chunked prefill."""
+    """One engine with prefix caching (vLLM's default), then one forcing chunked prefill
+    (each in its own process: some vLLM releases keep a deleted engine's memory)."""
     shared = _shared_prefix_prompts(prompts)
     runs = [
         {"prompts": prompts, "sampling": [GREEDY]},
         {"prompts": prompts, "sampling": [GREEDY]},  # the same again: served from cache
         {"prompts": shared, "sampling": [GREEDY]},
     ]
-    spec = {
-        "engines": [
-            {"model": str(llama), "kwargs": {**ENGINE, "enable_prefix_caching": True}, "runs": runs},
-            {
-                "model": str(llama),
-                "kwargs": {**ENGINE, "enable_prefix_caching": False, "enable_chunked_prefill": True,
-                           "max_num_batched_tokens": 64},
-                "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
-            },
-        ]
+    cached = {"model": str(llama), "kwargs": {**ENGINE, "enable_prefix_caching": True}, "runs": runs}
+    chunked = {
+        "model": str(llama),
+        "kwargs": {**ENGINE, "enable_prefix_caching": False, "enable_chunked_prefill": True,
+                   "max_num_batched_tokens": 64},
+        "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
     }
-    return run_engine(spec, tmp_path_factory.mktemp("llama-fp32")), shared
+    tmp = tmp_path_factory.mktemp("llama-fp32")
+    result = run_engine({"engines": [cached]}, tmp)
+    result["engines"] += run_engine({"engines": [chunked]}, tmp)["engines"]
+    return result, shared
 
 
 def test_greedy_equals_hf_token_for_token(llama_fp32_runs, llama_oracle):

@@ -1,0 +1,165 @@
+"""Keep compat_matrix.yaml true: run a vLLM release and record what was run.
+
+For each VERSION:
+
+1. static: ``ascend-patch probe VERSION`` checks every target of the set the loader
+   would pick against that release's source (nothing installed);
+2. dynamic (when ``requirements/test-vllm-VERSION.txt`` pins an environment for it):
+   builds ``.venvs/vllm-VERSION`` with that exact vLLM on the CPU torch, and runs the
+   emulated end-to-end suite (tests/test_engine.py: greedy equal to HF, prefix caching,
+   chunked prefill, bf16 fused kernels, sampling, emulated HBM) inside it;
+3. writes the outcome into the matrix: ``emulated-e2e`` when the suite passed,
+   ``static-probe`` when only the probe ran and every target verified,
+   ``unsupported`` when the probe found mismatches — with the date and the evidence.
+
+    python scripts/record_matrix_run.py 0.32.0 0.29.0          # run and record
+    python scripts/record_matrix_run.py --static-only 0.20.0   # probe only
+    python scripts/record_matrix_run.py --check 0.32.0         # run, fail if the matrix disagrees
+
+Downstream CI can pin a version the same way: ``--check`` exits 1 when the recorded
+status is not what the run shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MATRIX = ROOT / "compat_matrix.yaml"
+E2E_SUITE = "tests/test_engine.py"
+
+
+def requirements_for(version: str) -> Path:
+    return ROOT / "requirements" / f"test-vllm-{version}.txt"
+
+
+def static_probe(version: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ascend_patch", "probe", version, "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    if proc.returncode == 2:
+        raise SystemExit(f"probe of {version} failed:\n{proc.stderr}")
+    data = json.loads(proc.stdout)
+    targets = data["targets"]
+    return {
+        "run": "static-probe",
+        "command": f"ascend-patch probe {version}",
+        "patch_set": data["selection"]["probed_set"],
+        "targets": len(targets),
+        "verified": sum(1 for t in targets if t["state"] == "verified"),
+        "mismatches": [f"{t['target']}: {t['found']}" for t in targets if t["state"] != "verified"],
+        "would_activate": proc.returncode == 0,
+    }
+
+
+def _environment(version: str) -> Path:
+    """The release's pinned environment: the main .venv for the one setup_env.sh builds
+    by default, .venvs/vllm-VERSION for the others."""
+    main = ROOT / "requirements" / "test-vllm-0.33.0.txt"
+    venv = ROOT / ".venv" if requirements_for(version) == main else ROOT / ".venvs" / f"vllm-{version}"
+    env = {**os.environ, "ASCEND_PATCH_REQUIREMENTS": str(requirements_for(version))}
+    subprocess.run([str(ROOT / "scripts" / "setup_env.sh"), str(venv)], check=True, env=env)
+    return venv
+
+
+def dynamic_e2e(version: str) -> dict:
+    venv = _environment(version)
+    python = venv / "bin" / "python"
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
+        proc = subprocess.run(
+            [str(python), "-m", "pytest", E2E_SUITE, "-q", "-p", "no:cacheprovider",
+             f"--junitxml={report}"],
+            cwd=ROOT, env=env, timeout=3600,
+        )
+        suite = ET.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    versions = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m, json, platform; print(json.dumps({"
+         "'vllm': m.version('vllm'), 'torch': m.version('torch'), "
+         "'transformers': m.version('transformers'), 'python': platform.python_version()}))"],
+        capture_output=True, text=True, check=True,
+    )
+    tests = int(suite.get("tests"))
+    failed = int(suite.get("failures")) + int(suite.get("errors"))
+    skipped = int(suite.get("skipped", 0))
+    return {
+        "run": "emulated-e2e",
+        "command": f"scripts/record_matrix_run.py {version}",
+        "suite": E2E_SUITE,
+        "passed": tests - failed - skipped,
+        "failed": failed,
+        "skipped": skipped,
+        "exit_status": proc.returncode,
+        "environment": json.loads(versions.stdout),
+    }
+
+
+def outcome(version: str, static_only: bool) -> tuple[str, dict]:
+    evidence = {"static_probe": static_probe(version)}
+    if not evidence["static_probe"]["would_activate"]:
+        return "unsupported", evidence
+    if static_only or not requirements_for(version).is_file():
+        return "static-probe", evidence
+    evidence["e2e"] = dynamic_e2e(version)
+    ok = evidence["e2e"]["failed"] == 0 and evidence["e2e"]["passed"] > 0
+    return ("emulated-e2e" if ok else "unsupported"), evidence
+
+
+def write(version: str, status: str, evidence: dict) -> None:
+    """Update one version's status, date and evidence, keeping the file's comments."""
+    text = MATRIX.read_text()
+    head, body = text.split("\nschema:", 1)
+    data = yaml.safe_load("schema:" + body)
+    entry = data["versions"].get(version)
+    if entry is None:
+        raise SystemExit(f"{MATRIX}: no row for {version}; add it (patch set, torch, torch_npu, cann) first")
+    entry.update(status=status, date=datetime.date.today().isoformat(), evidence=evidence)
+    data["versions"] = dict(sorted(data["versions"].items(), key=lambda kv: _key(kv[0]), reverse=True))
+    MATRIX.write_text(head + "\n" + yaml.safe_dump(data, sort_keys=False, width=100))
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("versions", nargs="+")
+    parser.add_argument("--static-only", action="store_true", help="probe only, build no environment")
+    parser.add_argument("--check", action="store_true", help="compare with the matrix instead of writing it")
+    args = parser.parse_args()
+    disagreements = []
+    for version in args.versions:
+        print(f"== vLLM {version}", file=sys.stderr)
+        status, evidence = outcome(version, args.static_only)
+        print(f"   {status}: {json.dumps(evidence)}", file=sys.stderr)
+        if args.check:
+            recorded = yaml.safe_load(MATRIX.read_text())["versions"].get(version, {}).get("status")
+            if recorded != status:
+                disagreements.append(f"{version}: matrix says {recorded}, the run shows {status}")
+        else:
+            write(version, status, evidence)
+    if disagreements:
+        print("compat_matrix.yaml disagrees with what ran:\n  " + "\n  ".join(disagreements), file=sys.stderr)
+        return 1
+    if not args.check:
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "render_readme_matrix.py")], check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

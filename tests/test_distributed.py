@@ -1,0 +1,228 @@
+"""Tensor and pipeline parallelism across spawned workers, and Ray, on the emulated NPU.
+
+Each worker is a fresh interpreter that gets the overlay from the installed ``.pth``;
+gloo stands in for HCCL. Greedy outputs must equal HF transformers (and so TP=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, clean_env, hf_greedy, prompt_token_ids, run_engine, run_python
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+ENGINE = {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.9}
+EMULATED = {"ASCEND_PATCH": "emulate", "ASCEND_PATCH_EMULATED_HBM": "512MiB"}
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models["tiny-llama"]
+
+
+@pytest.fixture(scope="module")
+def prompts(llama):
+    return prompt_token_ids(llama, [5, 33, 140, 260])
+
+
+@pytest.fixture(scope="module")
+def oracle(llama, prompts):
+    return hf_greedy(llama, prompts, GREEDY["max_tokens"])
+
+
+def _generate(llama, prompts, tmp_path, env=None, **parallel):
+    spec = {"engines": [{"model": str(llama), "kwargs": {**ENGINE, **parallel},
+                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}]}
+    result = run_engine(spec, tmp_path, env=env or clean_env(**EMULATED))
+    engine = result["engines"][0]
+    assert "error" not in engine, engine.get("error")
+    return engine["runs"][0]["tokens"]
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+    ids=["tp2", "pp2"],
+)
+def test_multiprocess_parallelism_equals_hf(llama, prompts, oracle, tmp_path, parallel):
+    tokens = _generate(llama, prompts, tmp_path, distributed_executor_backend="mp", **parallel)
+    assert tokens == oracle
+
+
+def test_a_worker_without_the_overlay_fails_clearly(llama, prompts, tmp_path):
+    """Disable the overlay in the spawned workers only: multiprocessing children run the
+    sitecustomize below, which undoes the .pth bootstrap and sets ASCEND_PATCH=off."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(
+        """
+        import os, sys
+        if any("multiprocessing" in arg for arg in sys.argv):
+            os.environ["ASCEND_PATCH"] = "off"
+            sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "PostImportFinder"]
+        """
+    ))
+    env = clean_env(**EMULATED, PYTHONPATH=str(site))
+    spec = {"engines": [{"model": str(llama), "kwargs": {**ENGINE, "tensor_parallel_size": 2,
+                                                         "distributed_executor_backend": "mp"},
+                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}]}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "engine_driver.py"), _write(tmp_path, spec)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    output = proc.stdout + proc.stderr
+    assert "ascend-patch is not active in this vLLM process" in output
+    assert "ASCEND_PATCH=off" in output
+    if proc.returncode == 0:  # the driver reports engine errors instead of raising
+        assert "error" in json.loads(proc.stdout.strip().splitlines()[-1])["engines"][0]
+
+
+def _write(tmp_path: Path, spec: dict) -> str:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+# --- collectives -----------------------------------------------------------------------------
+
+COLLECTIVES = """
+import json, os, sys
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def check(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from vllm.platforms import current_platform
+    from ascend_patch.communicator import NPUCommunicator
+    dist.init_process_group(current_platform.dist_backend, rank=rank, world_size=2)
+    comm = NPUCommunicator(dist.new_group(backend="gloo"), torch.device("cpu"),
+                           dist.new_group(backend=current_platform.dist_backend), "tp:0")
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+    out = {}
+    r = x.clone(); comm.all_reduce(r); out["all_reduce"] = r.tolist()
+    out["all_gather_0"] = comm.all_gather(x, 0).tolist()
+    out["all_gather_-1"] = comm.all_gather(x, -1).tolist()
+    out["reduce_scatter"] = comm.reduce_scatter(torch.arange(4.0) + rank, 0).tolist()
+    g = comm.gather(x, dst=0, dim=0); out["gather"] = None if g is None else g.tolist()
+    out["broadcast"] = comm.broadcast(x.clone(), src=1).tolist()
+    if rank == 0:
+        comm.send(x, dst=1)
+    else:
+        out["recv"] = comm.recv(x.shape, x.dtype, src=0).tolist()
+    mine = torch.full((rank + 1, 2), float(rank))
+    out["all_gatherv"] = comm.all_gatherv(mine, 0, sizes=[1, 2]).tolist()
+    out["reduce_scatterv"] = comm.reduce_scatterv(torch.arange(3.0) + rank, 0, sizes=[1, 2]).tolist()
+    results[rank] = out
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(check, args=(int(sys.argv[1]), results), nprocs=2)
+        print(json.dumps([results[0], results[1]]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_every_collective_across_two_gloo_ranks(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES)
+    proc = subprocess.run([sys.executable, str(script), str(_free_port())], env=clean_env(**EMULATED),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = json.loads(proc.stdout.strip().splitlines()[-1])
+    x0 = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    x1 = [[10.0, 11.0, 12.0], [13.0, 14.0, 15.0]]
+    for r in (r0, r1):
+        assert r["all_reduce"] == [[10.0, 12.0, 14.0], [16.0, 18.0, 20.0]]
+        assert r["all_gather_0"] == x0 + x1
+        assert r["all_gather_-1"] == [a + b for a, b in zip(x0, x1)]
+        assert r["broadcast"] == x1
+        assert r["all_gatherv"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    # arange(4) + rank summed = [1, 3, 5, 7]: rank 0 keeps the first half.
+    assert (r0["reduce_scatter"], r1["reduce_scatter"]) == ([1.0, 3.0], [5.0, 7.0])
+    assert (r0["gather"], r1["gather"]) == (x0 + x1, None)
+    assert r1["recv"] == x0
+    assert (r0["reduce_scatterv"], r1["reduce_scatterv"]) == ([1.0], [3.0, 5.0])
+
+
+# --- Ray ---------------------------------------------------------------------------------------
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # After "pid (comm)": state ppid pgrp session. Zombies are dead already; they
+            # wait for a reaper that a container's init may not be.
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local Ray head on loopback with two NPU resources; every process it starts lives
+    in one new session, and is stopped by PID afterwards."""
+    port = _free_port()
+    ray = str(Path(sys.executable).with_name("ray"))
+    temp = tmp_path_factory.mktemp("ray")
+    env = clean_env(**EMULATED, RAY_USAGE_STATS_ENABLED="0")
+    log = open(temp / "ray.log", "w")
+    head = subprocess.Popen(
+        [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+         "--num-cpus", "4", "--resources", '{"NPU": 2}', "--include-dashboard", "false",
+         "--disable-usage-stats", "--temp-dir", str(temp)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while run_python("import ray; ray.init(address=%r); ray.shutdown()" % address,
+                     env=clean_env(RAY_ADDRESS=address)).returncode != 0:
+        if head.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"ray head did not start:\n{(temp / 'ray.log').read_text()[-3000:]}")
+        time.sleep(2)
+    try:
+        yield address
+    finally:
+        for pid in _session_pids(head.pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while _session_pids(head.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in _session_pids(head.pid):
+            os.kill(pid, signal.SIGKILL)
+        head.wait(timeout=30)
+        log.close()
+        assert _session_pids(head.pid) == [], "Ray processes left behind"
+
+
+def test_ray_tensor_parallel_equals_hf(llama, prompts, oracle, tmp_path, ray_cluster):
+    env = clean_env(**EMULATED, RAY_ADDRESS=ray_cluster)
+    tokens = _generate(llama, prompts, tmp_path, env=env, tensor_parallel_size=2,
+                       distributed_executor_backend="ray")
+    assert tokens == oracle
