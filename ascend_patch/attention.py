@@ -22,11 +22,9 @@ carves it out of vLLM's single allocation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -36,6 +34,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch import kernels
+from ascend_patch.kernels import paged
 
 # Block sizes the fused kernels accept for queries longer than one token
 # (npu_fused_infer_attention_score PageAttention rule: a multiple of 128 in [128, 512]).
@@ -256,28 +255,18 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
 
 
 def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out) -> None:
-    """Causal attention over the paged cache with standard torch ops, one sequence at a
-    time (fp32 models; head sizes the fused kernels reject)."""
-    block_size, kv_heads, head_size = key_cache.shape[1:]
-    start = 0
-    for end, kv_len, blocks in zip(meta.query_ends, meta.seq_lens, meta.block_table):
-        q_len = end - start
-        if q_len:
-            ids = blocks[: math.ceil(kv_len / block_size)].long()
-            keys = key_cache[ids].reshape(-1, kv_heads, head_size)[:kv_len]
-            values = value_cache[ids].reshape(-1, kv_heads, head_size)[:kv_len]
-            # Query row i sits at position kv_len - q_len + i and sees keys up to it.
-            visible = None
-            if q_len > 1:
-                rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-                visible = torch.arange(kv_len, device=query.device) <= rows
-            attn = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=visible,
-                scale=scale,
-                enable_gqa=kv_heads != query.shape[1],
-            )
-            out[start:end] = attn.transpose(0, 1)
-        start = end
+    """Causal attention over the paged cache with standard torch ops (fp32 models; head
+    sizes the fused kernels reject): every single-token query in one batched call, each
+    longer one on its own, query row i seeing keys up to position kv_len - q_len + i."""
+    starts = [0, *meta.query_ends[:-1]]
+    lengths = [end - start for start, end in zip(starts, meta.query_ends)]
+    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    if decodes:
+        rows = torch.tensor([starts[i] for i in decodes], device=query.device)
+        out[rows] = paged.decode_batch(query[rows], key_cache, value_cache, meta.block_table[decodes],
+                                       [meta.seq_lens[i] for i in decodes], scale)
+    for i, n in enumerate(lengths):
+        if n > 1:
+            keys, values = paged.gather_sequence(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
+            rows = slice(starts[i], starts[i] + n)
+            out[rows] = paged.attend(query[rows], keys, values, scale, causal=True)

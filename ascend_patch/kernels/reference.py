@@ -49,6 +49,7 @@ from .contracts import (
     fail,
     require,
 )
+from .paged import attend, decode_batch, gather_sequence
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -211,19 +212,19 @@ def fused_infer_attention_score(
         decodes = [i for i in range(batch) if q_lens[i] == 1 and kv_lens[i] > 0]
         if decodes:
             rows = torch.tensor([q_starts[i] for i in decodes], device=query.device)
-            out[rows] = _paged_decode(query[rows], key_cache, value_cache, block_table[decodes],
+            out[rows] = decode_batch(query[rows], key_cache, value_cache, block_table[decodes],
                                       [kv_lens[i] for i in decodes], scale)
         per_sequence = [i for i in range(batch) if q_lens[i] > 1]
     for i in per_sequence:
         if q_lens[i] == 0 or kv_lens[i] == 0:
             continue
         if paged:
-            seq_key, seq_value = _gather_blocks(key_cache, value_cache, block_table[i], kv_lens[i])
+            seq_key, seq_value = gather_sequence(key_cache, value_cache, block_table[i], kv_lens[i])
         else:
             kv_rows = slice(kv_arg[i] - kv_lens[i], kv_arg[i])
             seq_key, seq_value = key[kv_rows], value[kv_rows]
         rows = slice(q_starts[i], q_ends[i])
-        out[rows] = _attend(query[rows], seq_key, seq_value, scale, causal)
+        out[rows] = attend(query[rows], seq_key, seq_value, scale, causal)
     return out, torch.zeros(1, dtype=torch.float32, device=query.device)
 
 
@@ -289,7 +290,7 @@ def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scal
             f"{query.dtype} of shape {tuple(query.shape)}", f"{out.dtype} {tuple(out.shape)}")
     check_contiguous(op, "out", out)  # [ATB-OUT]
 
-    out.copy_(_paged_decode(query, key_cache, value_cache, block_table, lengths, scale_value))
+    out.copy_(decode_batch(query, key_cache, value_cache, block_table, lengths, scale_value))
 
 
 def _lengths_from_cumulative(op, arg, ends):
@@ -380,57 +381,6 @@ def _check_causal_mask(op, atten_mask):
     require(torch.equal(atten_mask.reshape(size, size) != 0, upper), op, "atten_mask",
             "nonzero exactly above the diagonal (torch.triu(ones, 1))", "another pattern")
     _verified_mask = (weakref.ref(atten_mask), version)
-
-
-def _gather_blocks(key_cache, value_cache, block_ids, length):
-    """One sequence's K/V, [length, KVH, D], gathered from [nb, bs, KVH, D] caches."""
-    blocks = block_ids[: math.ceil(length / key_cache.shape[1])].long()
-    heads_dim = key_cache.shape[2:]
-    return (key_cache[blocks].reshape(-1, *heads_dim)[:length],
-            value_cache[blocks].reshape(-1, *heads_dim)[:length])
-
-
-def _attend(query, key, value, scale, causal):
-    """One sequence: query [q, N, D] over key/value [s, KVH, D]; causal aligns query row i to key
-    position s - q + i (sparse_mode=3, rightDownCausal)."""
-    q_len, kv_len = query.shape[0], key.shape[0]
-    mask, is_causal = None, False
-    if causal and q_len > 1:
-        if q_len == kv_len:
-            is_causal = True
-        else:
-            rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-            mask = torch.arange(kv_len, device=query.device) <= rows
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-        attn_mask=mask, is_causal=is_causal, scale=scale,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return out.transpose(0, 1)
-
-
-def _paged_decode(query, key_cache, value_cache, block_table, lengths, scale):
-    """Batched single-token attention, query [B, N, D] over [nb, bs, KVH, D] caches -> [B, N, D].
-
-    The GQA group is folded into the query-length axis (no causal structure within one token), so
-    the K/V heads are never repeated; one SDPA call serves the whole batch.
-    """
-    batch, heads, head_dim = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    lengths = torch.tensor(lengths, device=query.device)
-    blocks_used = (lengths + block_size - 1) // block_size
-    width = int(blocks_used.max())
-    in_use = torch.arange(width, device=query.device) < blocks_used[:, None]
-    ids = block_table[:, :width].long().masked_fill(~in_use, 0)  # unused columns may be stale
-    span = width * block_size
-    keys = key_cache[ids].view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    values = value_cache[ids].view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(span, device=query.device) < lengths[:, None]
-    out = F.scaled_dot_product_attention(
-        query.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
-        attn_mask=visible[:, None, None, :], scale=scale,
-    )
-    return out.reshape(batch, heads, head_dim)
 
 
 # --- norms and activation -------------------------------------------------------------------------
