@@ -43,6 +43,10 @@ class NPUPlatform(Platform):
     emulated = False
 
     def __init__(self) -> None:
+        from ascend_patch import kernels
+
+        # The NPU ops: torch_npu on hardware, the contract-checking references when emulated.
+        kernels.use("reference" if self.emulated else "npu")
         # vLLM's GPU runner calls torch.cuda streams/events and the
         # torch.accelerator memory API; point them at this device.
         self.runtime().install()

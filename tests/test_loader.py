@@ -82,6 +82,7 @@ def test_emulate_through_the_pth_without_importing_ascend_patch():
             "ray": current_platform.ray_device_key,
             "env_var": current_platform.device_control_env_var,
             "dist": current_platform.dist_backend,
+            "kernels": __import__("ascend_patch.kernels").kernels.active_backend(),
         }))
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
@@ -91,6 +92,7 @@ def test_emulate_through_the_pth_without_importing_ascend_patch():
     assert result["device"] == "cpu" and result["group_device"] == "cpu:0"
     assert result["oot"] is True
     assert (result["ray"], result["env_var"], result["dist"]) == ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "gloo")
+    assert result["kernels"] == "reference", "the emulated NPU runs the contract-checking kernels"
 
 
 def test_npu_platform_class_attributes():

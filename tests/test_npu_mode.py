@@ -1,0 +1,64 @@
+"""The real-NPU mode's wiring, with a stand-in torch_npu (there is no NPU here).
+
+A recording stand-in module answers as torch_npu would on a machine with one NPU.
+This checks what can be checked without hardware: that ``auto``/``npu`` activate
+when torch_npu sees a device, that the platform is the real ``NPUPlatform``, that the
+kernel seam switches to torch_npu, and that vLLM's ``torch.cuda`` stream/event calls
+are pointed at ``torch_npu.npu``. It proves nothing about the hardware itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import clean_env, run_json
+
+STAND_IN = """
+import importlib.machinery, json, sys, types
+
+class Recorder:
+    def __init__(self, name):
+        self.name = name
+    def __call__(self, *args, **kwargs):
+        return self.name
+
+npu = types.SimpleNamespace(
+    is_available=lambda: True, device_count=lambda: 1,
+    **{name: Recorder(f"torch_npu.npu.{name}") for name in (
+        "Stream", "Event", "current_stream", "default_stream", "stream", "set_stream",
+        "synchronize", "mem_get_info")},
+)
+torch_npu = types.ModuleType("torch_npu")
+torch_npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+torch_npu.__version__ = "2.13.0"
+torch_npu.npu = npu
+sys.modules["torch_npu"] = torch_npu
+
+import torch
+from vllm.platforms import current_platform
+from ascend_patch import kernels, loader
+print(json.dumps({
+    "platform": type(current_platform).__name__,
+    "mode": loader.current().mode,
+    "mode_reason": loader.current().mode_reason,
+    "kernels": kernels.active_backend(),
+    "device_type": current_platform.device_type,
+    "dist_backend": current_platform.dist_backend,
+    "cuda_stream": torch.cuda.Stream(),
+    "cuda_event": torch.cuda.Event(),
+    "memory_info": torch.accelerator.get_memory_info(),
+}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "npu"])
+def test_a_visible_npu_activates_the_real_platform(mode):
+    result = run_json(STAND_IN, env=clean_env(ASCEND_PATCH=mode))
+    assert result["platform"] == "NPUPlatform"
+    assert result["mode"] == "npu"
+    assert result["mode_reason"] == f"ASCEND_PATCH={mode} and torch_npu 2.13.0 sees 1 NPU(s)"
+    assert result["kernels"] == "npu"
+    assert (result["device_type"], result["dist_backend"]) == ("npu", "hccl")
+    assert result["cuda_stream"] == "torch_npu.npu.Stream"
+    assert result["cuda_event"] == "torch_npu.npu.Event"
+    assert result["memory_info"] == "torch_npu.npu.mem_get_info"
