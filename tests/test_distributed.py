@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -181,13 +183,24 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _ray_answers(address: str) -> bool:
+    try:
+        probe = run_python("import ray; ray.init(address=%r); ray.shutdown()" % address,
+                           env=clean_env(RAY_ADDRESS=address), timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
+    return probe.returncode == 0
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """A local Ray head on loopback with two NPU resources; every process it starts lives
     in one new session, and is stopped by PID afterwards."""
     port = _free_port()
     ray = str(Path(sys.executable).with_name("ray"))
-    temp = tmp_path_factory.mktemp("ray")
+    # Ray's socket paths must stay under 107 bytes (AF_UNIX): a short directory in /tmp,
+    # removed afterwards, rather than one under the workspace's pytest temp tree.
+    temp = Path(tempfile.mkdtemp(prefix="aray", dir="/tmp"))
     env = clean_env(**EMULATED, RAY_USAGE_STATS_ENABLED="0")
     log = open(temp / "ray.log", "w")
     head = subprocess.Popen(
@@ -197,9 +210,8 @@ def ray_cluster(tmp_path_factory):
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while run_python("import ray; ray.init(address=%r); ray.shutdown()" % address,
-                     env=clean_env(RAY_ADDRESS=address)).returncode != 0:
+    deadline = time.monotonic() + 180
+    while not _ray_answers(address):
         if head.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"ray head did not start:\n{(temp / 'ray.log').read_text()[-3000:]}")
         time.sleep(2)
@@ -218,6 +230,8 @@ def ray_cluster(tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
         head.wait(timeout=30)
         log.close()
+        shutil.copy(temp / "ray.log", tmp_path_factory.mktemp("ray-log") / "ray.log")
+        shutil.rmtree(temp, ignore_errors=True)
         assert _session_pids(head.pid) == [], "Ray processes left behind"
 
 
