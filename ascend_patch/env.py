@@ -61,7 +61,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "ASCEND_PATCH_CACHE_DIR",
         "",
-        "Where `ascend-patch probe` keeps downloaded vLLM releases. Default: "
+        "Where `ascend-patch probe` keeps downloaded vLLM releases and the loader keeps "
+        "verification results. Default: "
         "`$XDG_CACHE_HOME/ascend-patch` (or `~/.cache/ascend-patch`).",
     ),
 )

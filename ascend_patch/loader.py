@@ -166,7 +166,11 @@ def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Acti
         act.warnings.append(message)
     set_name = act.selection.patch_set.name
     act.patches = list(importlib.import_module(f"ascend_patch.patches.{set_name}").PATCHES)
-    act.statuses = verify(act.patches, SourceTree(Path(act.vllm.location)))
+    act.statuses = verify(
+        act.patches,
+        SourceTree(Path(act.vllm.location)),
+        cache_dir=Path(env.cache_dir()) / "verified",
+    )
     failed = [s for s in act.statuses if not s.ok]
     if failed:
         details = "".join(f"\n  - {s.describe()}" for s in failed)

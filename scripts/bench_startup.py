@@ -6,7 +6,9 @@
    Also the exact cost of running the ``.pth`` line once in a fresh interpreter,
    and the modules it adds to a bare interpreter (goal: none but its own two).
 2. ``from vllm import LLM`` with ``ASCEND_PATCH=emulate`` (mode decision, matrix,
-   static verification of every target, platform switch) against ``ASCEND_PATCH=off``.
+   verification of every target, platform switch) against ``ASCEND_PATCH=off``, both
+   with the verification result cached (every process after the first on an install)
+   and with an empty cache (the first process: every target file parsed).
 
 Runs alternate between the two configurations so drift on a busy machine hits both.
 This is a measurement script, not a test: it prints figures and asserts nothing.
@@ -23,7 +25,9 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PTH = Path(sysconfig.get_paths()["purelib"]) / "a1_ascend_patch.pth"
@@ -41,12 +45,13 @@ def _wall(argv: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
-def _alternate(argv: list[str], a: dict, b: dict, runs: int) -> tuple[list[float], list[float]]:
-    times_a, times_b = [], []
+def _interleave(argv: list[str], envs: dict[str, Callable[[], dict]], runs: int) -> dict:
+    """Wall times per configuration; ``envs`` builds each run's environment."""
+    times: dict[str, list[float]] = {name: [] for name in envs}
     for _ in range(runs):
-        times_a.append(_wall(argv, a))
-        times_b.append(_wall(argv, b))
-    return times_a, times_b
+        for name, make_env in envs.items():
+            times[name].append(_wall(argv, make_env()))
+    return times
 
 
 LINE_COST = """
@@ -72,7 +77,8 @@ def main() -> int:
     py = sys.executable
     on, off = _env(), _env(ASCEND_PATCH="off")
 
-    with_pth, without = _alternate([py, "-c", "pass"], on, off, args.runs)
+    passes = _interleave([py, "-c", "pass"], {"pth": lambda: on, "off": lambda: off}, args.runs)
+    with_pth, without = passes["pth"], passes["off"]
     line_runs = []
     for _ in range(args.runs):
         out = subprocess.run(
@@ -81,14 +87,27 @@ def main() -> int:
         line_runs.append((float(out[0]), out[1:]))
     added = sorted({m for _, mods in line_runs for m in mods})
 
-    emulate, stock = _alternate(
-        [py, "-c", "from vllm import LLM"], _env(ASCEND_PATCH="emulate"), off, args.vllm_runs
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as scratch:
+        warm = _env(ASCEND_PATCH="emulate")
+        _wall([py, "-c", "from vllm import LLM"], warm)  # fills the default cache if empty
+        imports = _interleave(
+            [py, "-c", "from vllm import LLM"],
+            {
+                "emulate": lambda: warm,
+                "cold": lambda: _env(
+                    ASCEND_PATCH="emulate", ASCEND_PATCH_CACHE_DIR=tempfile.mkdtemp(dir=scratch)
+                ),
+                "off": lambda: off,
+            },
+            args.vllm_runs,
+        )
+    emulate, cold, stock = imports["emulate"], imports["cold"], imports["off"]
 
     med = statistics.median
     rows = [
         ("python -c pass (median of %d)" % args.runs, med(with_pth), med(without)),
         ("from vllm import LLM (median of %d)" % args.vllm_runs, med(emulate), med(stock)),
+        ("  same, empty verification cache", med(cold), med(stock)),
     ]
     print(f"{'measurement':40} {'overlay':>10} {'baseline':>10} {'ratio':>7} {'delta':>10}")
     for name, a, b in rows:
@@ -105,7 +124,7 @@ def main() -> int:
                 "pass_ms": {"pth": med(with_pth) * 1e3, "off": med(without) * 1e3},
                 "pth_line_ms": line * 1e3,
                 "pth_added_modules": added,
-                "vllm_import_s": {"emulate": med(emulate), "off": med(stock)},
+                "vllm_import_s": {"emulate": med(emulate), "cold": med(cold), "off": med(stock)},
                 "vllm_import_ratio": med(emulate) / med(stock),
             }
         )

@@ -91,6 +91,35 @@ def test_verify_reports_each_target(pkg):
     assert statuses[5].describe() == f"{name}.mod:Engine.step: expected (self, x, y), found (self, x)"
 
 
+def test_verification_cache_follows_source_bytes(pkg, tmp_path, monkeypatch):
+    name, tree = pkg
+    cache = tmp_path / "verified"
+    first = verify(patches(name), tree, cache_dir=cache)
+    assert [s.state for s in first] == ["verified"] * 5 and len(list(cache.iterdir())) == 1
+
+    def no_parsing(self, module):
+        raise AssertionError("identical sources must be answered from the cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(SourceTree, "_parse", no_parsing)
+        again = verify(patches(name), SourceTree(tree.package_dir), cache_dir=cache)
+    assert [(s.state, s.found) for s in again] == [(s.state, s.found) for s in first]
+
+    mod = tree.package_dir / "mod.py"
+    mod.write_text(mod.read_text().replace("def step(self, x):", "def step(self, x, y):"))
+    edited = verify(patches(name), SourceTree(tree.package_dir), cache_dir=cache)
+    assert (edited[1].state, edited[1].found) == ("mismatch", "(self, x, y)")
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_unwritable_verification_cache_still_verifies(pkg, tmp_path):
+    name, tree = pkg
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    statuses = verify(patches(name), tree, cache_dir=blocker / "verified")
+    assert [s.state for s in statuses] == ["verified"] * 5
+
+
 def test_lazy_application_on_import(pkg):
     name, _ = pkg
     registry = Registry()
