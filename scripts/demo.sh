@@ -24,17 +24,4 @@ echo "== ascend-patch doctor (ASCEND_PATCH=$ASCEND_PATCH)"
 "$ROOT/.venv/bin/ascend-patch" doctor
 echo
 echo "== stock vLLM, unchanged script: LLM(...).generate(...) on $MODEL"
-"$PY" - "$MODEL" <<'PY'
-import sys
-from vllm import LLM, SamplingParams
-from vllm.platforms import current_platform
-
-if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], max_model_len=512, seed=0)
-    prompts = ["The Zen of Python says", "import json\n", "def main():"]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
-    print(f"\nplatform: {type(current_platform).__name__} ({current_platform.get_device_name(0)})")
-    for output in outputs:
-        print(f"{output.prompt!r} -> {output.outputs[0].text!r}")
-        print(f"    token ids: {list(output.outputs[0].token_ids)}")
-PY
+"$PY" "$ROOT/scripts/demo_generate.py" "$MODEL"

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+
+import pytest
 
 from ascend_patch import env, matrix
 from tests.conftest import ROOT
@@ -28,3 +32,20 @@ def test_two_commands_exist_and_ci_runs_the_test_command():
     for script in ("scripts/demo.sh", "scripts/test.sh", "scripts/setup_env.sh"):
         assert (ROOT / script).stat().st_mode & 0o111, script
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.slow
+def test_readme_main_command_generates_on_the_emulated_npu():
+    """``scripts/demo.sh`` as a user runs it: it reuses the environment, builds the tiny
+    model, prints doctor, and generates through an unchanged ``LLM(...)`` script (whose
+    engine core is a spawned process). Numerics are the engine tests' job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "demo.sh")],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "verdict: would activate" in result.stdout
+    assert "platform: EmulatedNPUPlatform (Ascend NPU (emulated on CPU, 1.0 GiB HBM))" in result.stdout
+    generations = re.findall(r"^    token ids: \[([\d, ]+)\]$", result.stdout, re.MULTILINE)
+    assert [len(ids.split(", ")) for ids in generations] == [24, 24, 24]
