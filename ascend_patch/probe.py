@@ -602,8 +602,9 @@ def probe(source: Source, table: compat.Matrix) -> dict:
             warnings.append(selection.reason)
     probed = chosen or _probed_set(table, release)
     tree = SourceTree(source.package_dir)
+    patches = patches_of(probed.name)
     try:
-        statuses = verify(patches_of(probed.name), tree)
+        statuses = verify(patches, tree)
     except SyntaxError as exc:
         raise ProbeError(
             f"{exc.filename}:{exc.lineno}: this Python ({sys.version.split()[0]}) cannot parse "
@@ -620,15 +621,15 @@ def probe(source: Source, table: compat.Matrix) -> dict:
             f"the body digests of {probed.name} predate some of its targets; "
             "run scripts/update_digests.py"
         )
+    recorded = digests["digests"] if digests else {}
+    current = compute_digests(patches, tree) if digests else {}
     targets = []
     for status in statuses:
         patch = status.patch
         body = None
-        if digests is not None and status.state != "missing":
-            known = digests["digests"].get(patch.target)
-            now = tree.lookup(patch.module, patch.qualname).body_digest
-            if known is not None and now is not None:
-                body = "same" if known == now else "changed"
+        known, now = recorded.get(patch.target), current.get(patch.target)
+        if known is not None and now is not None:
+            body = "same" if known == now else "changed"
         targets.append(
             {
                 "target": patch.target,

@@ -108,8 +108,7 @@ def no_kernel_warmup(original):
 
 
 # Model-runner glue whose targets keep one signature (or gain only what the
-# wrapper forwards) from 0.20 to 0.33. Patch set v0_20 uses it as is; v0_29
-# still declares the same patches itself.
+# wrapper forwards) from 0.20 to 0.33; both patch sets use it as is.
 RUNNER_GLUE = [
     Patch(
         "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.__init__",

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import yaml
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "compat_matrix.yaml"
@@ -128,12 +128,8 @@ def write(version: str, status: str, evidence: dict) -> None:
     if entry is None:
         raise SystemExit(f"{MATRIX}: no row for {version}; add it (patch set, torch, torch_npu, cann) first")
     entry.update(status=status, date=datetime.date.today().isoformat(), evidence=evidence)
-    data["versions"] = dict(sorted(data["versions"].items(), key=lambda kv: _key(kv[0]), reverse=True))
+    data["versions"] = dict(sorted(data["versions"].items(), key=lambda kv: Version(kv[0]), reverse=True))
     MATRIX.write_text(head + "\n" + yaml.safe_dump(data, sort_keys=False, width=100))
-
-
-def _key(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version))
 
 
 def main() -> int:

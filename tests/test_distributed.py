@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, clean_env, hf_greedy, prompt_token_ids, run_engine, run_python
+from tests.conftest import ROOT, clean_env, free_port, hf_greedy, prompt_token_ids, run_engine, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -137,16 +136,10 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_every_collective_across_two_gloo_ranks(tmp_path):
     script = tmp_path / "collectives.py"
     script.write_text(COLLECTIVES)
-    proc = subprocess.run([sys.executable, str(script), str(_free_port())], env=clean_env(**EMULATED),
+    proc = subprocess.run([sys.executable, str(script), str(free_port())], env=clean_env(**EMULATED),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -196,7 +189,7 @@ def _ray_answers(address: str) -> bool:
 def ray_cluster(tmp_path_factory):
     """A local Ray head on loopback with two NPU resources; every process it starts lives
     in one new session, and is stopped by PID afterwards."""
-    port = _free_port()
+    port = free_port()
     ray = str(Path(sys.executable).with_name("ray"))
     # Ray's socket paths must stay under 107 bytes (AF_UNIX): a short directory in /tmp,
     # removed afterwards, rather than one under the workspace's pytest temp tree.

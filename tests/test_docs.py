@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 
 import pytest
 
 from ascend_patch import env, matrix
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_env
 
 README = (ROOT / "README.md").read_text()
 
@@ -39,10 +38,9 @@ def test_readme_main_command_generates_on_the_emulated_npu():
     """``scripts/demo.sh`` as a user runs it: it reuses the environment, builds the tiny
     model, prints doctor, and generates through an unchanged ``LLM(...)`` script (whose
     engine core is a spawned process). Numerics are the engine tests' job."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
     result = subprocess.run(
         [str(ROOT / "scripts" / "demo.sh")],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "verdict: would activate" in result.stdout

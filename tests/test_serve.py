@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import clean_env, hf_greedy, prompt_token_ids
+from tests.conftest import clean_env, free_port, hf_greedy, prompt_token_ids
 
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT = 300
 SERVED_NAME = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -45,7 +38,7 @@ def _group_alive(pgid: int) -> bool:
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     model = tiny_models["tiny-llama"]
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     vllm_cli = str(Path(sys.executable).with_name("vllm"))
     command = [
