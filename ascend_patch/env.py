@@ -70,6 +70,10 @@ VARIABLES: tuple[Variable, ...] = (
 _BY_NAME = {v.name: v for v in VARIABLES}
 
 
+class SettingError(ValueError):
+    """An ``ASCEND_PATCH*`` variable holds a value it cannot mean anything by."""
+
+
 def raw(name: str) -> str:
     """The variable's value as set, or its default."""
     var = _BY_NAME[name]
@@ -79,14 +83,21 @@ def raw(name: str) -> str:
 def mode() -> str:
     value = raw("ASCEND_PATCH").lower() or "auto"
     if value not in MODES:
-        raise ValueError(
+        raise SettingError(
             f"ASCEND_PATCH={value!r} is not a mode; expected one of {', '.join(MODES)}"
         )
     return value
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
 def _flag(name: str) -> bool:
-    return raw(name).lower() in ("1", "true", "yes", "on")
+    value = raw(name).lower()
+    if value not in _TRUE + _FALSE:
+        raise SettingError(f"{name}={raw(name)!r} is not a flag; expected 1 (on) or 0 (off)")
+    return value in _TRUE
 
 
 def strict() -> bool:
@@ -105,20 +116,26 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+_MAX_SIZE = 1 << 60  # 1 EiB: far beyond any device, small enough for every size computation
+
+
 def parse_size(text: str) -> int:
     """``8GiB`` → bytes. Binary units; ``G``, ``GB`` and ``GiB`` all mean 2**30."""
-    match = _SIZE.match(text)
+    match = _SIZE.match(text) if len(text) < 64 else None
     if not match:
-        raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB")
+        raise SettingError(f"{text[:64]!r} is not a size; write it like 8GiB or 512MiB")
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "")[:1].upper()])
+    size = float(number) * _UNITS[(unit or "")[:1].upper()]
+    if not 1 <= size <= _MAX_SIZE:
+        raise SettingError(f"{text!r} is not a usable device size; give one between 1B and 1EiB")
+    return int(size)
 
 
 def emulated_hbm_bytes() -> int:
     try:
         return parse_size(raw("ASCEND_PATCH_EMULATED_HBM"))
-    except ValueError as exc:
-        raise ValueError(f"ASCEND_PATCH_EMULATED_HBM: {exc}") from None
+    except SettingError as exc:
+        raise SettingError(f"ASCEND_PATCH_EMULATED_HBM: {exc}") from None
 
 
 def matrix_path() -> str | None:

@@ -1,10 +1,14 @@
-"""Versioned patch sets: only the glue that differs between vLLM release lines.
+"""The manifest: every change ascend-patch makes to vLLM (and torch), per vLLM release line.
 
 Installed as ``ascend_patch.patches``. ``compat_matrix.yaml`` (beside this
 package) maps vLLM releases to a set by name; set ``<name>`` is the module
-``ascend_patch.patches.<name>`` and exports ``PATCHES``, the complete list of
-:class:`ascend_patch.patching.Patch` declarations the loader verifies (all of
-them, against the installed source) before applying any. Declarations shared
-by every set live in :mod:`.common`; a set adds only its own glue, using
-feature probes for the few seams that move inside its range.
+``ascend_patch.patches.<name>`` and exports:
+
+- ``PATCHES``: the patches and contracts on vLLM's own functions;
+- ``MANIFEST``: those plus the torch device-API overrides, the environment settings
+  the overlay forces and the version seams the NPU wing probes for — everything the
+  loader verifies (all of it, against the installed source) before applying any.
+
+Declarations shared by every set live in :mod:`.common`; a set adds only its own glue.
+``docs/patches.md`` is generated from these modules (``scripts/render_patch_docs.py``).
 """

@@ -1,33 +1,57 @@
 """Declarations shared by every patch set (vLLM 0.20–0.33).
 
-The platform hooks below have not changed signature from 0.20 to 0.33
-(research/drift.md §2), so one platform class serves every set. They are
-*contracts*: ``NPUPlatform`` overrides them, nothing is patched, and a
-signature change in a new vLLM release makes verification fail loudly
-instead of leaving an override that vLLM no longer calls the same way.
+Each declaration says what it touches, why, where our side is implemented, the
+upstream code that makes it necessary and when it can go. The platform hooks have
+not changed signature from 0.20 to 0.33, so one platform class serves every set.
+They are *contracts*: ``NPUPlatform`` overrides them, nothing is patched, and a
+signature change in a new vLLM release makes verification fail loudly instead of
+leaving an override that vLLM no longer calls the same way.
+
+The releases each set serves live in ``compat_matrix.yaml`` only; a declaration
+carries ``vllm=`` just when it applies to part of its set's releases.
 """
 
-from ascend_patch.patching import Patch
+from ascend_patch.overlay.patching import Patch, Seam, Setting
 
-ALL = ">=0.20,<0.34"
+PLATFORM = "ascend_patch.npu.platform:NPUPlatform"
+WORKER = "ascend_patch.npu.worker:NPUWorker"
+RUNNER = "ascend_patch.npu.model_runner:NPUModelRunner"
+ATTENTION = "ascend_patch.npu.attention.backend:AscendAttentionImpl"
+
+_PLATFORM_API = "vllm/platforms/interface.py: the out-of-tree platform interface"
+_KEEP = "never: vLLM's own extension point; the contract only guards its signature"
 
 
 def _platform_hook(name: str, signature: str, reason: str) -> Patch:
     return Patch(
         f"vllm.platforms.interface:Platform.{name}",
         reason=reason,
-        vllm=ALL,
         signature=(signature,),
+        upstream=_PLATFORM_API,
+        remove_when=_KEEP,
+        by=PLATFORM,
     )
+
+
+def _contract(target: str, signature: str | tuple[str, ...] | None, reason: str, *, by: str,
+              upstream: str, remove_when: str = _KEEP) -> Patch:
+    if isinstance(signature, str):
+        signature = (signature,)
+    return Patch(target, reason=reason, signature=signature, upstream=upstream,
+                 remove_when=remove_when, by=by)
 
 
 DEVICE_SELECTION = [
     Patch(
         "vllm.platforms:resolve_current_platform_cls_qualname",
         reason="device selection: current_platform resolves to NPUPlatform, not CUDA/CPU",
-        vllm=ALL,
         signature=("()",),
-        wrapper="ascend_patch.loader:select_platform",
+        wrapper="ascend_patch.npu.platform:select_platform",
+        upstream="vllm/platforms/__init__.py picks the platform from `vllm.platform_plugins` "
+                 "entry points; the overlay is not a platform plugin, so the version check and "
+                 "all-or-nothing verification run before the platform is chosen",
+        remove_when="never while ascend-patch is an overlay (a platform plugin could not refuse "
+                    "a vLLM it has not verified)",
     ),
     _platform_hook("get_device_name", "(cls, device_id=...)", "device name from the NPU runtime"),
     _platform_hook("get_device_uuid", "(cls, device_id=...)", "device identity from the NPU runtime"),
@@ -43,12 +67,8 @@ DEVICE_SELECTION = [
     _platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
 ]
 
-
-def _contract(target: str, signature: str | tuple[str, ...] | None, reason: str) -> Patch:
-    if isinstance(signature, str):
-        signature = (signature,)
-    return Patch(target, reason=reason, vllm=ALL, signature=signature)
-
+_GPU_WORKER = "vllm/v1/worker/gpu_worker.py: the GPU worker NPUWorker subclasses"
+_GPU_RUNNER = "vllm/v1/worker/gpu_model_runner.py: the V1 runner NPUModelRunner subclasses"
 
 # What the engine classes (NPUWorker, NPUModelRunner, the attention backend, the
 # custom ops, the sampler) override or call; verified, never patched.
@@ -66,45 +86,64 @@ ENGINE_CONTRACTS = [
                "global_world_size=...)",
                "(self, cpu_group, device=..., device_group=..., unique_name=..., global_ranks=..., "
                "global_world_size=..., use_all2all=...)"),
-              "NPUCommunicator forwards every constructor variant"),
-    _contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device"),
+              "NPUCommunicator forwards every constructor variant",
+              by="ascend_patch.npu.distributed.communicator:NPUCommunicator",
+              upstream="vllm/distributed/device_communicators/base_device_communicator.py: the "
+                       "communicator base a platform's get_device_communicator_cls names"),
+    _contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device",
+              by=WORKER, upstream=_GPU_WORKER + " (init_device hard-codes cuda)",
+              remove_when="vLLM's worker initialises the device through current_platform"),
     _contract("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", "(self, tag)",
-              "the CuMem pool is CUDA-only"),
-    _contract("vllm.v1.worker.gpu_worker:Worker.sleep", "(self, level=...)", "sleep mode is unsupported"),
-    _contract("vllm.v1.worker.gpu_worker:Worker.wake_up", "(self, tags=...)", "sleep mode is unsupported"),
+              "the CuMem pool is CUDA-only", by=WORKER, upstream=_GPU_WORKER,
+              remove_when="ascend-patch supports sleep mode (an NPU memory pool)"),
+    _contract("vllm.v1.worker.gpu_worker:Worker.sleep", "(self, level=...)", "sleep mode is unsupported",
+              by=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
+    _contract("vllm.v1.worker.gpu_worker:Worker.wake_up", "(self, tags=...)", "sleep mode is unsupported",
+              by=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
     _contract("vllm.v1.worker.gpu_worker:init_worker_distributed_environment",
               "(vllm_config, rank, distributed_init_method=..., local_rank=..., backend=...)",
-              "NPUWorker initialises HCCL/gloo with it"),
+              "NPUWorker initialises HCCL/gloo with it", by=WORKER, upstream=_GPU_WORKER),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", None,
-              "NPUModelRunner charges the loaded weights to the emulated HBM"),
+              "NPUModelRunner charges the loaded weights to the emulated HBM", by=RUNNER,
+              upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own)",
+              remove_when="never while the emulated NPU exists"),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run", None,
-              "NPUModelRunner measures the profiling pass's activations"),
+              "NPUModelRunner measures the profiling pass's activations", by=RUNNER,
+              upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own)",
+              remove_when="never while the emulated NPU exists"),
     _contract("vllm.v1.attention.backend:AttentionImpl.forward",
               "(self, layer, query, key, value, kv_cache, attn_metadata, output, "
-              "output_scale=..., output_block_scale=...)", "the Ascend attention impl"),
+              "output_scale=..., output_block_scale=...)", "the Ascend attention impl",
+              by=ATTENTION, upstream="vllm/v1/attention/backend.py: the attention backend interface"),
     _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.build",
               "(self, common_prefix_len, common_attn_metadata, fast_build=...)",
-              "the Ascend metadata builder"),
+              "the Ascend metadata builder", by="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
+              upstream="vllm/v1/attention/backend.py: the attention backend interface"),
     _contract("vllm.model_executor.custom_op:CustomOp.register_oot",
-              "(cls, _decorated_op_cls=..., name=...)", "register the NPU custom ops"),
+              "(cls, _decorated_op_cls=..., name=...)", "register the NPU custom ops",
+              by="ascend_patch.npu.ops:register",
+              upstream="vllm/model_executor/custom_op.py: out-of-tree custom-op registration"),
     _contract("vllm.model_executor.layers.layernorm:RMSNorm.forward_native", "(self, x, residual=...)",
-              "AscendRMSNorm.forward_oot takes the same arguments"),
+              "AscendRMSNorm.forward_oot takes the same arguments",
+              by="ascend_patch.npu.ops.layernorm:AscendRMSNorm",
+              upstream="vllm/model_executor/layers/layernorm.py"),
     _contract("vllm.model_executor.layers.activation:SiluAndMul.forward_native", "(x)",
-              "AscendSiluAndMul.forward_oot takes the same arguments"),
+              "AscendSiluAndMul.forward_oot takes the same arguments",
+              by="ascend_patch.npu.ops.activation:AscendSiluAndMul",
+              upstream="vllm/model_executor/layers/activation.py"),
     _contract("vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_native",
-              "(self, positions, query, key=...)", "AscendRotaryEmbedding.forward_oot takes the same arguments"),
+              "(self, positions, query, key=...)", "AscendRotaryEmbedding.forward_oot takes the same arguments",
+              by="ascend_patch.npu.ops.rotary_embedding:AscendRotaryEmbedding",
+              upstream="vllm/model_executor/layers/rotary_embedding/base.py"),
     _contract("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
-              "(self, logits, generators, k, p)", "forward_npu finishes sampling through it"),
+              "(self, logits, generators, k, p)", "forward_npu finishes sampling through it",
+              by="ascend_patch.npu.sample.sampler:forward_npu",
+              upstream="vllm/v1/sample/ops/topk_topp_sampler.py"),
     _contract("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch",
-              "(logits, k, p, allow_cpu_sync=...)", "the sampler's fallback above the NPU op's k limit"),
+              "(logits, k, p, allow_cpu_sync=...)", "the sampler's fallback above the NPU op's k limit",
+              by="ascend_patch.npu.sample.sampler:filter_top_k_top_p",
+              upstream="vllm/v1/sample/ops/topk_topp_sampler.py"),
 ]
-
-
-def no_kernel_warmup(original):
-    def kernel_warmup(worker, *, process_local_only=False):
-        return None  # no JIT-compiled CUDA/Triton kernels to tune on the NPU path
-
-    return kernel_warmup
 
 
 # Model-runner glue whose targets keep one signature (or gain only what the
@@ -113,32 +152,120 @@ RUNNER_GLUE = [
     Patch(
         "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.__init__",
         reason="route top-k/top-p sampling through npu_top_k_top_p instead of forward_native",
-        vllm=ALL,
         signature=(
             "(self, logprobs_mode=...)",
             "(self, logprobs_mode=..., use_fp64_gumbel=...)",  # 0.23+
         ),
-        wrapper="ascend_patch.sampler:init_wrapper",
+        wrapper="ascend_patch.npu.sample.sampler:init_wrapper",
+        upstream="vllm/v1/sample/ops/topk_topp_sampler.py: __init__ gives out-of-tree platforms "
+                 "forward_native; there is no platform hook for the sampler",
+        remove_when="vLLM dispatches TopKTopPSampler to a platform (forward_oot) implementation",
     ),
     Patch(
         "vllm.model_executor.warmup.kernel_warmup:kernel_warmup",
         reason="CUDA/Triton/FlashInfer kernel autotuning has nothing to tune on Ascend",
-        vllm=ALL,
         signature=("(worker)", "(worker, *, process_local_only=...)"),  # the keyword: 0.27+
-        replacement=no_kernel_warmup,
+        replacement="ascend_patch.npu.model_runner:no_kernel_warmup",
+        upstream="vllm/model_executor/warmup/kernel_warmup.py: DeepGEMM/FlashInfer/Triton "
+                 "warm-up runs on every platform",
+        remove_when="kernel_warmup skips platforms that have none of those kernels",
     ),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
-              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout"),
+              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout", by=RUNNER,
+              upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
+              remove_when="vLLM zeroes blocks through the attention backend"),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids", "(self, block_ids)",
-              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout"),
+              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout", by=RUNNER,
+              upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
+              remove_when="vLLM zeroes blocks through the attention backend"),
     Patch(
         "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
         reason="vLLM computes KV slots with a Triton kernel; the NPU path uses torch ops",
-        vllm=ALL,
         signature=("(self, num_reqs, query_start_loc, positions)",),
-        replacement="ascend_patch.kv_cache:compute_slot_mapping",
+        replacement="ascend_patch.npu.kv_cache:compute_slot_mapping",
+        upstream="vllm/v1/worker/block_table.py: compute_slot_mapping launches a Triton kernel",
+        remove_when="vLLM has a torch fallback, or triton-ascend runs the kernel on the NPU",
     ),
     _contract("vllm.v1.worker.utils:request_memory",
               ("(init_snapshot, cache_config)", "(init_snapshot, cache_config, external_weight_memory=...)"),
-              "NPUWorker.init_device takes vLLM's memory baseline with it"),
+              "NPUWorker.init_device takes vLLM's memory baseline with it", by=WORKER,
+              upstream="vllm/v1/worker/utils.py"),
+]
+
+_TORCH_DEVICE_API = ("vLLM's GPU worker and V1 model runner call torch.cuda streams/events and the "
+                     "torch.accelerator memory API directly (vllm/v1/worker/gpu_model_runner.py, "
+                     "gpu_worker.py, vllm/utils/mem_utils.py)")
+
+
+def _device_api(target: str, reason: str, modes: tuple[str, ...] = ("npu", "emulate")) -> Patch:
+    return Patch(
+        target,
+        reason=reason,
+        replacement=DeviceApi(target),
+        upstream=_TORCH_DEVICE_API,
+        remove_when="vLLM reaches streams, events and memory through current_platform (or "
+                    "torch.accelerator through the NPU's PrivateUse1 backend)",
+        by="ascend_patch.npu.device:Runtime.device_api",
+        modes=modes,
+        rebind=False,  # torch's own modules keep their references
+    )
+
+
+class DeviceApi:
+    """Replacement factory for a torch device API: the active device runtime's stand-in
+    (``ascend_patch.npu.device``), chosen when the patch is applied."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __call__(self, original):
+        from ascend_patch.npu import device
+
+        return device.active_runtime().device_api()[self.target]
+
+
+_EMULATED = ("emulate",)
+DEVICE_API = [
+    *(_device_api(f"torch.cuda:{name}", "streams/events on the NPU (in-order no-ops when emulated)")
+      for name in ("Stream", "Event", "current_stream", "default_stream", "stream", "set_stream",
+                   "synchronize")),
+    _device_api("torch.accelerator:get_memory_info", "free/total device memory from the NPU (or the "
+                "emulated HBM)"),
+    *(_device_api(f"torch.accelerator:{name}", "the emulated NPU's device and memory books", _EMULATED)
+      for name in ("synchronize", "empty_cache", "empty_host_cache", "current_device_index",
+                   "set_device_index", "device_index", "current_stream", "set_stream",
+                   "memory_stats", "memory_reserved", "memory_allocated", "max_memory_allocated",
+                   "reset_peak_memory_stats")),
+    _device_api("torch:Event", "torch.Event on the emulated NPU's single in-order stream", _EMULATED),
+]
+
+SETTINGS = [
+    Setting(
+        "VLLM_USE_V2_MODEL_RUNNER", "0",
+        reason="Model Runner V2 (vllm/v1/worker/gpu/) is not supported: pin the V1 runner in "
+               "every process vLLM starts",
+        upstream="vllm/config/vllm.py use_v2_model_runner: 0.29+ picks V2 whenever Triton "
+                 "imports, which triton-ascend makes true on Ascend",
+        remove_when="ascend-patch supports Model Runner V2",
+    ),
+    Setting(
+        "VLLM_WORKER_MULTIPROC_METHOD", "spawn",
+        reason="workers must be spawned: a forked child cannot use an initialised NPU runtime, and "
+               "a spawned one gets the overlay from the .pth",
+        upstream="vllm/utils/system_utils.py _maybe_force_spawn forks unless CUDA is initialised",
+        remove_when="never on Ascend (torch_npu refuses forked children)",
+    ),
+]
+
+# Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
+SEAMS = [
+    Seam("vllm.ir.ops:fused_add_rms_norm", "the ascend IR implementation of fused_add_rms_norm",
+         since="0.21", used_by="ascend_patch.npu.ops.ir:register"),
+    Seam("vllm.config.kernel:IrOpPriorityConfig.fused_add_rms_norm",
+         "put the ascend fused_add_rms_norm first", since="0.21",
+         used_by="ascend_patch.npu.platform:NPUPlatform.get_default_ir_op_priority"),
+    Seam("vllm.v1.worker.block_table:SlotMappingMode", "skip slot mapping where vLLM asks for none",
+         since="0.26", used_by="ascend_patch.npu.kv_cache:compute_slot_mapping"),
+    Seam("vllm.v1.worker.gpu_worker:_num_workspace_lanes", "size vLLM's workspace lanes",
+         since="0.28", used_by="ascend_patch.npu.worker:NPUWorker.init_device"),
 ]

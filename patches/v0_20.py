@@ -1,4 +1,4 @@
-"""Patch set for vLLM 0.20–0.28: the per-backend KV-shape era.
+"""Patch set v0_20: the per-backend KV-shape era (the releases: ``compat_matrix.yaml``).
 
 Until 0.29 the V1 model runner allocates one int8 buffer per layer
 (``_allocate_kv_cache_tensors``) and views it in the shape the attention
@@ -7,25 +7,20 @@ backend names (``_reshape_kv_cache_tensors`` calling ``get_kv_cache_shape``).
 head_size]``, the separate K and V planes the NPU kernels read, so unlike
 v0_29 nothing re-views vLLM's allocation: the KV glue only charges the layer
 caches to the emulated HBM. Everything else comes from :mod:`.common`, the
-same platform, engine contracts and runner glue v0_29 uses.
+same platform, engine contracts, runner glue, torch device API, settings and
+seams v0_29 uses.
 
-The seams that move inside this range are feature-probed where they are used,
-so one set serves every 0.20–0.28 release:
-
-- 0.21: the ``fused_add_rms_norm`` IR op and its priority field
-  (``custom_ops``, ``NPUPlatform.get_default_ir_op_priority``);
-- 0.23: ``TopKTopPSampler(use_fp64_gumbel=)`` (forwarded by the wrapper);
-- before 0.25: ``MemorySnapshot`` asks the platform for free memory
-  (``EmulatedNPUPlatform.mem_get_info``);
-- 0.26: ``BlockTable.slot_mapping_mode`` (``kv_cache.compute_slot_mapping``);
-- 0.27: ``kernel_warmup(process_local_only=)`` (the replacement takes it);
-- 0.28: workspace lanes (``NPUWorker.init_device``).
+Other seams that move inside this range are absorbed by accepted signature
+variants rather than probes: ``TopKTopPSampler(use_fp64_gumbel=)`` (0.23) and
+``kernel_warmup(process_local_only=)`` (0.27). Before 0.25 ``MemorySnapshot``
+asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 """
 
+from ascend_patch.overlay.patching import Patch
 from ascend_patch.patches import common
-from ascend_patch.patching import Patch
 
-RANGE = ">=0.20,<0.29"
+_KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
+             "the shape AttentionBackend.get_kv_cache_shape names")
 
 PATCHES = [
     *common.DEVICE_SELECTION,
@@ -34,29 +29,40 @@ PATCHES = [
     Patch(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout",
-        vllm=RANGE,
         signature=("(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=...)",),
+        upstream=_KV_SHAPE,
+        remove_when="this set is retired (0.29 removed the hook)",
+        by="ascend_patch.npu.attention.backend:AscendAttentionBackend",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._reshape_kv_cache_tensors",
         reason="charge the layer KV caches (shaped by get_kv_cache_shape) to the emulated HBM",
-        vllm=RANGE,
         signature=("(self, kv_cache_raw_tensors, kernel_block_sizes)",),
-        wrapper="ascend_patch.kv_cache:reshape_kv_cache_tensors",
+        wrapper="ascend_patch.npu.kv_cache:reshape_kv_cache_tensors",
+        upstream="NPU-only: the emulated HBM's books; " + _KV_SHAPE,
+        remove_when="this set is retired",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
         reason="NPUWorker builds NPUModelRunner(vllm_config, device) itself",
-        vllm=RANGE,
         signature=("(self, vllm_config, device)",),
+        upstream="vllm/v1/worker/gpu_worker.py (<0.32) builds the runner inline in init_device",
+        remove_when="this set is retired (0.32 added Worker._init_workspace_and_model_runner)",
+        by="ascend_patch.npu.worker:NPUWorker",
     ),
     Patch(
         "vllm.v1.worker.workspace:init_workspace_manager",
         reason="NPUWorker.init_device sets up vLLM's workspace before the model runner",
-        vllm=RANGE,
         signature=(
             "(device, num_ubatches=...)",
             "(device, num_ubatches=..., num_lanes=...)",  # 0.28
         ),
+        upstream="vllm/v1/worker/gpu_worker.py (<0.32) sets the workspace up inline in init_device",
+        remove_when="this set is retired",
+        by="ascend_patch.npu.worker:NPUWorker",
     ),
 ]
+
+MANIFEST = [*PATCHES, *common.DEVICE_API, *common.SETTINGS, *common.SEAMS]
+"""Everything the overlay changes or relies on for these releases: the loader verifies all of
+it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

@@ -1,19 +1,15 @@
-"""Patch set for vLLM 0.29–0.33: the single-buffer KV-cache era.
+"""Patch set v0_29: the single-buffer KV-cache era (the releases: ``compat_matrix.yaml``).
 
 0.29 replaced per-backend ``get_kv_cache_shape`` with
 ``vllm.v1.worker.utils.allocate_kv_cache``: one int8 backing buffer with strided
-``[blocks, heads, tokens, K|V]`` views per layer (research/drift.md §5). The NPU
-kernels read separate K and V planes, so this set's own glue re-views each layer's
-bytes (``kv_cache.allocate_kv_cache``); everything else is shared with v0_20
-through :mod:`.common`. Seams that move inside the range are feature-probed where
-they are used: ``Worker._init_workspace_and_model_runner`` (0.32+) in
-``NPUWorker.init_device``, ``seq_lens_cpu_upper_bound`` in the metadata builder.
+``[blocks, heads, tokens, K|V]`` views per layer. The NPU kernels read separate K and
+V planes, so this set's own glue re-views each layer's bytes
+(``kv_cache.allocate_kv_cache``); everything else is shared with v0_20 through
+:mod:`.common`.
 """
 
+from ascend_patch.overlay.patching import Patch, Seam
 from ascend_patch.patches import common
-from ascend_patch.patching import Patch
-
-RANGE = ">=0.29,<0.34"
 
 PATCHES = [
     *common.DEVICE_SELECTION,
@@ -22,8 +18,25 @@ PATCHES = [
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",
-        vllm=RANGE,
         signature=("(kv_cache_config, device, layout, kernel_block_sizes=...)",),
-        wrapper="ascend_patch.kv_cache:allocate_kv_cache",
+        wrapper="ascend_patch.npu.kv_cache:allocate_kv_cache",
+        upstream="vLLM 0.29 moved KV allocation to vllm/v1/worker/utils.py: one int8 buffer "
+                 "with strided [blocks, heads, tokens, K|V] layer views",
+        remove_when="vLLM lets the attention backend name its per-layer layout again",
     ),
 ]
+
+MANIFEST = [
+    *PATCHES,
+    *common.DEVICE_API,
+    *common.SETTINGS,
+    *common.SEAMS,
+    Seam("vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner",
+         "build the workspace and model runner through vLLM's own step", since="0.32",
+         used_by="ascend_patch.npu.worker:NPUWorker.init_device"),
+    Seam("vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
+         "AscendAttentionBackend defines get_kv_cache_shape only where vLLM still calls it",
+         until="0.29", used_by="ascend_patch.npu.attention.backend:AscendAttentionBackend"),
+]
+"""Everything the overlay changes or relies on for these releases: the loader verifies all of
+it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from ascend_patch import kernels
+from ascend_patch.npu import kernels
 
 custom_ops = sys.argv[2]
 llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0,

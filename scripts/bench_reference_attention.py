@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ascend_patch import kernels
+from ascend_patch.npu import kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 128
 CAUSAL_MASK = torch.ones(2048, 2048, dtype=torch.int8).triu(1)

@@ -23,17 +23,17 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from ascend_patch import matrix as compat
-from ascend_patch import probe
-from ascend_patch.source import SourceTree
+from ascend_patch.overlay import matrix
+from ascend_patch.cli import probe, releases
+from ascend_patch.overlay.source import SourceTree
 
 
-def update(table: compat.Matrix, set_name: str, local: str | None, index_url: str) -> Path:
+def update(table: matrix.Matrix, set_name: str, local: str | None, index_url: str) -> Path:
     reference = probe.reference_release(table, set_name)
     patches = probe.patches_of(set_name)
-    with probe.open_source(local or reference, index_url=index_url) as source:
+    with releases.open_source(local or reference, index_url=index_url) as source:
         if source.version is None or Version(source.version) != Version(reference):
-            raise probe.ProbeError(
+            raise releases.ProbeError(
                 f"{local} is vLLM {source.version or 'of unknown version'}, but the reference "
                 f"release of {set_name} is {reference} (the newest the matrix lists in its range)"
             )
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         "sets", nargs="*", metavar="SET[=PATH]",
         help="patch sets to update (default: all); PATH is a local sdist, wheel or tree of the reference",
     )
-    parser.add_argument("--index-url", default=probe.DEFAULT_INDEX)
+    parser.add_argument("--index-url", default=releases.DEFAULT_INDEX)
     args = parser.parse_args(argv)
-    table = compat.load()
+    table = matrix.load()
     requested = [item.partition("=") for item in args.sets] or [
         (spec.name, "", "") for spec in table.patch_sets
     ]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         print(f"update_digests: no patch set {exc} in {table.path}", file=sys.stderr)
         return 2
-    except probe.ProbeError as exc:
+    except releases.ProbeError as exc:
         print(f"update_digests: {exc}", file=sys.stderr)
         return 2
     return 0

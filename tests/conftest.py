@@ -6,6 +6,7 @@ when a *fresh* interpreter imports vLLM through the installed ``.pth`` file.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,26 @@ def run_json(code: str, **kwargs) -> dict:
 def ascend_patch_lines(stderr: str) -> list[str]:
     """The lines of stderr that come from ascend-patch."""
     return [line for line in stderr.splitlines() if "ascend-patch" in line or "ascend_patch" in line]
+
+
+@functools.cache
+def _pypi_problem() -> str | None:
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/vllm/", timeout=10).close()
+    except OSError as exc:
+        return f"PyPI is unreachable ({getattr(exc, 'reason', exc)})"
+    return None
+
+
+def require_pypi(what: str) -> None:
+    """Skip when PyPI cannot be reached, except in CI (``CI=true``), where the network is
+    part of the contract and a silent skip would hide that a claim went unchecked."""
+    problem = _pypi_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{problem}: {what} needs it, and CI must not skip it")
+    pytest.skip(f"{problem}: {what} needs it")
 
 
 @pytest.fixture(scope="session")

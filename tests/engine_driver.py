@@ -26,7 +26,7 @@ def _run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ascend_patch import kernels
+    from ascend_patch.npu import kernels
 
     kwargs = {"distributed_executor_backend": "uni", "seed": 0, **spec.get("kwargs", {})}
     try:

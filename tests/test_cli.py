@@ -33,8 +33,16 @@ def test_doctor_json_reports_the_033_set_with_every_target_verified():
     assert data["patch_set"] == "v0_29"
     assert "inside patch set v0_29" in data["patch_set_reason"]
     assert data["would_activate"] is True
-    assert [t["target"] for t in data["targets"]] == [p.target for p in v0_29.PATCHES]
+    # The whole manifest: vLLM patches and contracts, torch device-API overrides, forced
+    # settings and version seams, each with where it is implemented, why, and when it goes.
+    assert [t["target"] for t in data["targets"]] == [p.target for p in v0_29.MANIFEST]
     assert {t["state"] for t in data["targets"]} == {"verified"}
+    kinds = {t["kind"] for t in data["targets"]}
+    assert kinds == {"wrap", "replace", "contract", "setting", "seam"}
+    assert any(t["target"] == "torch.cuda:Stream" for t in data["targets"])
+    assert any(t["target"] == "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" for t in data["targets"])
+    for t in data["targets"]:
+        assert t["implementation"] and t["upstream"] and t["remove_when"], t["target"]
     assert data["settings"] == {"ASCEND_PATCH": "emulate"}
     assert any(path.endswith("a1_ascend_patch.pth") for path in data["pth"])
 
@@ -44,8 +52,9 @@ def test_doctor_apply_reports_applied_targets():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     states = {t["target"]: t["state"] for t in data["targets"]}
-    for patch in v0_29.PATCHES:
-        assert states[patch.target] == ("verified" if patch.kind == "contract" else "applied")
+    for patch in v0_29.MANIFEST:
+        if "emulate" in getattr(patch, "modes", ("emulate",)):
+            assert states[patch.target] == ("verified" if patch.kind in ("contract", "seam") else "applied")
     assert data["import_failures"] == []
 
 

@@ -106,7 +106,7 @@ import torch.multiprocessing as mp
 def check(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from vllm.platforms import current_platform
-    from ascend_patch.communicator import NPUCommunicator
+    from ascend_patch.npu.distributed.communicator import NPUCommunicator
     dist.init_process_group(current_platform.dist_backend, rank=rank, world_size=2)
     comm = NPUCommunicator(dist.new_group(backend="gloo"), torch.device("cpu"),
                            dist.new_group(backend=current_platform.dist_backend), "tp:0")

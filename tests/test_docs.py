@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from ascend_patch import env, matrix
+from ascend_patch import env
+from ascend_patch.overlay import matrix
 from tests.conftest import ROOT, clean_env
 
 README = (ROOT / "README.md").read_text()

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 
 from ascend_patch.patches import v0_29
-from ascend_patch.source import SourceTree
+from ascend_patch.overlay.source import SourceTree
 from tests.conftest import ascend_patch_lines, clean_env, run_json, run_python
 
 # Imports every target module and reports, per target, whether the live object is
 # still vLLM's own (defined in a vLLM file, not wrapped).
 STOCK_REPORT = """
 import importlib, json, os, sys
-bootstrapped = "ascend_patch._bootstrap" in sys.modules
+bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
-from ascend_patch import loader
+from ascend_patch.overlay import loader
 from ascend_patch.patches import v0_29
 targets = {}
 for p in v0_29.PATCHES:
@@ -82,12 +82,13 @@ def test_emulate_through_the_pth_without_importing_ascend_patch():
             "ray": current_platform.ray_device_key,
             "env_var": current_platform.device_control_env_var,
             "dist": current_platform.dist_backend,
-            "kernels": __import__("ascend_patch.kernels").kernels.active_backend(),
+            "kernels": __import__("ascend_patch.npu.kernels").npu.kernels.active_backend(),
         }))
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
     )
-    assert result["before"] == ["ascend_patch", "ascend_patch._bootstrap"], "only the stdlib bootstrap at start"
+    assert result["before"] == ["ascend_patch", "ascend_patch.overlay", "ascend_patch.overlay.bootstrap"], (
+        "only the stdlib bootstrap (and its empty packages) at start")
     assert result["cls"] == "EmulatedNPUPlatform"
     assert result["device"] == "cpu" and result["group_device"] == "cpu:0"
     assert result["oot"] is True
@@ -100,7 +101,7 @@ def test_npu_platform_class_attributes():
         """
         import json
         from vllm.platforms.interface import PlatformEnum
-        from ascend_patch.platform import NPUPlatform
+        from ascend_patch.npu.platform import NPUPlatform
         print(json.dumps([NPUPlatform.device_name, NPUPlatform.device_type, NPUPlatform.ray_device_key,
                           NPUPlatform.device_control_env_var, NPUPlatform.dist_backend,
                           NPUPlatform._enum == PlatformEnum.OOT]))
@@ -156,15 +157,18 @@ def test_revert_restores_every_original_by_identity():
         """
         import importlib, json
         import vllm
-        from ascend_patch import loader
+        from ascend_patch.overlay import loader
         from ascend_patch.patches import v0_29
         # Importing the target modules applies their patches (verified at `import vllm`);
         # resolving the platform also points torch's device APIs at the emulated NPU.
         for p in v0_29.PATCHES:
             importlib.import_module(p.module)
         from vllm.platforms import current_platform
+        import os
         entries = loader.REGISTRY.entries()
         changed = sorted(t for t, owner, attr, original in entries if vars(owner).get(attr) is not original)
+        forced = {name: os.environ[name] for name in loader.REGISTRY.environment()}
+        before = loader.REGISTRY.environment()
         restored = loader.deactivate()
         identical = [t for t, owner, attr, original in entries if vars(owner).get(attr) is original]
         print(json.dumps({
@@ -172,6 +176,9 @@ def test_revert_restores_every_original_by_identity():
             "changed_while_active": changed,
             "restored": sorted(restored),
             "identical_after_revert": sorted(identical),
+            "forced": forced,
+            "env_after_revert": {name: os.environ.get(name) for name in before},
+            "env_before": before,
         }))
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
@@ -181,8 +188,12 @@ def test_revert_restores_every_original_by_identity():
     device_apis = set(result["applied"]) - wrapped
     assert device_apis and all(t.startswith(("torch:", "torch.cuda:", "torch.accelerator:")) for t in device_apis)
     assert result["changed_while_active"] == result["applied"]
-    assert result["restored"] == result["applied"]
+    settings = {f"vllm.envs:{name}" for name in result["forced"]}
+    assert sorted(result["restored"]) == sorted([*result["applied"], *settings])
     assert result["identical_after_revert"] == result["applied"]
+    # The forced vLLM settings are registry entries too, restored like attributes.
+    assert result["forced"] == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert result["env_after_revert"] == result["env_before"]
 
 
 def test_second_trigger_applies_nothing_twice():
@@ -192,7 +203,7 @@ def test_second_trigger_applies_nothing_twice():
         from vllm.platforms import current_platform
         import vllm.platforms as platforms
         from vllm.plugins import load_general_plugins
-        from ascend_patch import loader
+        from ascend_patch.overlay import loader
         first = platforms.resolve_current_platform_cls_qualname
         before = loader.REGISTRY.entries()
         load_general_plugins()
@@ -223,7 +234,7 @@ def test_general_plugin_entry_point_is_registered():
         print(json.dumps([f"{e.name}={e.value}" for e in eps]))
         """
     )
-    assert "ascend_patch=ascend_patch.loader:general_plugin" in result
+    assert "ascend_patch=ascend_patch.overlay.loader:general_plugin" in result
 
 
 # --- fault injection -------------------------------------------------------------------------
@@ -392,7 +403,7 @@ def test_forced_npu_without_torch_npu_fails_clearly():
     proc = run_python(IMPORT_AND_REPORT, env=env)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ascend_patch.loader.AscendPatchError: ASCEND_PATCH=npu but no NPU is usable")
+    assert last.startswith("ascend_patch.overlay.loader.AscendPatchError: ASCEND_PATCH=npu but no NPU is usable")
     assert "torch_npu is not installed" in last and "ASCEND_PATCH=emulate" in last
     retry = run_python(
         "import sys\ntry:\n import vllm\nexcept Exception:\n pass\nimport vllm.platforms\n"
@@ -442,7 +453,7 @@ def test_loaded_too_late_stays_inert(tmp_path):
         from vllm.platforms import current_platform   # resolved stock: ASCEND_PATCH=off here
         import os
         os.environ["ASCEND_PATCH"] = "emulate"
-        from ascend_patch import loader
+        from ascend_patch.overlay import loader
         act = loader.activate("test")
         print(json.dumps([act.state, act.reason]))
         """,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ascend_patch import matrix
+from ascend_patch.overlay import matrix
 from tests.conftest import ROOT
 
 MATRIX = ROOT / "compat_matrix.yaml"

@@ -36,7 +36,8 @@ sys.modules["torch_npu"] = torch_npu
 
 import torch
 from vllm.platforms import current_platform
-from ascend_patch import kernels, loader
+from ascend_patch.npu import kernels
+from ascend_patch.overlay import loader
 print(json.dumps({
     "platform": type(current_platform).__name__,
     "mode": loader.current().mode,

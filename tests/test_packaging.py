@@ -48,8 +48,8 @@ def test_wheel_holds_one_package_the_pth_and_the_data(wheel):
         "ascend_patch/patches/__init__.py",
         "ascend_patch/patches/common.py",
         "ascend_patch/patches/v0_29.py",
-        "ascend_patch/_bootstrap.py",
-        "ascend_patch/kernels/npu.py",
+        "ascend_patch/overlay/bootstrap.py",
+        "ascend_patch/npu/kernels/npu.py",
     ):
         assert required in names, required
     assert not any(n.endswith(".pth") and "/" in n for n in names), "the .pth belongs at the root only"
@@ -57,7 +57,7 @@ def test_wheel_holds_one_package_the_pth_and_the_data(wheel):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "ascend-patch = ascend_patch.cli:main" in text
-    assert "[vllm.general_plugins]" in text and "ascend_patch = ascend_patch.loader:general_plugin" in text
+    assert "[vllm.general_plugins]" in text and "ascend_patch = ascend_patch.overlay.loader:general_plugin" in text
 
 
 def test_editable_wheel_carries_the_pth(tmp_path):
@@ -81,7 +81,7 @@ def test_editable_wheel_carries_the_pth(tmp_path):
 def test_this_environment_runs_the_installed_pth():
     site = Path(sysconfig.get_paths()["purelib"])
     assert (site / PTH).read_bytes() == (ROOT / "ascend_patch" / PTH).read_bytes()
-    proc = run_python("import sys; print('ascend_patch._bootstrap' in sys.modules)")
+    proc = run_python("import sys; print('ascend_patch.overlay.bootstrap' in sys.modules)")
     assert proc.stdout.strip() == "True" and proc.stderr == ""
 
 
@@ -108,7 +108,7 @@ def _site(venv: Path) -> Path:
 def test_regular_install_runs_the_pth(bare_venv):
     python = str(bare_venv / "bin" / "python")
     assert (_site(bare_venv) / PTH).is_file()
-    proc = run_python("import sys; print('ascend_patch._bootstrap' in sys.modules)", python=python)
+    proc = run_python("import sys; print('ascend_patch.overlay.bootstrap' in sys.modules)", python=python)
     assert proc.stdout.strip() == "True" and proc.stderr == ""
 
 

@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
-from ascend_patch.patching import Patch, PatchError, Registry, verify
-from ascend_patch.source import SourceTree, render_arguments, render_signature
+from ascend_patch.overlay.patching import Patch, PatchError, Registry, verify
+from ascend_patch.overlay.source import SourceTree, render_arguments, render_signature
 
 MOD = """
 def helper(a, b=1, *args, key, flag=False, **extra):

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ascend_patch.device import EmulatedRuntime
-from ascend_patch.kv_cache import ascend_layer_view, compute_slot_mapping
+from ascend_patch.npu.device import EmulatedRuntime
+from ascend_patch.npu.kv_cache import ascend_layer_view, compute_slot_mapping
 
 
 def test_layer_view_reinterprets_the_same_bytes():
@@ -108,7 +108,7 @@ def test_activation_tracker_measures_the_transient_peak():
 def test_sampler_filter_matches_vllm_and_falls_back_above_the_npu_k_limit():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from ascend_patch.sampler import filter_top_k_top_p
+    from ascend_patch.npu.sample.sampler import filter_top_k_top_p
 
     generator = torch.Generator().manual_seed(0)
     for vocab, k in ((512, [5, 512, 40]), (3000, [5, 3000, 1500])):

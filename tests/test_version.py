@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from ascend_patch import version as versions
+from ascend_patch.overlay import version as versions
 from tests.conftest import vllm_package_dir
 
 

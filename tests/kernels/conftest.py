@@ -1,7 +1,7 @@
 import pytest
 
-from ascend_patch import kernels
-from ascend_patch.kernels import reference
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import reference
 
 
 @pytest.fixture(autouse=True)

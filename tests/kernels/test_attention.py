@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 
-from ascend_patch import kernels
+from ascend_patch.npu import kernels
 
 # The optimised sparse_mode=3 mask as vllm-ascend builds it: 1 (masked) strictly above the diagonal.
 CAUSAL_MASK = torch.ones(2048, 2048, dtype=torch.int8).triu(1)

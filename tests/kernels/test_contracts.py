@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from ascend_patch import kernels
-from ascend_patch.kernels import KernelContractError
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import KernelContractError
 
 BF16 = torch.bfloat16
 CAUSAL_MASK = torch.ones(2048, 2048, dtype=torch.int8).triu(1)

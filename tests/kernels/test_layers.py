@@ -10,8 +10,8 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from ascend_patch import kernels
-from ascend_patch.kernels import reference
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 float_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])

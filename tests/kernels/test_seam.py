@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_patch import kernels
-from ascend_patch.kernels import npu, reference
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import npu, reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,7 +203,7 @@ def test_count_launches_on_the_real_path(torch_npu):
 def test_selecting_the_npu_backend_does_not_import_torch_npu():
     code = (
         "import sys\n"
-        "import ascend_patch.kernels as kernels\n"
+        "import ascend_patch.npu.kernels as kernels\n"
         "kernels.use('npu')\n"
         "assert kernels.active_backend() == 'npu'\n"
         "print('torch_npu' in sys.modules)\n"

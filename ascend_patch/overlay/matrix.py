@@ -9,6 +9,8 @@ it and every error names the file, the key and the problem.
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ascend_patch import env
-from ascend_patch import version as vllm_version
+from ascend_patch.overlay import version as versions
 
 SCHEMA_VERSION = 1
 STATUSES = ("npu-verified", "emulated-e2e", "static-probe", "untested", "unsupported")
@@ -99,8 +101,8 @@ class Matrix:
         return next((s for s in self.patch_sets if s.contains(release)), None)
 
     def select(self, version_text: str) -> Selection:
-        parsed = vllm_version.parse(version_text)
-        rel = vllm_version.release(parsed)
+        parsed = versions.parse(version_text)
+        rel = versions.release(parsed)
         entry = self.versions.get(str(rel))
         in_range = self.set_for_release(rel)
         if in_range is not None:
@@ -192,14 +194,14 @@ def parse(data: object, path: Path) -> Matrix:
                 path, f"patch_sets.{after.name}.vllm", f"overlaps patch set {before.name}"
             )
 
-    versions: dict[str, VersionEntry] = {}
+    entries: dict[str, VersionEntry] = {}
     for text, body in _require(path, data, "versions", "<top>", dict).items():
         where = f"versions.{text}"
         try:
             release = Version(str(text))
         except InvalidVersion:
             raise _fail(path, where, "key is not a version") from None
-        if str(release) != str(text) or str(vllm_version.release(release)) != str(text):
+        if str(release) != str(text) or str(versions.release(release)) != str(text):
             raise _fail(path, where, "key must be a plain release like 0.33.0")
         if not isinstance(body, dict):
             raise _fail(path, where, "expected a mapping")
@@ -234,10 +236,13 @@ def parse(data: object, path: Path) -> Matrix:
                 f"{where}.evidence.npu",
                 "npu-verified needs the record of a run on Ascend hardware",
             )
-        versions[str(text)] = entry
+        entries[str(text)] = entry
 
     limitations = []
-    for index, body in enumerate(data.get("limitations") or []):
+    listed = data.get("limitations") or []
+    if not isinstance(listed, list):
+        raise _fail(path, "limitations", f"expected a list, found {type(listed).__name__}")
+    for index, body in enumerate(listed):
         where = f"limitations[{index}]"
         if not isinstance(body, dict):
             raise _fail(path, where, "expected a mapping")
@@ -249,16 +254,34 @@ def parse(data: object, path: Path) -> Matrix:
         limitations.append(
             Limitation(_require(path, body, "id", where), _require(path, body, "summary", where), spec)
         )
-    return Matrix(path, tuple(sets), versions, tuple(limitations))
+    return Matrix(path, tuple(sets), entries, tuple(limitations))
+
+
+_MAX_BYTES = 4 << 20  # the shipped matrix is ~12 KB; a huge file is not a matrix
+
+
+def _read_bounded(path: Path) -> str:
+    """The file's text, refusing what is not a regular file of sane size (a FIFO would block
+    every ``import vllm``)."""
+    with open(path, "rb", buffering=0, opener=lambda p, f: os.open(p, f | getattr(os, "O_NONBLOCK", 0))) as raw:
+        info = os.fstat(raw.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError("not a regular file")
+        data = raw.read(_MAX_BYTES + 1)
+    if len(data) > _MAX_BYTES:
+        raise OSError(f"larger than {_MAX_BYTES >> 20} MiB")
+    return data.decode("utf-8")
 
 
 def load(path: Path | None = None) -> Matrix:
     """Load ``path``, else ``ASCEND_PATCH_MATRIX``, else the installed matrix."""
     path = Path(path or env.matrix_path() or default_path())
     try:
-        text = path.read_text()
+        text = _read_bounded(path)
     except OSError as exc:
-        raise MatrixError(f"{path}: cannot read: {exc.strerror}") from None
+        raise MatrixError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise MatrixError(f"{path}: not a text file (expected UTF-8 YAML)") from None
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         data = yaml.load(text, Loader=loader)

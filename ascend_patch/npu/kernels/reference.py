@@ -3,7 +3,7 @@ computes that op's documented output.
 
 They run the emulated engine on CPU, so a contract violation that would only surface on hardware
 (often as an opaque ACL error, sometimes as silently wrong numbers) fails here first, by name. Every
-function has the signature of its ``ascend_patch.kernels.npu`` twin. Tests check them against
+function has the signature of its ``ascend_patch.npu.kernels.npu`` twin. Tests check them against
 independent math (SDPA, vLLM's native layers), never against themselves.
 
 Attention is vectorised per sequence at least: the decode rows of a batch share one SDPA call, and

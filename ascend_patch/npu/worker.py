@@ -1,17 +1,15 @@
-"""``NPUWorker`` and ``NPUModelRunner``: vLLM's own GPU worker and V1 model runner on
-the NPU device.
+"""``NPUWorker``: vLLM's own GPU worker on the NPU device.
 
-Both subclass vLLM's classes and override only what is device-specific:
+It overrides only what is device-specific:
 
 - ``init_device``: upstream hard-codes ``cuda``. Ours selects the NPU (or the CPU
   behind the emulated NPU), initialises the distributed environment with the
   platform's backend, seeds, takes vLLM's memory baseline, then builds the model
   runner through vLLM's own ``_init_workspace_and_model_runner`` (0.32+) or the
   same two steps on older releases;
-- ``_make_model_runner``: always the V1 runner (Model Runner V2 is unsupported);
-- the model runner charges loaded weights to the emulated HBM and measures the
-  profiling pass's activations, so vLLM's unmodified ``determine_available_memory``
-  sizes the KV cache from real numbers.
+- ``_make_model_runner``: always :class:`NPUModelRunner`, the V1 runner (Model Runner
+  V2 is unsupported);
+- sleep mode and the CuMem pool, which are CUDA-only, are refused or skipped.
 
 Everything else — scheduling glue, input preparation, sampling, KV-cache
 binding, memory profiling — is vLLM's code.
@@ -21,61 +19,40 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 
 import torch
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
-from ascend_patch import custom_ops, loader
+from ascend_patch import env
+from ascend_patch.npu import ops
+from ascend_patch.npu.model_runner import NPUModelRunner
+from ascend_patch.npu.platform import NPUPlatform
 
 
-class NPUModelRunner(GPUModelRunner):
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        runtime = current_platform.runtime()
-        if current_platform.emulated:
-            # CPU tensors are not device memory: the weights are what loading
-            # placed on the emulated NPU, so charge exactly those bytes.
-            model = self.get_model()
-            tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                       for t in (*model.parameters(), *model.buffers())}
-            runtime.charge("weights", sum(tensors.values()), model)
-            self.model_memory_usage = sum(tensors.values())
-
-    def profile_run(self, *args, **kwargs):
-        with current_platform.runtime().track_activations():
-            return super().profile_run(*args, **kwargs)
-
-    def _init_kv_zero_meta(self) -> None:
-        # vLLM's KVBlockZeroer is a Triton kernel over [blocks, ...] caches; the
-        # Ascend layout is [2, blocks, ...], zeroed with one index_fill per layer.
-        context = self.compilation_config.static_forward_context
-        caches = {}
-        for group in self.kv_cache_config.kv_cache_groups:
-            for name in group.layer_names:
-                kv = getattr(context.get(name), "kv_cache", None)
-                if isinstance(kv, torch.Tensor):
-                    caches[kv.data_ptr()] = kv
-        self._ascend_kv_caches = list(caches.values())
-
-    def _zero_block_ids(self, block_ids: list[int]) -> None:
-        if not block_ids or not getattr(self, "_ascend_kv_caches", None):
-            return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for kv in self._ascend_kv_caches:
-            ratio = kv.shape[1] // self.kv_cache_config.num_blocks  # kernel blocks per block
-            kernel_ids = (ids[:, None] * ratio + torch.arange(ratio, device=self.device)).flatten()
-            kv.index_fill_(1, kernel_ids, 0)
+def require_npu_platform() -> None:
+    """Fail loudly in a process vLLM started for the NPU platform when the overlay is not
+    active in it (wrong environment, ``ASCEND_PATCH`` differs, no ``.pth``): running on
+    stock vLLM there would give errors far from the cause, or wrong output."""
+    if isinstance(current_platform, NPUPlatform):
+        return
+    raise RuntimeError(
+        f"ascend-patch is not active in this vLLM process (pid {os.getpid()}): its platform is "
+        f"{type(current_platform).__name__} and ASCEND_PATCH={env.raw('ASCEND_PATCH') or 'auto'}. "
+        "Every process of an engine (EngineCore, workers, Ray actors) must run in an environment "
+        "with ascend-patch installed and the same ASCEND_PATCH setting; `ascend-patch doctor` "
+        "run there says why it is not"
+    )
 
 
 class NPUWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
-        loader.require_active_in_this_process()
-        custom_ops.register()
+        require_npu_platform()
+        ops.register()
         super().__init__(*args, **kwargs)
 
     def init_device(self) -> None:
@@ -97,14 +74,14 @@ class NPUWorker(Worker):
         # The same baseline the CUDA path takes; determine_available_memory reads both.
         self.init_snapshot = MemorySnapshot(device=self.device)
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config)
-        if hasattr(Worker, "_init_workspace_and_model_runner"):  # vLLM 0.32+
+        if hasattr(Worker, "_init_workspace_and_model_runner"):  # seam: vLLM 0.32+
             self._init_workspace_and_model_runner()
         else:
             from vllm.v1.worker import gpu_worker
             from vllm.v1.worker.workspace import init_workspace_manager
 
             num_ubatches = 2 if self.parallel_config.enable_dbo else 1
-            if hasattr(gpu_worker, "_num_workspace_lanes"):  # vLLM 0.28+
+            if hasattr(gpu_worker, "_num_workspace_lanes"):  # seam: vLLM 0.28+
                 lanes = gpu_worker._num_workspace_lanes(self.vllm_config, False)
                 init_workspace_manager(self.device, num_ubatches, lanes)
             else:

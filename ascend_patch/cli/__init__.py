@@ -8,7 +8,7 @@ import sys
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ascend_patch import doctor
+    from ascend_patch.cli import doctor
 
     data = doctor.report(apply=args.apply)
     print(json.dumps(data, indent=2) if args.json else doctor.render(data))
@@ -16,7 +16,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _matrix(args: argparse.Namespace) -> int:
-    from ascend_patch import matrix
+    from ascend_patch.overlay import matrix
 
     try:
         table = matrix.load(args.file)
@@ -31,12 +31,12 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from ascend_patch import probe
+    from ascend_patch.cli import probe, releases
 
     return probe.run(
         args.target,
         version=args.version,
-        index_url=args.index_url or probe.DEFAULT_INDEX,
+        index_url=args.index_url or releases.DEFAULT_INDEX,
         as_json=args.json,
     )
 

@@ -1,7 +1,7 @@
 """``ascend-patch doctor``: the first thing a user runs.
 
 It answers "would the overlay activate here, and if not, why?" from the same
-:func:`ascend_patch.loader.plan` the loader runs at ``import vllm``, so the
+:func:`ascend_patch.overlay.loader.plan` the loader runs at ``import vllm``, so the
 answer cannot drift from the behaviour. By default nothing is imported or
 patched; ``--apply`` imports vLLM and every target module so each patch is
 reported as actually applied.
@@ -16,8 +16,9 @@ import site
 import sys
 from pathlib import Path
 
-from ascend_patch import __version__, env, loader
-from ascend_patch import version as versions
+from ascend_patch import __version__, env
+from ascend_patch.overlay import loader
+from ascend_patch.overlay import version as versions
 
 PTH_NAME = "a1_ascend_patch.pth"
 _CANN_INFO_FILES = ("version.cfg", "ascend_toolkit_install.info")
@@ -68,6 +69,9 @@ def report(apply: bool = False) -> dict:
             act = loader.plan("ascend-patch doctor")
     except (loader.AscendPatchError, ValueError) as exc:
         return {"ok": False, "requested_mode": requested, "error": str(exc), "settings": env.settings()}
+    except Exception as exc:  # a damaged install or a bug: report it, the doctor's job
+        return {"ok": False, "requested_mode": requested, "settings": env.settings(),
+                "error": f"the loader failed ({type(exc).__name__}: {exc}); reinstall ascend-patch"}
 
     vllm = act.vllm
     selection = act.selection
@@ -83,6 +87,9 @@ def report(apply: bool = False) -> dict:
                 "expected": status.patch.expected(),
                 "found": status.found,
                 "reason": status.patch.reason,
+                "implementation": status.patch.implementation,
+                "upstream": status.patch.upstream,
+                "remove_when": status.patch.remove_when,
             }
         )
     would_activate = act.state in ("verified", "active")
@@ -147,9 +154,9 @@ def render(data: dict) -> str:
     if data["targets"]:
         lines.append("")
         tw = max(len(t["target"]) for t in data["targets"])
-        lines.append(f"{'target'.ljust(tw)}  {'kind':8}  {'state':8}  found")
+        lines.append(f"{'target'.ljust(tw)}  {'kind':8}  {'state':9}  found")
         for t in data["targets"]:
-            lines.append(f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:8}  {t['found']}")
+            lines.append(f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:9}  {t['found']}")
     for failure in data["import_failures"]:
         lines.append(f"import failed: {failure}")
     lines.append("")

@@ -16,7 +16,7 @@ torch ops, which the NPU runs as generic kernels (several launches, not one).
 
 KV cache: each layer's cache is ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (K plane, V plane), the ND layout the kernels read. vLLM 0.20–0.28
-shape it from ``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.kv_cache`
+shape it from ``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.kv_cache`
 carves it out of vLLM's single allocation.
 """
 
@@ -33,8 +33,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from ascend_patch import kernels
-from ascend_patch.kernels import paged
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import paged
 
 # Block sizes the fused kernels accept for queries longer than one token
 # (npu_fused_infer_attention_score PageAttention rule: a multiple of 128 in [128, 512]).
@@ -75,7 +75,7 @@ class AscendAttentionBackend(AttentionBackend):
 
         return (KVCacheLayout.LBNHC,)
 
-    if hasattr(AttentionBackend, "get_kv_cache_shape"):
+    if hasattr(AttentionBackend, "get_kv_cache_shape"):  # seam: until vLLM 0.29
         # vLLM 0.20–0.28 view each layer's raw KV bytes in the shape the backend
         # names here (with the default identity stride order): the K and V planes
         # come out contiguous, as the kernels read them. 0.29 removed the hook.
@@ -131,7 +131,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         query_ends = meta.query_start_loc_cpu[1 : num_seqs + 1].tolist()
         # A host copy of the KV lengths, exact outside speculative decoding (which
         # this backend does not support); otherwise one device-to-host copy.
-        host_seq_lens = getattr(meta, "seq_lens_cpu_upper_bound", None)
+        host_seq_lens = meta.seq_lens_cpu_upper_bound
         if host_seq_lens is None:
             host_seq_lens = meta.seq_lens.cpu()
         seq_lens = host_seq_lens[:num_seqs].to(torch.int32)

@@ -126,6 +126,14 @@ def find_vllm() -> VllmInstall | None:
     detected = dist.version if dist is not None else source_tree_version(package_dir)
     override = env.vllm_version_override()
     if override:
+        try:
+            Version(override)
+        except InvalidVersion:
+            raise VersionError(
+                f"cannot read vLLM version {override!r} from ASCEND_PATCH_VLLM_VERSION: it is not a "
+                "PEP 440 version; give the "
+                "vLLM release this build comes from, e.g. 0.33.0, or unset it"
+            ) from None
         version, source = override, "ASCEND_PATCH_VLLM_VERSION"
     elif dist is not None:
         version, source = dist.version, f"metadata of distribution {dist.name!r}"

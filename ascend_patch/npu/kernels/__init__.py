@@ -9,7 +9,7 @@ Two backends implement the same signatures:
 
 :func:`use` rebinds the module-level functions, so a call is a plain attribute lookup with no
 per-call dispatch. Call them through the module (``kernels.rms_norm(...)``): a name imported with
-``from ascend_patch.kernels import rms_norm`` keeps whatever backend was active at import time.
+``from ascend_patch.npu.kernels import rms_norm`` keeps whatever backend was active at import time.
 """
 
 import collections

@@ -10,7 +10,7 @@ ATB bindings in ``op_plugin/ops/atb/``), except the leading tensor of ops whose 
 ``self``, which the Python binding only accepts positionally.
 
 The device-runtime queries at the end (probe, names, memory, seeding) live here for the same
-reason: they are torch_npu calls; :mod:`ascend_patch.device` and the loader reach the NPU through
+reason: they are torch_npu calls; :mod:`ascend_patch.npu.device` and the loader reach the NPU through
 them.
 """
 
@@ -118,9 +118,14 @@ def top_k_top_p(logits, p=None, k=None):
 # --- device runtime -------------------------------------------------------------------------------
 
 
+def installed() -> bool:
+    """Whether torch_npu is installed at all (found, not imported)."""
+    return importlib.util.find_spec("torch_npu") is not None
+
+
 def probe() -> tuple[bool, str]:
     """``(usable, detail)``: whether torch_npu imports and sees at least one NPU."""
-    if importlib.util.find_spec("torch_npu") is None:
+    if not installed():
         return False, "torch_npu is not installed"
     try:
         torch_npu = _torch_npu()
@@ -144,8 +149,11 @@ def mem_get_info(index: int | None = None) -> tuple[int, int]:
     return _torch_npu().npu.mem_get_info(index)
 
 
-def max_memory_allocated(device=None) -> int:
-    return _torch_npu().npu.max_memory_allocated(device)
+def current_memory_usage(device=None) -> int:
+    """Peak allocation since now, which is what is in use (vLLM's CUDA platform reads it so)."""
+    npu = _torch_npu().npu
+    npu.reset_peak_memory_stats(device)
+    return npu.max_memory_allocated(device)
 
 
 def set_device(device) -> None:

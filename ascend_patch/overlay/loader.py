@@ -6,9 +6,11 @@ Triggers: the ``.pth`` bootstrap calls :func:`on_vllm_imported` right after
 :func:`activate`, which runs once per process:
 
 1. the mode (``ASCEND_PATCH``): off, auto (NPU visible?), npu (forced) or emulate;
-2. the vLLM version, and the patch set ``compat_matrix.yaml`` maps it to;
-3. every target of that set verified against the installed source;
-4. only if all of that holds, the patches are scheduled, the platform first.
+2. the vLLM version, the patch set ``compat_matrix.yaml`` maps it to, and every
+   declaration of that set verified against the installed source — the one
+   decision path, :func:`ascend_patch.overlay.decision.decide`, which the probe runs too;
+3. only if all of that holds, the set is scheduled through the registry, the
+   platform selection first.
 
 Any failure leaves vLLM exactly stock with one log line saying why, except
 where the user asked for certainty: ``ASCEND_PATCH=npu`` without a usable NPU,
@@ -17,7 +19,6 @@ and any deviation under ``ASCEND_PATCH_STRICT=1``, raise :class:`AscendPatchErro
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
@@ -27,15 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ascend_patch import env
-from ascend_patch import matrix as compat
-from ascend_patch import version as versions
-from ascend_patch.patching import REGISTRY, Patch, TargetStatus, verify
-from ascend_patch.source import SourceTree
-
-PLATFORMS = {
-    "npu": "ascend_patch.platform.NPUPlatform",
-    "emulate": "ascend_patch.platform.EmulatedNPUPlatform",
-}
+from ascend_patch.overlay import matrix
+from ascend_patch.overlay import version as versions
+from ascend_patch.overlay.decision import Decision, decide
+from ascend_patch.overlay.patching import REGISTRY, Declaration, Setting, TargetStatus
+from ascend_patch.overlay.source import SourceTree
 
 
 class AscendPatchError(RuntimeError):
@@ -53,9 +50,7 @@ class Activation:
     mode: str | None = None  # "npu" or "emulate" once decided
     mode_reason: str = ""
     vllm: versions.VllmInstall | None = None
-    selection: compat.Selection | None = None
-    patches: list[Patch] = field(default_factory=list)
-    statuses: list[TargetStatus] = field(default_factory=list)
+    decision: Decision | None = None
     warnings: list[str] = field(default_factory=list)
     deviation: bool = False
     """Inert for an unusual reason (worth a warning), not by choice or for lack of an NPU."""
@@ -63,6 +58,18 @@ class Activation:
     @property
     def active(self) -> bool:
         return self.state == "active"
+
+    @property
+    def selection(self) -> matrix.Selection | None:
+        return self.decision.selection if self.decision else None
+
+    @property
+    def patches(self) -> list[Declaration]:
+        return self.decision.declarations if self.decision else []
+
+    @property
+    def statuses(self) -> list[TargetStatus]:
+        return self.decision.statuses if self.decision else []
 
 
 _activation: Activation | None = None
@@ -86,10 +93,13 @@ def current() -> Activation | None:
 
 
 def vllm_ascend_present() -> str | None:
-    """The installed vllm-ascend version ("unknown" for a bare source tree), or None."""
+    """The installed vllm-ascend version ("unknown" for a bare source tree), or None.
+    A directory without ``__init__.py`` (a namespace package) is not an installation."""
     installed = versions.installed_version("vllm-ascend")
-    if installed is None and importlib.util.find_spec("vllm_ascend") is not None:
-        return "unknown"
+    if installed is None:
+        spec = importlib.util.find_spec("vllm_ascend")
+        if spec is not None and spec.origin not in (None, "namespace"):
+            return "unknown"
     return installed
 
 
@@ -117,10 +127,13 @@ def _decide_mode(act: Activation) -> Activation | None:
             f"ASCEND_PATCH={act.requested}"
         )
     if act.requested == "emulate":
-        env.emulated_hbm_bytes()  # a malformed size is an error now, not mid-engine
+        try:
+            env.emulated_hbm_bytes()  # a malformed size is reported now, not mid-engine
+        except ValueError as exc:
+            return _deviation(act, f"{exc}; ascend-patch stays inert")
         act.mode, act.mode_reason = "emulate", "ASCEND_PATCH=emulate"
         return None
-    from ascend_patch.kernels import npu
+    from ascend_patch.npu.kernels import npu
 
     usable, detail = npu.probe()
     if usable:
@@ -134,12 +147,27 @@ def _decide_mode(act: Activation) -> Activation | None:
             "or use ASCEND_PATCH=emulate to run the NPU code path on CPU"
         )
     act.state, act.reason = "inert", f"ASCEND_PATCH=auto and no NPU: {detail}"
+    if npu.installed():
+        # torch_npu is there but unusable (CANN mismatch, no device visible): stock vLLM
+        # would run on a machine meant for NPUs, which deserves one line.
+        act.deviation = True
+        act.reason += ("; vLLM stays stock. `ascend-patch doctor` shows the versions; "
+                       "ASCEND_PATCH=npu turns this into an error")
     return act
+
+
+def source_tree(vllm_dir: str | Path) -> SourceTree:
+    """The installed vLLM, and torch beside it for the torch device-API declarations.
+    Found without importing torch (``doctor`` never does)."""
+    spec = importlib.util.find_spec("torch")
+    roots = [Path(next(iter(spec.submodule_search_locations)))] if spec and spec.submodule_search_locations else []
+    return SourceTree(Path(vllm_dir), *roots)
 
 
 def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation:
     """Decide everything, verify every target, touch nothing."""
     act = Activation(requested=env.mode(), trigger=trigger)
+    env.strict(), env.debug()  # a malformed flag is an error now, like a malformed mode
     if act.requested == "off":
         act.state, act.reason = "off", "ASCEND_PATCH=off"
         return act
@@ -153,30 +181,27 @@ def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Acti
     if _decide_mode(act) is not None:
         return act
     try:
-        table = compat.load()
-        act.selection = table.select(act.vllm.version)
-    except (compat.MatrixError, versions.VersionError) as exc:
+        act.decision = decide(
+            act.vllm.version,
+            source_tree(act.vllm.location),
+            matrix.load(),
+            cache_dir=Path(env.cache_dir()) / "verified",
+        )
+    except (matrix.MatrixError, versions.VersionError) as exc:
         return _deviation(act, str(exc))
-    if act.selection.patch_set is None:
-        return _deviation(act, f"{act.selection.reason}; ascend-patch stays inert")
-    if act.selection.kind == "newer":
-        message = act.selection.reason
+    selection = act.decision.selection
+    if selection.patch_set is None:
+        return _deviation(act, f"{selection.reason}; ascend-patch stays inert")
+    if selection.kind == "newer":
         if env.strict():
-            raise AscendPatchError(f"{message} (ASCEND_PATCH_STRICT=1)")
-        act.warnings.append(message)
-    set_name = act.selection.patch_set.name
-    act.patches = list(importlib.import_module(f"ascend_patch.patches.{set_name}").PATCHES)
-    act.statuses = verify(
-        act.patches,
-        SourceTree(Path(act.vllm.location)),
-        cache_dir=Path(env.cache_dir()) / "verified",
-    )
-    failed = [s for s in act.statuses if not s.ok]
+            raise AscendPatchError(f"{selection.reason} (ASCEND_PATCH_STRICT=1)")
+        act.warnings.append(selection.reason)
+    failed = act.decision.failed
     if failed:
         details = "".join(f"\n  - {s.describe()}" for s in failed)
         return _deviation(
             act,
-            f"vLLM {act.vllm.version} does not match patch set {set_name}: "
+            f"vLLM {act.vllm.version} does not match patch set {selection.patch_set.name}: "
             f"{len(failed)} of {len(act.statuses)} targets differ; nothing was patched"
             f"{details}",
         )
@@ -187,9 +212,19 @@ def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Acti
 def _platform_already_resolved() -> object | None:
     platforms = sys.modules.get("vllm.platforms")
     resolved = getattr(platforms, "_current_platform", None) if platforms else None
-    if resolved is None or type(resolved).__module__ == "ascend_patch.platform":
+    if resolved is None or type(resolved).__module__.startswith("ascend_patch."):
         return None
     return resolved
+
+
+def _overridden_settings(act: Activation) -> list[str]:
+    """One warning per variable the user set that a forced setting overrides."""
+    return [
+        f"{s.variable}={os.environ[s.variable]} ignored: {s.reason}"
+        for s in act.patches
+        if isinstance(s, Setting) and act.mode in s.modes
+        and os.environ.get(s.variable, s.value).strip().lower() != s.value
+    ]
 
 
 def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation:
@@ -210,7 +245,8 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
                     "so its .pth runs at interpreter start",
                 )
             else:
-                REGISTRY.schedule(act.patches)
+                act.warnings += _overridden_settings(act)
+                REGISTRY.schedule([d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))])
                 act.state = "active"
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
@@ -238,24 +274,6 @@ def deactivate() -> list[str]:
         return restored
 
 
-def require_active_in_this_process() -> None:
-    """Fail loudly in a process vLLM started for the NPU platform when the overlay is
-    not active in it (wrong environment, ``ASCEND_PATCH`` differs, no ``.pth``):
-    running on stock vLLM there would give errors far from the cause, or wrong output."""
-    act = _activation
-    if act is not None and act.active:
-        return
-    why = act.reason if act is not None else (
-        "the overlay never ran in this interpreter (is ascend-patch installed in "
-        f"{sys.prefix}, and is ASCEND_PATCH set the same as in the parent process?)"
-    )
-    raise AscendPatchError(
-        f"ascend-patch is not active in this vLLM process (pid {os.getpid()}): {why}. Every "
-        "process of an engine (EngineCore, workers, Ray actors) must run in an environment "
-        "with ascend-patch installed and the same ASCEND_PATCH setting"
-    )
-
-
 def on_vllm_imported(module) -> None:
     """Called by the ``.pth`` bootstrap right after ``vllm/__init__.py`` executed."""
     activate("import vllm")
@@ -265,11 +283,3 @@ def general_plugin() -> None:
     """``vllm.general_plugins`` entry point: a second, idempotent trigger (with
     ``ASCEND_PATCH=off`` it only records that decision)."""
     activate("vllm.general_plugins")
-
-
-def select_platform(wrapped, instance, args, kwargs) -> str:
-    """Wrapper of ``vllm.platforms.resolve_current_platform_cls_qualname``."""
-    act = _activation
-    if act is None or not act.active:
-        return wrapped(*args, **kwargs)
-    return PLATFORMS[act.mode]

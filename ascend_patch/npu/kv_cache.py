@@ -51,7 +51,7 @@ def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
 def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
     """Charge the buffers behind the layer caches to the device, until the first
     layer cache dies (the layer caches keep their buffers alive)."""
-    from ascend_patch import device
+    from ascend_patch.npu import device
 
     backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in layer_caches.values()}
     if layer_caches:
@@ -85,7 +85,7 @@ def compute_slot_mapping(original):
     """
 
     def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
-        if hasattr(self, "slot_mapping_mode"):  # vLLM 0.26+
+        if hasattr(self, "slot_mapping_mode"):  # seam SlotMappingMode: vLLM 0.26+
             from vllm.v1.worker.block_table import SlotMappingMode
 
             if self.slot_mapping_mode == SlotMappingMode.NONE:

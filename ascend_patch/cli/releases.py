@@ -1,25 +1,12 @@
-"""``ascend-patch probe VERSION | PATH``: would the overlay activate on this vLLM?
+"""Getting at the vLLM source a probe reads: a release from a package index, a local
+wheel or sdist, a source tree or an installed ``site-packages``.
 
-Engineers trying a brand-new upstream release, and CI pinning versions against
-the matrix, need that answer before building a 340 MB environment around the
-release. So the probe never installs or imports vLLM: it reads the release's
-``vllm/**/*.py`` files and gives the same answer the loader would at
-``import vllm`` — the patch set :meth:`ascend_patch.matrix.Matrix.select`
-picks, then :func:`ascend_patch.patching.verify` over every target, against
-:class:`ascend_patch.source.SourceTree`.
-
-A version is fetched as its sdist (30–50 MB, against about 340 MB for the
-wheel) from the package index's simple API, checked against the sha256 the
-index publishes, and only its ``vllm/**/*.py`` files are kept in the cache
-(``ascend_patch.env.cache_dir()``), so a second probe of the same release
-needs no network. ``pip download`` is not used: it insists on building an
-sdist, which vLLM's cannot do without CUDA.
-
-Beyond "does it verify", each target reports whether its *body* changed since
-the release its patch set was written against (digests committed in
-``patches/<set>_digests.json`` by ``scripts/update_digests.py``). That is
-informational: a wrapper survives a body change, but it is where to look
-first when a new release misbehaves.
+A version is fetched as its sdist (30–50 MB, against about 340 MB for the wheel)
+from the index's simple API, checked against the sha256 the index publishes, and
+only its ``vllm/**/*.py`` files are kept in the cache (``ascend_patch.env.cache_dir()``
+``/releases``), so a second probe of the same release needs no network. ``pip
+download`` is not used: it insists on building an sdist, which vLLM's cannot do
+without CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +16,6 @@ import contextlib
 import hashlib
 import html.parser
 import http.client
-import importlib
 import json
 import re
 import shutil
@@ -49,13 +35,9 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from ascend_patch import __version__, env
-from ascend_patch import matrix as compat
-from ascend_patch import version as vllm_version
-from ascend_patch.patching import Patch, verify
-from ascend_patch.source import SourceTree
+from ascend_patch.overlay import version as versions
 
 DEFAULT_INDEX = "https://pypi.org/simple"
-SCHEMA_VERSION = 1
 _TIMEOUT = 30  # seconds without a byte before a request is abandoned
 _CHUNK = 1 << 20
 
@@ -86,7 +68,7 @@ class Source:
 # -- versions -----------------------------------------------------------------
 
 
-def _parse_version(text: str | None) -> Version | None:
+def parse_version(text: str | None) -> Version | None:
     try:
         return Version(text) if text else None
     except InvalidVersion:
@@ -107,7 +89,7 @@ def _archive_name_version(name: str) -> str | None:
         if name.endswith(suffix):
             stem = name[: -len(suffix)]
             dist, _, text = stem.rpartition("-")
-            return text if dist and _parse_version(text) else None
+            return text if dist and parse_version(text) else None
     return None
 
 
@@ -138,8 +120,8 @@ def _tree_version(package_dir: Path) -> tuple[str | None, str, str]:
     installed = _installed_version(package_dir)
     if installed:
         return (*installed, "installed")
-    declared = vllm_version.source_tree_version(package_dir)
-    if _parse_version(declared):
+    declared = versions.source_tree_version(package_dir)
+    if parse_version(declared):
         return declared, f"{package_dir}/_version.py", "tree"
     return None, (
         f"no version found: {package_dir} has no _version.py (a git checkout generates it only "
@@ -293,7 +275,7 @@ def read_index(index_url: str) -> tuple[list[IndexFile], list[str]]:
 
 
 def _nearest(requested: Version, listed: list[str]) -> tuple[list[str], str | None]:
-    releases = sorted({v for text in listed if (v := _parse_version(text))})
+    releases = sorted({v for text in listed if (v := parse_version(text))})
     if not releases:
         return [], None
     position = bisect.bisect_left(releases, requested)
@@ -303,7 +285,7 @@ def _nearest(requested: Version, listed: list[str]) -> tuple[list[str], str | No
 
 def _release_file(files: list[IndexFile], requested: Version) -> IndexFile | None:
     """The sdist of ``requested`` if it has one, else its smallest wheel; unyanked first."""
-    mine = [f for f in files if _parse_version(_archive_name_version(f.filename)) == requested]
+    mine = [f for f in files if parse_version(_archive_name_version(f.filename)) == requested]
 
     def preference(f: IndexFile):
         return (f.yanked, not f.filename.endswith(_SDIST_SUFFIXES), f.size or 0)
@@ -380,7 +362,7 @@ def _cached(releases: Path, requested: Version, argument: str) -> Source | None:
             info = json.loads(marker.read_text())
         except (OSError, ValueError):
             continue  # a damaged entry is fetched again
-        if _parse_version(info.get("version")) == requested:
+        if parse_version(info.get("version")) == requested:
             return Source(
                 marker.parent / "vllm",
                 "release",
@@ -394,7 +376,7 @@ def _cached(releases: Path, requested: Version, argument: str) -> Source | None:
 
 def fetch_release(requested_text: str, index_url: str = DEFAULT_INDEX) -> Source:
     """The ``vllm`` package of a release on the index, from the cache or fetched into it."""
-    requested = _parse_version(requested_text)
+    requested = parse_version(requested_text)
     if requested is None:
         raise ProbeError(
             f"{requested_text!r} is neither an existing path nor a version; give a vLLM version "
@@ -416,7 +398,7 @@ def fetch_release(requested_text: str, index_url: str = DEFAULT_INDEX) -> Source
         )
     version_text = str(requested)
     for text in listed:
-        if _parse_version(text) == requested:
+        if parse_version(text) == requested:
             version_text = text  # the index's own spelling: 0.33.0, not 0.33
     try:
         releases.mkdir(parents=True, exist_ok=True)
@@ -477,12 +459,12 @@ def open_source(
 ) -> Iterator[Source]:
     """Resolve a version or path to a :class:`Source`; local archives are extracted to a
     temporary directory that lives as long as the context."""
-    if version is not None and _parse_version(version) is None:
+    if version is not None and parse_version(version) is None:
         raise ProbeError(f"--version {version!r} is not a PEP 440 version, e.g. 0.33.0")
     path = Path(argument).expanduser()
     if not path.exists():
         source = fetch_release(argument, index_url)
-        if version is not None and _parse_version(version) != _parse_version(source.version):
+        if version is not None and parse_version(version) != parse_version(source.version):
             raise ProbeError(f"--version {version} contradicts the release asked for, {argument}")
         yield source
         return
@@ -511,258 +493,11 @@ def open_source(
             (version, "--version"),
             (declared, f"{path.name} metadata"),
             (_archive_name_version(path.name), f"the file name {path.name}"),
-            (vllm_version.source_tree_version(package_dir), "vllm/_version.py in the archive"),
+            (versions.source_tree_version(package_dir), "vllm/_version.py in the archive"),
         ]
         found, source_of_version = next(
-            ((v, s) for v, s in candidates if _parse_version(v)),
+            ((v, s) for v, s in candidates if parse_version(v)),
             (None, f"no version in {path.name}'s metadata, name or vllm/_version.py"),
         )
         kind = "wheel" if path.name.endswith(".whl") else "sdist"
         yield Source(package_dir, kind, argument, found, source_of_version, {"files": count})
-
-
-# -- the report ---------------------------------------------------------------
-
-
-def digests_path(set_name: str) -> Path:
-    import ascend_patch.patches
-
-    return Path(ascend_patch.patches.__file__).resolve().parent / f"{set_name}_digests.json"
-
-
-def load_digests(set_name: str) -> dict | None:
-    path = digests_path(set_name)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-
-
-def compute_digests(patches: list[Patch], tree: SourceTree) -> dict[str, str | None]:
-    """Each target's body digest in ``tree`` (None for classes, values and absent targets)."""
-    digests = {}
-    for patch in patches:
-        found = tree.lookup(patch.module, patch.qualname) if tree.has_module(patch.module) else None
-        digests[patch.target] = found.body_digest if found else None
-    return digests
-
-
-def reference_release(table: compat.Matrix, set_name: str) -> str:
-    """The release a set's digests come from: the newest one the matrix lists in its range."""
-    listed = [Version(v) for v, e in table.versions.items() if e.patch_set == set_name]
-    if not listed:
-        raise ProbeError(
-            f"the matrix lists no vLLM release for patch set {set_name}; add one to "
-            f"versions: in {table.path}"
-        )
-    return str(max(listed))
-
-
-def patches_of(set_name: str) -> list[Patch]:
-    try:
-        module = importlib.import_module(f"ascend_patch.patches.{set_name}")
-    except ImportError as exc:
-        raise ProbeError(
-            f"the matrix names patch set {set_name} but ascend_patch.patches.{set_name} "
-            f"cannot be imported ({exc})"
-        ) from None
-    return list(module.PATCHES)
-
-
-def _probed_set(table: compat.Matrix, release: Version | None) -> compat.PatchSetSpec:
-    """The set to check when the loader would choose none: the nearest newer one (for an
-    older release, the oldest set, the one it would have to join), else the newest."""
-    if release is not None:
-        for spec in table.patch_sets:
-            if spec.lower > release:
-                return spec
-    return table.patch_sets[-1]
-
-
-def probe(source: Source, table: compat.Matrix) -> dict:
-    """Everything the loader would decide for ``source``, as a JSON-able report."""
-    warnings: list[str] = []
-    parsed = _parse_version(source.version)
-    if parsed is None:
-        release = None
-        chosen = table.patch_sets[-1]
-        kind, entry = "unknown", None
-        reason = (
-            f"the version is unknown; assumed newer than every patch set (as a checkout of "
-            f"vLLM main is), so the newest, {chosen.name} ({chosen.range}), is checked"
-        )
-        warnings.append(f"{source.version_source}. Pass --version X to select as for release X")
-    else:
-        release = vllm_version.release(parsed)
-        selection = table.select(source.version)
-        chosen, kind, reason, entry = (
-            selection.patch_set, selection.kind, selection.reason, selection.entry
-        )
-        if kind == "newer":
-            warnings.append(selection.reason)
-    probed = chosen or _probed_set(table, release)
-    tree = SourceTree(source.package_dir)
-    patches = patches_of(probed.name)
-    try:
-        statuses = verify(patches, tree)
-    except SyntaxError as exc:
-        raise ProbeError(
-            f"{exc.filename}:{exc.lineno}: this Python ({sys.version.split()[0]}) cannot parse "
-            f"it ({exc.msg}); run the probe with the Python the release supports"
-        ) from None
-    digests = load_digests(probed.name)
-    reference = digests["reference"] if digests else None
-    if digests is None:
-        warnings.append(
-            f"no body digests for patch set {probed.name}; run scripts/update_digests.py"
-        )
-    elif any(s.patch.target not in digests["digests"] for s in statuses):
-        warnings.append(
-            f"the body digests of {probed.name} predate some of its targets; "
-            "run scripts/update_digests.py"
-        )
-    recorded = digests["digests"] if digests else {}
-    current = compute_digests(patches, tree) if digests else {}
-    targets = []
-    for status in statuses:
-        patch = status.patch
-        body = None
-        known, now = recorded.get(patch.target), current.get(patch.target)
-        if known is not None and now is not None:
-            body = "same" if known == now else "changed"
-        targets.append(
-            {
-                "target": patch.target,
-                "kind": patch.kind,
-                "state": status.state,
-                "present": status.state != "missing",
-                "signature_match": None if patch.signature is None else status.state == "verified",
-                "expected": patch.expected(),
-                "found": status.found,
-                "body": body,
-                "reason": patch.reason,
-            }
-        )
-    failed = [s for s in statuses if not s.ok]
-    if chosen is None:
-        would_activate = False
-        verdict = (
-            f"{reason}: the loader would stay inert (targets shown against {probed.name}, "
-            "the nearest set, for information)"
-        )
-    elif failed:
-        would_activate = False
-        verdict = (
-            f"{len(failed)} of {len(statuses)} targets of {probed.name} differ: the loader "
-            "would patch nothing"
-        )
-    else:
-        would_activate = True
-        verdict = f"all {len(statuses)} targets of {probed.name} verify" + (
-            ", if the version is newer than every patch set, as assumed" if kind == "unknown" else ""
-        )
-    return {
-        "schema": SCHEMA_VERSION,
-        "input": {
-            "argument": source.argument,
-            "kind": source.kind,
-            "package_dir": str(source.package_dir),
-            **source.details,
-        },
-        "vllm": {
-            "version": source.version,
-            "version_source": source.version_source,
-            "release": str(release) if release else None,
-        },
-        "selection": {
-            "kind": kind,
-            "patch_set": chosen.name if chosen else None,
-            "probed_set": probed.name,
-            "range": probed.range,
-            "reason": reason,
-        },
-        "matrix_status": entry.status if entry else None,
-        "limitations": [
-            {"id": lim.id, "summary": lim.summary}
-            for lim in table.limitations_for(release or probed.upper)
-        ],
-        "body_reference": reference,
-        "targets": targets,
-        "summary": {
-            "targets": len(targets),
-            **{state: sum(t["state"] == state for t in targets)
-               for state in ("verified", "missing", "mismatch")},
-            "body_changed": sum(t["body"] == "changed" for t in targets),
-        },
-        "would_activate": would_activate,
-        "verdict": verdict,
-        "warnings": warnings,
-    }
-
-
-def _describe_input(data: dict) -> str:
-    given = data["input"]
-    if given["kind"] == "release":
-        check = "sha256 verified" if given.get("sha256_verified") else "no sha256 on the index"
-        if given.get("yanked"):
-            check += "; yanked on the index"
-        where = "cached" if given.get("cached") else "downloaded"
-        return f"{given['archive']} from the index ({check}; {where} in {given['cache']})"
-    if given["kind"] in ("sdist", "wheel"):
-        return f"{given['kind']} {given['argument']}"
-    return f"{given['kind']} {given['package_dir']}"
-
-
-def render(data: dict) -> str:
-    """The human-readable table."""
-    v, sel, summary = data["vllm"], data["selection"], data["summary"]
-    rows = [
-        ("probed", _describe_input(data)),
-        ("vllm", f"{v['version']} (from {v['version_source']})" if v["version"] else "unknown"),
-        ("patch set", f"{sel['patch_set'] or 'none'}: {sel['reason']}"),
-        ("matrix", data["matrix_status"] or "not listed"),
-        ("bodies", f"compared with vLLM {data['body_reference']}, the release "
-                   f"{sel['probed_set']} was written against" if data["body_reference"] else "no reference"),
-    ]
-    if data["limitations"]:
-        rows.append(("limitations", ", ".join(lim["id"] for lim in data["limitations"])
-                     + " (see `ascend-patch matrix`)"))
-    rows.extend(("warning", w) for w in data["warnings"])
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k.ljust(width)}  {text}" for k, text in rows]
-    targets = data["targets"]
-    tw = max(len(t["target"]) for t in targets)
-    lines += ["", f"{'target'.ljust(tw)}  {'kind':8}  {'state':8}  {'body':7}  found"]
-    for t in targets:
-        lines.append(
-            f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:8}  {t['body'] or '-':7}  {t['found']}"
-        )
-    failed = [t for t in targets if t["state"] != "verified"]
-    if failed:
-        lines += ["", "differences (expected, found):"]
-        lines += [f"  - {t['target']}: expected {t['expected']}, found {t['found']}" for t in failed]
-    lines += [
-        "",
-        f"{summary['targets']} targets: {summary['verified']} verified, {summary['missing']} missing, "
-        f"{summary['mismatch']} mismatched"
-        + (f"; {summary['body_changed']} bodies changed since {data['body_reference']}"
-           if data["body_reference"] else ""),
-        ("verdict: would activate — " if data["would_activate"] else "verdict: would NOT activate — ")
-        + data["verdict"],
-    ]
-    return "\n".join(lines)
-
-
-def run(argument: str, *, version: str | None, index_url: str, as_json: bool) -> int:
-    """The ``probe`` command: 0 would activate, 1 would not, 2 the probe itself failed."""
-    try:
-        table = compat.load()
-        with open_source(argument, version, index_url) as source:
-            data = probe(source, table)
-    except (ProbeError, compat.MatrixError) as exc:
-        if as_json:
-            print(json.dumps({"schema": SCHEMA_VERSION, "error": str(exc)}, indent=2))
-        print(f"ascend-patch probe: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(data, indent=2) if as_json else render(data))
-    return 0 if data["would_activate"] else 1

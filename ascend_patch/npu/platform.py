@@ -15,18 +15,18 @@ memory is the configured emulated HBM.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from ascend_patch import device
+from ascend_patch import env
+from ascend_patch.npu import device
 
 logger = logging.getLogger("vllm.ascend_patch")
 
-ATTENTION_BACKEND = "ascend_patch.attention.AscendAttentionBackend"
-WORKER = "ascend_patch.worker.NPUWorker"
-COMMUNICATOR = "ascend_patch.communicator.NPUCommunicator"
+ATTENTION_BACKEND = "ascend_patch.npu.attention.backend.AscendAttentionBackend"
+WORKER = "ascend_patch.npu.worker.NPUWorker"
+COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
 
 
 class NPUPlatform(Platform):
@@ -41,17 +41,15 @@ class NPUPlatform(Platform):
     # torch.compile is not part of the supported path; eager for the simple fns.
     simple_compile_backend = "eager"
     emulated = False
+    kernel_backend = "npu"
 
     def __init__(self) -> None:
-        from ascend_patch import kernels
+        from ascend_patch.npu import kernels
 
         # The NPU ops: torch_npu on hardware, the contract-checking references when emulated.
-        kernels.use("reference" if self.emulated else "npu")
-        # vLLM's GPU runner calls torch.cuda streams/events and the
-        # torch.accelerator memory API; point them at this device.
-        self.runtime().install()
-        _force_v1_model_runner()
-        _force_spawned_workers()
+        # (The torch device-API overrides and the forced vLLM settings are patches in the
+        # manifest, applied by the loader when it activates.)
+        kernels.use(self.kernel_backend)
 
     @classmethod
     def runtime(cls) -> device.Runtime:
@@ -81,7 +79,7 @@ class NPUPlatform(Platform):
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        from ascend_patch.attention import KERNEL_BLOCK_SIZE
+        from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
 
         unsupported = {
             "speculative decoding": vllm_config.speculative_config is not None,
@@ -118,9 +116,9 @@ class NPUPlatform(Platform):
     def import_ir_kernels(cls) -> None:
         import vllm.kernels  # noqa: F401  (vLLM's own IR implementations)
 
-        from ascend_patch import custom_ops
+        from ascend_patch.npu import ops
 
-        custom_ops.register()
+        ops.register()
 
     @classmethod
     def get_default_ir_op_priority(cls, vllm_config):
@@ -128,13 +126,13 @@ class NPUPlatform(Platform):
 
         from vllm.config.kernel import IrOpPriorityConfig
 
-        from ascend_patch.custom_ops import IR_OPS, IR_PROVIDER
+        from ascend_patch.npu.ops import ir
 
         if "none" in vllm_config.compilation_config.custom_ops:
             return IrOpPriorityConfig.with_default(["native"])  # custom ops switched off
-        known = {field.name for field in fields(IrOpPriorityConfig)}  # fused_add_rms_norm: 0.21+
+        known = {field.name for field in fields(IrOpPriorityConfig)}  # seam fused_add_rms_norm: 0.21+
         return IrOpPriorityConfig.with_default(
-            ["native"], **{op: [IR_PROVIDER, "native"] for op in IR_OPS if op in known}
+            ["native"], **{op: [ir.PROVIDER, "native"] for op in ir.OPS if op in known}
         )
 
     @classmethod
@@ -148,7 +146,7 @@ class NPUPlatform(Platform):
     @classmethod
     def import_kernels(cls) -> None:
         # vLLM's CUDA/CPU extensions do not exist on Ascend; every op goes
-        # through ascend_patch.kernels instead. Importing them only logs noise.
+        # through ascend_patch.npu.kernels instead. Importing them only logs noise.
         return None
 
     @classmethod
@@ -205,6 +203,7 @@ class EmulatedNPUPlatform(NPUPlatform):
     dispatch_key = "CPU"
     dist_backend = "gloo"
     emulated = True
+    kernel_backend = "reference"
 
     @classmethod
     def mem_get_info(cls, device=None) -> tuple[int, int]:
@@ -213,33 +212,11 @@ class EmulatedNPUPlatform(NPUPlatform):
         return cls.runtime().mem_get_info()
 
 
+def select_platform(wrapped, instance, args, kwargs) -> str:
+    """Wrapper of ``vllm.platforms.resolve_current_platform_cls_qualname``.
 
-def _force_v1_model_runner() -> None:
-    """Model Runner V2 (vllm/v1/worker/gpu/) is not supported: pin the V1 runner.
-
-    vLLM 0.29+ picks V2 whenever Triton imports, which triton-ascend makes true.
-    Set in the environment so every process vLLM spawns agrees.
+    Installed only once the loader has verified the patch set for this process's mode,
+    so the mode alone decides: emulated when ``ASCEND_PATCH=emulate``, else the NPU.
     """
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true"):
-        logger.warning(
-            "ascend-patch: VLLM_USE_V2_MODEL_RUNNER=1 ignored; Model Runner V2 is not "
-            "supported on Ascend yet, using the V1 model runner"
-        )
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-
-
-def _force_spawned_workers() -> None:
-    """Workers must be spawned, never forked.
-
-    A forked child inherits an initialised NPU runtime, which torch_npu refuses to use
-    ("Cannot re-initialize NPU in forked subprocess"). A spawned worker is a fresh
-    interpreter that gets the overlay from the .pth like any other process, and the
-    emulated NPU follows the same path.
-    """
-    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if method != "spawn":
-        logger.warning(
-            "ascend-patch: VLLM_WORKER_MULTIPROC_METHOD=%s ignored; NPU workers must be spawned",
-            method,
-        )
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    cls = EmulatedNPUPlatform if env.mode() == "emulate" else NPUPlatform
+    return f"{cls.__module__}.{cls.__qualname__}"

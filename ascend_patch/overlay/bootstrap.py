@@ -2,23 +2,34 @@
 
 This runs before every ``python -c pass`` in the environment, so it must cost
 nothing: standard library only, and no module that plain Python does not
-already import at start-up (``os`` and ``sys`` are). All it does is put one
-finder at the front of ``sys.meta_path`` that notices when ``vllm`` (or, if
+already import at start-up (``os``, ``sys`` and ``_thread`` are). All it does is
+put one finder at the front of ``sys.meta_path`` that notices when ``vllm`` (or, if
 first, ``vllm.platforms``) has been imported and hands over to
-:mod:`ascend_patch.loader`. The loader reuses the
-same finder to patch vLLM submodules right after they execute.
+:mod:`ascend_patch.overlay.loader`. The patch registry reuses the same finder to
+patch vLLM submodules right after they execute.
 
 No exception may escape :func:`install`; the ``.pth`` line also guards the
 import of this module, so a ``.pth`` left behind by ``pip uninstall`` is inert.
+Once ``vllm`` is imported, a loader that fails for any reason other than the
+ones the user asked to be told about (``AscendPatchError``: forced ``npu`` mode,
+strict mode; a malformed setting) leaves vLLM stock with one line on stderr.
 """
 
+import _thread
 import os
 import sys
 
 # module name -> callbacks to run, in order, right after that module executes.
 # A callback is a callable taking the module, or a "pkg.mod:function" string
 # that is imported only when it fires (so start-up never imports the loader).
+# Guarded by _lock: imports may race on several threads.
 _callbacks = {}
+_lock = _thread.RLock()
+_loader_failed = False
+
+# Errors the loader raises on purpose; anything else from it is a fault of ascend-patch
+# (a damaged install, a bug), which must not take the user's vLLM down with it.
+_DELIBERATE = ("AscendPatchError", "SettingError")
 
 
 def _debug(message):
@@ -34,15 +45,44 @@ def _resolve(callback):
     return getattr(sys.modules[module_name], attr)
 
 
+def _wants_errors():
+    """Whether the user asked for certainty: forced npu mode or strict mode."""
+    mode = os.environ.get("ASCEND_PATCH", "").strip().lower()
+    strict = os.environ.get("ASCEND_PATCH_STRICT", "").strip().lower()
+    return mode == "npu" or strict not in ("", "0", "false", "no", "off")
+
+
+def _run_loader(callback, module):
+    """Run a loader trigger; an unexpected failure disables the overlay in this process."""
+    global _loader_failed
+    if _loader_failed:
+        return
+    try:
+        _resolve(callback)(module)
+    except Exception as exc:
+        if type(exc).__name__ in _DELIBERATE or _wants_errors():
+            raise
+        _loader_failed = True
+        sys.stderr.write(
+            f"ascend-patch: disabled in this process, vLLM stays stock: the loader failed "
+            f"({type(exc).__name__}: {exc}). Run `ascend-patch doctor`, or reinstall ascend-patch\n"
+        )
+
+
 def _notify(module):
-    pending = _callbacks.pop(module.__name__, [])
+    with _lock:
+        pending = _callbacks.pop(module.__name__, [])
     for index, callback in enumerate(pending):
         try:
-            _resolve(callback)(module)
+            if isinstance(callback, str):
+                _run_loader(callback, module)
+            else:
+                callback(module)
         except BaseException:
             # The import of `module` now fails. Keep the failed callback and
             # the ones after it, so a retried import cannot come back unpatched.
-            _callbacks.setdefault(module.__name__, [])[:0] = pending[index:]
+            with _lock:
+                _callbacks.setdefault(module.__name__, [])[:0] = pending[index:]
             raise
 
 
@@ -72,7 +112,7 @@ class PostImportFinder:
         self._resolving = set()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _callbacks or fullname in self._resolving:
+        if fullname not in _callbacks or fullname in self._resolving:  # a dict read: no lock
             return None
         self._resolving.add(fullname)
         try:
@@ -101,21 +141,26 @@ def watch(module_name, callback):
 
     If the module is already imported, the callback runs now.
     """
-    module = sys.modules.get(module_name)
-    if module is not None:
-        _resolve(callback)(module)
-        return
-    _ensure_finder()
-    _callbacks.setdefault(module_name, []).append(callback)
+    with _lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            _ensure_finder()
+            _callbacks.setdefault(module_name, []).append(callback)
+            return
+    if isinstance(callback, str):
+        _run_loader(callback, module)
+    else:
+        callback(module)
 
 
 def unwatch(module_name, callback):
     """Forget a callback that has not fired yet."""
-    pending = _callbacks.get(module_name, [])
-    if callback in pending:
-        pending.remove(callback)
-        if not pending:
-            del _callbacks[module_name]
+    with _lock:
+        pending = _callbacks.get(module_name, [])
+        if callback in pending:
+            pending.remove(callback)
+            if not pending:
+                del _callbacks[module_name]
 
 
 def install():
@@ -125,11 +170,11 @@ def install():
             return
         if "vllm" in _callbacks or "vllm" in sys.modules:
             return
-        watch("vllm", "ascend_patch.loader:on_vllm_imported")
+        watch("vllm", "ascend_patch.overlay.loader:on_vllm_imported")
         # vLLM 0.24-0.31 resolve current_platform while vllm/__init__.py still runs
         # (vllm.utils.torch_utils computes PIN_MEMORY on import): the platform
         # module's import is the last moment the overlay can still choose it.
-        watch("vllm.platforms", "ascend_patch.loader:on_vllm_imported")
+        watch("vllm.platforms", "ascend_patch.overlay.loader:on_vllm_imported")
         _debug("watching for `import vllm`")
-    except Exception as exc:  # never break interpreter start-up
+    except BaseException as exc:  # never break interpreter start-up
         sys.stderr.write(f"ascend-patch: bootstrap disabled: {exc!r}\n")

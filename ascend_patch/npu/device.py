@@ -6,7 +6,7 @@ memory, seeding) and never branch on the mode themselves.
 vLLM's GPU worker and V1 model runner, which the overlay reuses, call
 ``torch.cuda.Stream/Event/current_stream`` and the ``torch.accelerator`` memory
 API directly. :meth:`Runtime.install` points those at the device: at
-``torch.npu`` (through :mod:`ascend_patch.kernels.npu`, the only module that
+``torch.npu`` (through :mod:`ascend_patch.npu.kernels.npu`, the only module that
 talks to torch_npu) on real hardware, and at the emulated NPU otherwise. The
 emulated NPU executes in order on one stream, so its streams and events are
 exact no-ops, and its memory is ``ASCEND_PATCH_EMULATED_HBM`` with its own
@@ -43,7 +43,7 @@ class Runtime(Protocol):
     def num_compute_units(self, index: int) -> int: ...
     def charge(self, what: str, nbytes: int, lifetime: object) -> None: ...
     def track_activations(self) -> contextlib.AbstractContextManager: ...
-    def install(self) -> None: ...
+    def device_api(self) -> dict[str, object]: ...
 
 
 class _EmulatedStream:
@@ -204,55 +204,48 @@ class EmulatedRuntime:
     def num_compute_units(self, index: int) -> int:
         return os.cpu_count() or 1
 
-    def install(self) -> None:
-        from ascend_patch.patching import REGISTRY
+    def device_api(self) -> dict[str, object]:
+        """The emulated NPU's stand-ins for torch's device API, by patch target.
 
-        def noop(*args, **kwargs) -> None:
-            return None
-
-        def empty_cache(*args, **kwargs) -> None:  # distinct object from noop (dynamo keys on it)
-            return None
-
-        accelerator = {
-            "synchronize": noop,
-            "empty_cache": empty_cache,
-            "empty_host_cache": noop,
-            "current_device_index": lambda: 0,
-            "set_device_index": noop,
-            "device_index": lambda index: contextlib.nullcontext(),
-            "current_stream": lambda *a, **k: _EmulatedStream(),
-            "set_stream": noop,
-            "memory_stats": self._memory_stats,
-            "get_memory_info": lambda device=None: self.mem_get_info(),
-            "memory_reserved": lambda device=None: self.memory_allocated(),
-            "memory_allocated": lambda device=None: self.memory_allocated(),
-            "max_memory_allocated": self._max_memory_allocated,
-            "reset_peak_memory_stats": self._reset_peak,
+        One in-order stream on one device: waiting, synchronising and selecting are already
+        satisfied, and memory comes from the books. Every entry is its own function object:
+        torch.compile's dynamo registers a handler per torch API it knows, keyed by function,
+        so two APIs sharing one object collide.
+        """
+        return {
+            "torch.cuda:Stream": _EmulatedStream,
+            "torch.cuda:Event": _EmulatedEvent,
+            "torch.cuda:current_stream": lambda *a, **k: _EmulatedStream(),
+            "torch.cuda:default_stream": lambda *a, **k: _EmulatedStream(),
+            "torch.cuda:stream": lambda stream=None: contextlib.nullcontext(),
+            "torch.cuda:set_stream": lambda *a, **k: None,
+            "torch.cuda:synchronize": lambda *a, **k: None,
+            "torch.accelerator:get_memory_info": lambda device=None: self.mem_get_info(),
+            "torch.accelerator:synchronize": lambda *a, **k: None,
+            "torch.accelerator:empty_cache": lambda *a, **k: None,
+            "torch.accelerator:empty_host_cache": lambda *a, **k: None,
+            "torch.accelerator:current_device_index": lambda: 0,
+            "torch.accelerator:set_device_index": lambda *a, **k: None,
+            "torch.accelerator:device_index": lambda index: contextlib.nullcontext(),
+            "torch.accelerator:current_stream": lambda *a, **k: _EmulatedStream(),
+            "torch.accelerator:set_stream": lambda *a, **k: None,
+            "torch.accelerator:memory_stats": self._memory_stats,
+            "torch.accelerator:memory_reserved": lambda device=None: self.memory_allocated(),
+            "torch.accelerator:memory_allocated": lambda device=None: self.memory_allocated(),
+            "torch.accelerator:max_memory_allocated": self._max_memory_allocated,
+            "torch.accelerator:reset_peak_memory_stats": self._reset_peak,
+            "torch:Event": _EmulatedEvent,
         }
-        cuda = {
-            "Stream": _EmulatedStream,
-            "Event": _EmulatedEvent,
-            "current_stream": lambda *a, **k: _EmulatedStream(),
-            "default_stream": lambda *a, **k: _EmulatedStream(),
-            "stream": lambda stream=None: contextlib.nullcontext(),
-            "set_stream": noop,
-            "synchronize": noop,
-        }
-        for name, value in accelerator.items():
-            REGISTRY.replace(torch.accelerator, name, value, "emulated NPU: torch.accelerator")
-        for name, value in cuda.items():
-            REGISTRY.replace(torch.cuda, name, value, "emulated NPU: torch.cuda streams/events")
-        REGISTRY.replace(torch, "Event", _EmulatedEvent, "emulated NPU: torch.Event")
 
 
 class NpuRuntime:
-    """Real Ascend devices, through :mod:`ascend_patch.kernels.npu`.
+    """Real Ascend devices, through :mod:`ascend_patch.npu.kernels.npu`.
 
     Not run on hardware by this project: it follows torch_npu's documented API.
     """
 
     def __init__(self) -> None:
-        from ascend_patch.kernels import npu
+        from ascend_patch.npu.kernels import npu
 
         self._npu = npu
 
@@ -266,7 +259,8 @@ class NpuRuntime:
         return self._npu.mem_get_info(index)
 
     def memory_allocated(self, device: object = None) -> int:
-        return self._npu.max_memory_allocated(device)
+        # As vLLM's CUDA platform measures it: the peak since a reset made just now.
+        return self._npu.current_memory_usage(device)
 
     def set_device(self, device: torch.device) -> None:
         self._npu.set_device(device)
@@ -286,20 +280,20 @@ class NpuRuntime:
     def track_activations(self):
         return contextlib.nullcontext()  # torch.npu memory stats measure the real peak
 
-    def install(self) -> None:
-        from ascend_patch.patching import REGISTRY
-
-        for name, value in self._npu.cuda_api().items():
-            REGISTRY.replace(torch.cuda, name, value, "NPU: torch.cuda streams/events -> torch.npu")
-        REGISTRY.replace(
-            torch.accelerator, "get_memory_info", self._npu.mem_get_info,
-            "NPU: torch.accelerator.get_memory_info -> torch.npu.mem_get_info",
-        )
+    def device_api(self) -> dict[str, object]:
+        """torch.npu's counterparts of the torch device API vLLM calls, by patch target."""
+        return {**{f"torch.cuda:{name}": value for name, value in self._npu.cuda_api().items()},
+                "torch.accelerator:get_memory_info": self._npu.mem_get_info}
 
 
 @functools.cache
 def runtime(emulated: bool) -> Runtime:
     return EmulatedRuntime(env.emulated_hbm_bytes()) if emulated else NpuRuntime()
+
+
+def active_runtime() -> Runtime:
+    """The runtime of the mode the loader activated (usable before vLLM's platform exists)."""
+    return runtime(emulated=env.mode() == "emulate")
 
 
 def current_runtime() -> Runtime:

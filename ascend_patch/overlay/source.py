@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,22 @@ def _describe(node: ast.stmt, name: str) -> Definition | None:
     return None
 
 
+def _imported(stmt: ast.stmt, name: str, package: str) -> tuple[str, str] | None:
+    """``(module, name)`` a ``from X import ...`` statement binds ``name`` to; ``name`` is "*"
+    when only a star import could. ``package`` resolves relative imports."""
+    if not isinstance(stmt, ast.ImportFrom) or stmt.module is None and stmt.level == 0:
+        return None
+    if stmt.level:
+        base = package.rsplit(".", stmt.level - 1)[0] if stmt.level > 1 else package
+        module = f"{base}.{stmt.module}" if stmt.module else base
+    else:
+        module = stmt.module
+    for alias in stmt.names:
+        if alias.name == "*" or (alias.asname or alias.name) == name:
+            return module, alias.name
+    return None
+
+
 def _find(body: list[ast.stmt], path: list[str]) -> Definition | None:
     head, rest = path[0], path[1:]
     for stmt in _statements(body):
@@ -135,18 +152,29 @@ def _find(body: list[ast.stmt], path: list[str]) -> Definition | None:
 
 
 class SourceTree:
-    """The ``vllm`` package of one installation, sdist or checkout, parsed lazily."""
+    """Top-level packages (``vllm``, and ``torch`` for the torch targets) of one
+    installation, sdist or checkout, parsed lazily. C extension modules are read from
+    their ``.pyi`` stubs; names a module re-exports with ``from x import name`` (or
+    ``*``) are looked up where they are defined."""
 
-    def __init__(self, package_dir: Path):
+    _MAX_HOPS = 4  # re-export chains are short; this only stops a cycle
+
+    def __init__(self, package_dir: Path, *more: Path):
         self.package_dir = Path(package_dir)
+        self._roots = {p.name: p for p in (self.package_dir, *map(Path, more))}
         self._modules: dict[str, ast.Module | None] = {}
+        self._errors: dict[str, str] = {}
+        self.read_paths: set[Path] = set()
+        """Every file parsed so far (re-exports lead beyond the declared modules)."""
 
     def module_path(self, module: str) -> Path | None:
         parts = module.split(".")
-        if parts[0] != self.package_dir.name:
+        root = self._roots.get(parts[0])
+        if root is None:
             return None
-        base = self.package_dir.joinpath(*parts[1:])
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        base = root.joinpath(*parts[1:])
+        for candidate in (base.with_suffix(".py"), base / "__init__.py",
+                          base.with_suffix(".pyi"), base / "__init__.pyi"):
             if candidate.is_file():
                 return candidate
         return None
@@ -154,16 +182,58 @@ class SourceTree:
     def _parse(self, module: str) -> ast.Module | None:
         if module not in self._modules:
             path = self.module_path(module)
-            self._modules[module] = (
-                ast.parse(path.read_bytes(), filename=str(path)) if path else None
-            )
+            tree = None
+            if path is not None:
+                try:
+                    tree = ast.parse(path.read_bytes(), filename=str(path))
+                except (SyntaxError, ValueError, OSError) as exc:  # ValueError: NUL bytes
+                    where = f":{exc.lineno}" if getattr(exc, "lineno", None) else ""
+                    detail = getattr(exc, "msg", None) or getattr(exc, "strerror", None) or exc
+                    self._errors[module] = (
+                        f"{path}{where} cannot be read by this Python "
+                        f"({sys.version.split()[0]}): {detail}"
+                    )
+            self._modules[module] = tree
+            if path is not None:
+                self.read_paths.add(path)
         return self._modules[module]
+
+    def parse_error(self, module: str) -> str | None:
+        """Why the module's file exists but cannot be parsed, if it cannot."""
+        self._parse(module)
+        return self._errors.get(module)
 
     def has_module(self, module: str) -> bool:
         return self.module_path(module) is not None
 
-    def lookup(self, module: str, qualname: str) -> Definition | None:
+    def has_root(self, module: str) -> bool:
+        """Whether the module's top-level package is part of this tree at all."""
+        return module.partition(".")[0] in self._roots
+
+    def lookup(self, module: str, qualname: str, _hops: int = 0) -> Definition | None:
         tree = self._parse(module)
         if tree is None:
             return None
-        return _find(tree.body, qualname.split("."))
+        path = qualname.split(".")
+        found = _find(tree.body, path)
+        if found is not None or _hops >= self._MAX_HOPS:
+            return found
+        is_package = self.module_path(module).stem == "__init__"
+        package = module if is_package else module.rpartition(".")[0]
+        for stmt in _statements(tree.body):
+            origin = _imported(stmt, path[0], package)
+            if origin is None:
+                continue
+            source_module, name = origin
+            rest = ".".join([path[0] if name == "*" else name, *path[1:]])
+            found = self.lookup(source_module, rest, _hops + 1)
+            if found is not None:
+                return found
+        return None
+
+    def mentions(self, module: str, text: str) -> bool:
+        """Whether the module's code holds the string constant ``text`` (an env variable name)."""
+        tree = self._parse(module)
+        return tree is not None and any(
+            isinstance(node, ast.Constant) and node.value == text for node in ast.walk(tree)
+        )

@@ -15,7 +15,7 @@ import types
 import torch
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-from ascend_patch import kernels
+from ascend_patch.npu import kernels
 
 # npu_top_k_top_p: k is int32 in [1, 1024].
 MAX_NPU_TOP_K = 1024

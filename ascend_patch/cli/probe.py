@@ -1,0 +1,246 @@
+"""``ascend-patch probe VERSION | PATH``: would the overlay activate on this vLLM?
+
+Engineers trying a brand-new upstream release, and CI pinning versions against
+the matrix, need that answer before building a 340 MB environment around the
+release. So the probe never installs or imports vLLM: it reads the release's
+``vllm/**/*.py`` files and gives the same answer the loader would at
+``import vllm`` — the patch set :meth:`ascend_patch.overlay.matrix.Matrix.select`
+picks, then :func:`ascend_patch.overlay.patching.verify` over every target, against
+:class:`ascend_patch.overlay.source.SourceTree`.
+
+Getting at that source (a release fetched from an index into the cache, an
+archive, a tree) is :mod:`ascend_patch.cli.releases`.
+
+Beyond "does it verify", each target reports whether its *body* changed since
+the release its patch set was written against (digests committed in
+``patches/<set>_digests.json`` by ``scripts/update_digests.py``). That is
+informational: a wrapper survives a body change, but it is where to look
+first when a new release misbehaves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from packaging.version import Version
+
+from ascend_patch.cli.releases import ProbeError, Source, open_source, parse_version
+from ascend_patch.overlay import matrix
+from ascend_patch.overlay.decision import decide, load_patch_set
+from ascend_patch.overlay.patching import Declaration, Patch
+from ascend_patch.overlay.source import SourceTree
+
+SCHEMA_VERSION = 1
+
+
+# -- the report ---------------------------------------------------------------
+
+
+def digests_path(set_name: str) -> Path:
+    import ascend_patch.patches
+
+    return Path(ascend_patch.patches.__file__).resolve().parent / f"{set_name}_digests.json"
+
+
+def load_digests(set_name: str) -> dict | None:
+    path = digests_path(set_name)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def digest_targets(declarations: list[Declaration]) -> list[Patch]:
+    """The declarations whose vLLM function bodies the digests track."""
+    return [d for d in declarations if isinstance(d, Patch) and d.module.split(".")[0] == "vllm"]
+
+
+def compute_digests(patches: list[Patch], tree: SourceTree) -> dict[str, str | None]:
+    """Each target's body digest in ``tree`` (None for classes, values and absent targets)."""
+    digests = {}
+    for patch in patches:
+        found = tree.lookup(patch.module, patch.qualname) if tree.has_module(patch.module) else None
+        digests[patch.target] = found.body_digest if found else None
+    return digests
+
+
+def reference_release(table: matrix.Matrix, set_name: str) -> str:
+    """The release a set's digests come from: the newest one the matrix lists in its range."""
+    listed = [Version(v) for v, e in table.versions.items() if e.patch_set == set_name]
+    if not listed:
+        raise ProbeError(
+            f"the matrix lists no vLLM release for patch set {set_name}; add one to "
+            f"versions: in {table.path}"
+        )
+    return str(max(listed))
+
+
+def patches_of(set_name: str, table: matrix.Matrix | None = None) -> list[Patch]:
+    """The set's patches on vLLM functions (the ones with body digests)."""
+    return digest_targets(load_patch_set(table or matrix.load(), set_name))
+
+
+def probe(source: Source, table: matrix.Matrix) -> dict:
+    """Everything the loader would decide for ``source``, as a JSON-able report."""
+    warnings: list[str] = []
+    decision = decide(source.version if parse_version(source.version) else None,
+                      SourceTree(source.package_dir), table)
+    selection, checked = decision.selection, decision.checked
+    if decision.version is None:
+        warnings.append(f"{source.version_source}. Pass --version X to select as for release X")
+    elif selection.kind == "newer":
+        warnings.append(selection.reason)
+    unreadable = [s for s in decision.statuses if s.state == "unreadable"]
+    if unreadable:
+        raise ProbeError(f"{unreadable[0].found}; run the probe with a Python the release supports")
+    digests = load_digests(checked.name)
+    reference = digests["reference"] if digests else None
+    tracked = digest_targets(decision.declarations)
+    if digests is None:
+        warnings.append(
+            f"no body digests for patch set {checked.name}; run scripts/update_digests.py"
+        )
+    elif any(p.target not in digests["digests"] for p in tracked):
+        warnings.append(
+            f"the body digests of {checked.name} predate some of its targets; "
+            "run scripts/update_digests.py"
+        )
+    recorded = digests["digests"] if digests else {}
+    current = compute_digests(tracked, SourceTree(source.package_dir)) if digests else {}
+    targets = []
+    for status in decision.statuses:
+        patch = status.patch
+        body = None
+        known, now = recorded.get(patch.target), current.get(patch.target)
+        if known is not None and now is not None:
+            body = "same" if known == now else "changed"
+        targets.append(
+            {
+                "target": patch.target,
+                "kind": patch.kind,
+                "state": status.state,
+                "present": status.state not in ("missing", "unchecked"),
+                "signature_match": (None if getattr(patch, "signature", None) is None
+                                    else status.state == "verified"),
+                "expected": patch.expected(),
+                "found": status.found,
+                "body": body,
+                "reason": patch.reason,
+                "implementation": patch.implementation,
+                "upstream": patch.upstream,
+                "remove_when": patch.remove_when,
+            }
+        )
+    verdict = decision.verdict()
+    if decision.would_activate and selection.kind == "unknown":
+        verdict += ", if the version is newer than every patch set, as assumed"
+    release = decision.release
+    return {
+        "schema": SCHEMA_VERSION,
+        "input": {
+            "argument": source.argument,
+            "kind": source.kind,
+            "package_dir": str(source.package_dir),
+            **source.details,
+        },
+        "vllm": {
+            "version": source.version,
+            "version_source": source.version_source,
+            "release": str(release) if release else None,
+        },
+        "selection": {
+            "kind": selection.kind,
+            "patch_set": selection.patch_set.name if selection.patch_set else None,
+            "probed_set": checked.name,
+            "range": checked.range,
+            "reason": selection.reason,
+        },
+        "matrix_status": selection.entry.status if selection.entry else None,
+        "limitations": [
+            {"id": lim.id, "summary": lim.summary}
+            for lim in table.limitations_for(release or checked.upper)
+        ],
+        "body_reference": reference,
+        "targets": targets,
+        "summary": {
+            "targets": len(targets),
+            **{state: sum(t["state"] == state for t in targets)
+               for state in ("verified", "missing", "mismatch", "unchecked")},
+            "body_changed": sum(t["body"] == "changed" for t in targets),
+        },
+        "would_activate": decision.would_activate,
+        "verdict": verdict,
+        "warnings": warnings,
+    }
+
+
+def _describe_input(data: dict) -> str:
+    given = data["input"]
+    if given["kind"] == "release":
+        check = "sha256 verified" if given.get("sha256_verified") else "no sha256 on the index"
+        if given.get("yanked"):
+            check += "; yanked on the index"
+        where = "cached" if given.get("cached") else "downloaded"
+        return f"{given['archive']} from the index ({check}; {where} in {given['cache']})"
+    if given["kind"] in ("sdist", "wheel"):
+        return f"{given['kind']} {given['argument']}"
+    return f"{given['kind']} {given['package_dir']}"
+
+
+def render(data: dict) -> str:
+    """The human-readable table."""
+    v, sel, summary = data["vllm"], data["selection"], data["summary"]
+    rows = [
+        ("probed", _describe_input(data)),
+        ("vllm", f"{v['version']} (from {v['version_source']})" if v["version"] else "unknown"),
+        ("patch set", f"{sel['patch_set'] or 'none'}: {sel['reason']}"),
+        ("matrix", data["matrix_status"] or "not listed"),
+        ("bodies", f"compared with vLLM {data['body_reference']}, the release "
+                   f"{sel['probed_set']} was written against" if data["body_reference"] else "no reference"),
+    ]
+    if data["limitations"]:
+        rows.append(("limitations", ", ".join(lim["id"] for lim in data["limitations"])
+                     + " (see `ascend-patch matrix`)"))
+    rows.extend(("warning", w) for w in data["warnings"])
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {text}" for k, text in rows]
+    targets = data["targets"]
+    tw = max(len(t["target"]) for t in targets)
+    lines += ["", f"{'target'.ljust(tw)}  {'kind':8}  {'state':9}  {'body':7}  found"]
+    for t in targets:
+        lines.append(
+            f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:9}  {t['body'] or '-':7}  {t['found']}"
+        )
+    failed = [t for t in targets if t["state"] not in ("verified", "unchecked")]
+    if failed:
+        lines += ["", "differences (expected, found):"]
+        lines += [f"  - {t['target']}: expected {t['expected']}, found {t['found']}" for t in failed]
+    lines += [
+        "",
+        f"{summary['targets']} targets: {summary['verified']} verified, {summary['missing']} missing, "
+        f"{summary['mismatch']} mismatched"
+        + (f", {summary['unchecked']} unchecked (torch: not part of a vLLM release)"
+           if summary["unchecked"] else "")
+        + (f"; {summary['body_changed']} bodies changed since {data['body_reference']}"
+           if data["body_reference"] else ""),
+        ("verdict: would activate — " if data["would_activate"] else "verdict: would NOT activate — ")
+        + data["verdict"],
+    ]
+    return "\n".join(lines)
+
+
+def run(argument: str, *, version: str | None, index_url: str, as_json: bool) -> int:
+    """The ``probe`` command: 0 would activate, 1 would not, 2 the probe itself failed."""
+    try:
+        table = matrix.load()
+        with open_source(argument, version, index_url) as source:
+            data = probe(source, table)
+    except (ProbeError, matrix.MatrixError) as exc:
+        if as_json:
+            print(json.dumps({"schema": SCHEMA_VERSION, "error": str(exc)}, indent=2))
+        print(f"ascend-patch probe: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(data, indent=2) if as_json else render(data))
+    return 0 if data["would_activate"] else 1

@@ -1,0 +1,1 @@
+"""Device collectives on the NPU (HCCL, or gloo when emulated)."""

@@ -1,0 +1,61 @@
+"""``NPUModelRunner``: vLLM's V1 model runner on the NPU device.
+
+It overrides only what is device-specific: loaded weights are charged to the emulated
+HBM and the profiling pass's activations are measured, so vLLM's unmodified
+``determine_available_memory`` sizes the KV cache from real numbers; new KV blocks are
+zeroed in the Ascend ``[2, blocks, ...]`` layout instead of by vLLM's Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+
+class NPUModelRunner(GPUModelRunner):
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        runtime = current_platform.runtime()
+        if current_platform.emulated:
+            # CPU tensors are not device memory: the weights are what loading
+            # placed on the emulated NPU, so charge exactly those bytes.
+            model = self.get_model()
+            tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                       for t in (*model.parameters(), *model.buffers())}
+            runtime.charge("weights", sum(tensors.values()), model)
+            self.model_memory_usage = sum(tensors.values())
+
+    def profile_run(self, *args, **kwargs):
+        with current_platform.runtime().track_activations():
+            return super().profile_run(*args, **kwargs)
+
+    def _init_kv_zero_meta(self) -> None:
+        # vLLM's KVBlockZeroer is a Triton kernel over [blocks, ...] caches; the
+        # Ascend layout is [2, blocks, ...], zeroed with one index_fill per layer.
+        context = self.compilation_config.static_forward_context
+        caches = {}
+        for group in self.kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                kv = getattr(context.get(name), "kv_cache", None)
+                if isinstance(kv, torch.Tensor):
+                    caches[kv.data_ptr()] = kv
+        self._ascend_kv_caches = list(caches.values())
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids or not getattr(self, "_ascend_kv_caches", None):
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for kv in self._ascend_kv_caches:
+            ratio = kv.shape[1] // self.kv_cache_config.num_blocks  # kernel blocks per block
+            kernel_ids = (ids[:, None] * ratio + torch.arange(ratio, device=self.device)).flatten()
+            kv.index_fill_(1, kernel_ids, 0)
+
+
+def no_kernel_warmup(original):
+    """Replacement of ``vllm.model_executor.warmup.kernel_warmup.kernel_warmup``."""
+
+    def kernel_warmup(worker, *, process_local_only=False):
+        return None  # no JIT-compiled CUDA/Triton kernels to tune on the NPU path
+
+    return kernel_warmup

@@ -1,0 +1,15 @@
+"""RMSNorm (with the fused residual add) on the kernel seam."""
+
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+from ascend_patch.npu import kernels
+
+
+class AscendRMSNorm(RMSNorm):
+    def forward_oot(self, x, residual=None):
+        if getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True):
+            return self.forward_native(x, residual)  # the NPU ops normalise over the full width
+        if residual is None:
+            return kernels.rms_norm(x, self.weight.data, self.variance_epsilon)[0]
+        y, _, summed = kernels.add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
+        return y, summed

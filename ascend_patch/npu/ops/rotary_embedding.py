@@ -1,0 +1,47 @@
+"""Rotary embedding on the kernel seam (``npu_rotary_mul``)."""
+
+import torch
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+from ascend_patch.npu import kernels
+
+
+class AscendRotaryEmbedding(RotaryEmbedding):
+    """RoPE with ``npu_rotary_mul``: one launch per tensor, contiguous outputs, fp32 capable.
+
+    cos/sin for the step's positions are gathered once and shared by every layer:
+    models build one rotary module for all layers, and positions only change
+    between forward passes.
+    """
+
+    _step = None  # (forward context, positions) the cached cos/sin belong to
+    _cos_sin = None
+
+    def _step_cos_sin(self, positions: torch.Tensor, query: torch.Tensor):
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        step = (get_forward_context(), positions) if is_forward_context_available() else None
+        if step is not None and self._step is not None and all(a is b for a, b in zip(step, self._step)):
+            return self._cos_sin
+        cache = self._match_cos_sin_cache_dtype(query)
+        cos, sin = cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
+        if self.is_neox_style:  # "half": lanes i and i + d/2 share a frequency
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        else:  # "interleave": lanes 2i and 2i + 1 share a frequency
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        self._cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))  # [T, 1, rotary_dim]: TND factors
+        self._step = step
+        return self._cos_sin
+
+    def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(cos.shape[0], -1, self.head_size)
+        mode = "half" if self.is_neox_style else "interleave"
+        if self.rotary_dim == self.head_size:
+            return kernels.rotary_mul(x, cos, sin, mode).view(shape)
+        rotated = kernels.rotary_mul(x[..., : self.rotary_dim].contiguous(), cos, sin, mode)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1).view(shape)
+
+    def forward_oot(self, positions, query, key=None):
+        cos, sin = self._step_cos_sin(positions, query)
+        return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)
