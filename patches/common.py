@@ -192,6 +192,31 @@ RUNNER_GLUE = [
               upstream="vllm/v1/worker/utils.py"),
 ]
 
+_MOE = "vllm.model_executor.layers.fused_moe"
+_MOE_METHOD = "ascend_patch.npu.ops.fused_moe:AscendUnquantizedFusedMoEMethod"
+_MOE_UPSTREAM = (f"{_MOE.replace('.', '/')}/oracle/unquantized.py: an out-of-tree platform gets "
+                 "the OOT backend, no kernel, and must run the experts itself")
+
+# The unquantized MoE method vLLM builds for every MoE layer, replaced through
+# CustomOp.register_oot by one that routes and runs the experts on the NPU ops.
+MOE_CONTRACTS = [
+    _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.__init__", "(self, moe)",
+              "the NPU MoE method is built like vLLM's", by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+    _contract(f"{_MOE}.oracle.unquantized:select_unquantized_moe_backend", "(moe_config)",
+              "gives out-of-tree platforms the OOT backend: no vLLM kernel to set up",
+              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+    _contract(f"{_MOE}.fused_moe_method_base:FusedMoEMethodBase.is_monolithic", None,
+              "the runner hands a monolithic method the router logits: routing runs on the NPU",
+              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+    _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.apply_monolithic",
+              "(self, layer, x, router_logits, input_ids=...)",
+              "route, dispatch, run and combine the experts through the kernel seam",
+              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+    _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.process_weights_after_loading",
+              "(self, layer)", "expert weights to the grouped-matmul [experts, in, out] layout, once",
+              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+]
+
 _TORCH_DEVICE_API = ("vLLM's GPU worker and V1 model runner call torch.cuda streams/events and the "
                      "torch.accelerator memory API directly (vllm/v1/worker/gpu_model_runner.py, "
                      "gpu_worker.py, vllm/utils/mem_utils.py)")

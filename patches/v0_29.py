@@ -15,6 +15,7 @@ PATCHES = [
     *common.DEVICE_SELECTION,
     *common.ENGINE_CONTRACTS,
     *common.RUNNER_GLUE,
+    *common.MOE_CONTRACTS,
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",

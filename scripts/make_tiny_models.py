@@ -6,10 +6,14 @@ tokenizer) that vLLM and transformers load the normal way:
 - a byte-level BPE tokenizer trained on text that ships with Python itself;
 - random-weight ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with grouped-query
   attention (4 query heads, 2 KV heads), head_dim 64, fp32;
+- the mixture-of-experts families on the same attention: ``Qwen3MoeForCausalLM`` (8
+  experts, top-2, renormalised), ``Qwen2MoeForCausalLM`` (8 experts, top-2, not
+  renormalised, plus a gated shared expert), ``MixtralForCausalLM`` (8 experts, top-2) and
+  ``Glm4MoeForCausalLM`` (DeepSeek-V3-style grouped sigmoid routing with a correction bias);
 - weights re-drawn from N(0, 0.2) so greedy decoding does not collapse into one
   repeated token, which would make token-for-token comparisons meaningless.
 
-    python scripts/make_tiny_models.py OUT_DIR      # writes OUT_DIR/tiny-llama, OUT_DIR/tiny-qwen2
+    python scripts/make_tiny_models.py OUT_DIR      # writes OUT_DIR/tiny-llama, OUT_DIR/tiny-qwen2, ...
 
 Deterministic: the same seed gives byte-identical weights, and an existing output
 with the same recipe is reused.
@@ -38,7 +42,23 @@ RECIPE = {
     "seed": 0,
     "init_std": 0.2,
 }
-ARCHITECTURES = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM"}
+_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}
+# name -> (architecture, config overrides on top of RECIPE)
+MODELS = {
+    "tiny-llama": ("LlamaForCausalLM", {}),
+    "tiny-qwen2": ("Qwen2ForCausalLM", {}),
+    "tiny-qwen3-moe": ("Qwen3MoeForCausalLM", {**_MOE, "norm_topk_prob": True}),
+    "tiny-qwen2-moe": ("Qwen2MoeForCausalLM", {**_MOE, "norm_topk_prob": False,
+                                               "shared_expert_intermediate_size": 256}),
+    "tiny-mixtral": ("MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # GLM-4.5 routing, DeepSeek-V3 style: sigmoid scores, a score-correction bias that only
+    # selects, 2 groups of which 1 is kept, renormalised and scaled by 2.5; a shared expert.
+    "tiny-glm4-moe": ("Glm4MoeForCausalLM", {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
+}
 SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>", "unk": "<unk>"}
 
 
@@ -87,7 +107,7 @@ def _tokenizer(out: Path):
     return fast
 
 
-def _model(out: Path, architecture: str, tokenizer) -> None:
+def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
     import torch
     import transformers
 
@@ -107,6 +127,7 @@ def _model(out: Path, architecture: str, tokenizer) -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        **overrides,
     )
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_cls(**common)
@@ -124,9 +145,9 @@ def _model(out: Path, architecture: str, tokenizer) -> None:
 
 
 def build(root: Path) -> dict[str, Path]:
-    stamp = hashlib.sha256(json.dumps([RECIPE, ARCHITECTURES], sort_keys=True).encode()).hexdigest()[:12]
     paths = {}
-    for name, architecture in ARCHITECTURES.items():
+    for name, (architecture, overrides) in MODELS.items():
+        stamp = hashlib.sha256(json.dumps([RECIPE, architecture, overrides], sort_keys=True).encode()).hexdigest()[:12]
         out = root / name
         paths[name] = out
         marker = out / ".recipe"
@@ -135,7 +156,7 @@ def build(root: Path) -> dict[str, Path]:
         out.mkdir(parents=True, exist_ok=True)
         print(f"building {out} ({architecture})", file=sys.stderr)
         tokenizer = _tokenizer(out)
-        _model(out, architecture, tokenizer)
+        _model(out, architecture, overrides, tokenizer)
         marker.write_text(stamp)
     return paths
 

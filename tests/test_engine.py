@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, hf_logits, prompt_token_ids, run_engine
+from tests.conftest import assert_tracks_hf_logits, hf_greedy, hf_logits, prompt_token_ids, run_engine
 
 # Lengths chosen to cover one token short of / across / several 128-token KV blocks.
 PROMPT_LENGTHS = [3, 9, 17, 64, 127, 129, 200, 300]
@@ -119,17 +119,7 @@ def test_bf16_runs_the_fused_kernels_and_tracks_fp32_hf(llama, prompts, tmp_path
     run = run_engine(spec, tmp_path)["engines"][0]["runs"][0]
     assert run["launches"]["fused_infer_attention_score"] > 0
     assert run["launches"]["paged_attention"] > 0
-    logits = hf_logits(llama, [p + t for p, t in zip(prompts, run["tokens"])])
-    exact = total = 0
-    for prompt, tokens, seq_logits in zip(prompts, run["tokens"], logits):
-        for i, token in enumerate(tokens):
-            row = seq_logits[len(prompt) - 1 + i]
-            best = float(row.max())
-            # bf16 keeps 8 significant bits: allow the rounding of the top logit's magnitude.
-            assert float(row[token]) >= best - 0.05 * (abs(best) + 1), (prompt[:4], i)
-            exact += int(token == int(row.argmax()))
-            total += 1
-    assert exact / total >= 0.9
+    assert_tracks_hf_logits(llama, prompts, run["tokens"])
 
 
 def test_seeded_sampling_repeats_and_respects_top_k_top_p_min_p(llama, prompts, tmp_path):

@@ -84,6 +84,8 @@ class NPUPlatform(Platform):
         unsupported = {
             "speculative decoding": vllm_config.speculative_config is not None,
             "LoRA": vllm_config.lora_config is not None,
+            "expert-parallel load balancing (EPLB)": getattr(
+                vllm_config.parallel_config, "enable_eplb", False),
         }
         for feature, requested in unsupported.items():
             if requested:

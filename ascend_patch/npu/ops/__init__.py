@@ -1,4 +1,5 @@
-"""The NPU custom ops: RMSNorm, SiluAndMul and rotary embedding on the kernel seam.
+"""The NPU custom ops: RMSNorm, SiluAndMul, rotary embedding and the unquantized MoE
+method on the kernel seam.
 
 Registered two ways, both sanctioned by vLLM:
 
@@ -16,6 +17,7 @@ from vllm.model_executor.custom_op import CustomOp
 
 from ascend_patch.npu.ops import ir
 from ascend_patch.npu.ops.activation import AscendSiluAndMul
+from ascend_patch.npu.ops.fused_moe import AscendUnquantizedFusedMoEMethod
 from ascend_patch.npu.ops.layernorm import AscendRMSNorm
 from ascend_patch.npu.ops.rotary_embedding import AscendRotaryEmbedding
 
@@ -29,6 +31,7 @@ def register() -> None:
         return
     _registered = True
     for cls, name in ((AscendRMSNorm, "RMSNorm"), (AscendSiluAndMul, "SiluAndMul"),
-                      (AscendRotaryEmbedding, "RotaryEmbedding")):
+                      (AscendRotaryEmbedding, "RotaryEmbedding"),
+                      (AscendUnquantizedFusedMoEMethod, "UnquantizedFusedMoEMethod")):
         CustomOp.register_oot(_decorated_op_cls=cls, name=name)
     ir.register()

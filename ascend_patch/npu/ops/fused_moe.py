@@ -1,0 +1,179 @@
+"""Mixture-of-experts layers on the kernel seam.
+
+vLLM builds every MoE layer's expert computation through a quant method; without
+quantization that is ``UnquantizedFusedMoEMethod``, a registered custom op, which an
+out-of-tree platform replaces with ``CustomOp.register_oot`` (vLLM 0.20–0.33). On such a
+platform vLLM selects no kernel of its own (the ``OOT`` backend), so the method must do
+all the work. :class:`AscendUnquantizedFusedMoEMethod` does it *monolithically*: vLLM's
+runner hands it the router logits (``apply_monolithic``, the path vLLM's own CPU backend
+used up to 0.27), and it routes, dispatches, computes and combines on the NPU:
+
+1. routing: ``npu_moe_gating_top_k_softmax`` (softmax top-k) or ``npu_moe_gating_top_k``
+   (sigmoid/softmax scores, score-correction bias, grouped top-k, routed scaling), with
+   exactly the semantics of vLLM's own routers for the same layer attributes;
+2. dispatch: ``npu_moe_init_routing_v2`` sorts the token copies by expert and counts
+   the rows each expert gets;
+3. experts: ``npu_grouped_matmul`` (gate and up projections) → ``npu_swiglu`` →
+   ``npu_grouped_matmul`` (down projection), the counts as the group list;
+4. combine: ``npu_moe_token_unpermute`` weighs each copy by its routing weight and sums
+   them back per token.
+
+Shared experts (Qwen2-MoE's gated one, DeepSeek's) stay vLLM's: its runner runs them
+beside the routed experts. Tensor parallelism splits each expert's intermediate size and
+vLLM reduces the outputs; expert parallelism gives each rank a contiguous block of
+experts (the active expert range of the dispatch op), and the same reduction sums the
+ranks' partial outputs. Routing the NPU ops cannot express (a model's own Python routing
+function, sigmoid scores without renormalisation, ...) is refused at load time, naming
+the model and the function.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+    UnquantizedFusedMoEMethod,
+)
+
+from ascend_patch.npu import kernels
+
+
+class UnsupportedMoEError(NotImplementedError):
+    """An MoE layer asks for something the NPU MoE path cannot do."""
+
+
+def _where(layer) -> str:
+    """``model: MoE layer 'name'`` for error messages."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config().model_config
+    model = getattr(config, "model", None) or "this model"
+    name = getattr(layer, "layer_name", None) or getattr(layer, "prefix", None)
+    return f"{model}: MoE layer {name!r}" if name else f"{model}: an MoE layer"
+
+
+class Routing:
+    """The routing one MoE layer asks for, resolved once at load time from the layer's
+    attributes into the NPU gating op and its arguments."""
+
+    def __init__(self, layer) -> None:
+        self.top_k = layer.top_k
+        self.renormalize = layer.renormalize
+        self.scoring = layer.scoring_func
+        self.bias = layer.e_score_correction_bias
+        self.scaling = float(layer.routed_scaling_factor or 1.0)
+        groups, group_top_k = layer.num_expert_group, layer.topk_group
+        self.grouped = bool(layer.use_grouped_topk) and not (
+            (groups or 1) <= 1 and (group_top_k or 1) <= 1
+        )
+        self.groups = groups if self.grouped else 1
+        self.group_top_k = group_top_k if self.grouped else 1
+        custom = layer.custom_routing_function
+        problem = None
+        if custom is not None:
+            problem = (f"its own routing function {getattr(custom, '__qualname__', custom)!r}, "
+                       "which no NPU gating op computes")
+        elif self.scoring not in ("softmax", "sigmoid"):
+            problem = f"scoring function {self.scoring!r} (the NPU gating ops do softmax and sigmoid)"
+        elif self.scoring == "sigmoid" and not self.renormalize:
+            problem = ("sigmoid scores without renormalisation (npu_moe_gating_top_k always "
+                       "renormalises sigmoid weights)")
+        if problem is not None:
+            raise UnsupportedMoEError(f"{_where(layer)} uses {problem}; ascend-patch cannot run "
+                                      "it on the NPU")
+        # vLLM applies routed_scaling_factor only for grouped or biased routing.
+        self.apply_scaling = self.grouped or self.bias is not None
+        self.plain_softmax = self.scoring == "softmax" and not self.grouped and self.bias is None
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights fp32 [T, k], expert ids int32 [T, k])`` for router logits [T, E]."""
+        if self.plain_softmax:
+            weights, ids, _ = kernels.moe_gating_top_k_softmax(logits, None, self.top_k)
+        else:
+            # The op renormalises sigmoid weights itself (and scales after that); softmax
+            # weights are renormalised here, so scaling waits until then.
+            sigmoid = self.scoring == "sigmoid"
+            weights, ids, _ = kernels.moe_gating_top_k(
+                logits, self.top_k, bias=self.bias, k_group=self.group_top_k,
+                group_count=self.groups, group_select_mode=1 if self.bias is not None else 0,
+                renorm=0, norm_type=1 if sigmoid else 0, out_flag=False,
+                routed_scaling_factor=self.scaling if sigmoid and self.apply_scaling else 1.0,
+                eps=1e-20,
+            )
+            if sigmoid:
+                return weights.float(), ids
+        weights = weights.float()
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.apply_scaling and self.scaling != 1.0:
+            weights = weights * self.scaling
+        return weights, ids
+
+
+class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """``UnquantizedFusedMoEMethod`` on the NPU: routing and experts through the kernel seam."""
+
+    @property
+    def is_monolithic(self) -> bool:
+        return True  # the router logits come here: routing runs on the NPU gating ops
+
+    def process_weights_after_loading(self, layer) -> None:
+        super().process_weights_after_loading(layer)  # vLLM does nothing more for OOT
+        activation = getattr(layer.activation, "value", layer.activation)
+        problems = {
+            f"activation {activation!r} (the NPU path is SwiGLU: npu_swiglu)": activation != "silu",
+            "expert biases": bool(getattr(self.moe, "has_bias", False)),
+            "router weights applied to the input": bool(layer.apply_router_weight_on_input),
+        }
+        unsupported = [name for name, used in problems.items() if used]
+        if unsupported:
+            raise UnsupportedMoEError(f"{_where(layer)} uses {', '.join(unsupported)}; not "
+                                      "supported on the NPU yet")
+        layer.ascend_routing = Routing(layer)
+        layer.ascend_expert_range = _local_expert_range(layer)
+        # npu_grouped_matmul takes the weight as [experts, in, out]: transpose once, here,
+        # never per step. vLLM keeps [experts, out, in].
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(layer, name)
+            param.data = param.data.transpose(1, 2).contiguous()
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        weights, ids = layer.ascend_routing(router_logits)
+        return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                             layer.global_num_experts, layer.ascend_expert_range)
+
+
+def _local_expert_range(layer) -> tuple[int, int]:
+    """The global ids ``[first, end)`` of this rank's experts; expert parallelism must
+    place them contiguously (vLLM's default, linear placement)."""
+    expert_map = layer.expert_map
+    if expert_map is None:
+        return 0, layer.global_num_experts
+    local = torch.nonzero(expert_map >= 0).flatten().tolist()
+    first, end = local[0], local[-1] + 1
+    if local != list(range(first, end)) or expert_map[first:end].tolist() != list(range(end - first)):
+        raise UnsupportedMoEError(
+            f"{_where(layer)}: expert parallelism with a non-contiguous expert placement; "
+            "the NPU dispatch op takes one contiguous expert range per rank (use the "
+            "default linear placement)"
+        )
+    return first, end
+
+
+def fused_experts(x, w13, w2, weights, ids, num_experts, expert_range):
+    """Routed experts for tokens ``x`` [T, H]: dispatch, SwiGLU MLP per expert, combine.
+
+    ``w13`` is [E_local, H, 2I] and ``w2`` [E_local, I, H]; ``ids`` are global expert ids.
+    """
+    tokens, top_k = ids.shape
+    first, end = expert_range
+    expanded, expanded_row_idx, counts, _ = kernels.moe_init_routing_v2(
+        x, ids, active_num=tokens * top_k, expert_num=num_experts,
+        expert_tokens_num_type=1, expert_tokens_num_flag=True,
+        active_expert_range=[first, end],
+    )
+    gate_up = kernels.grouped_matmul([expanded], [w13], group_list=counts, split_item=2,
+                                     group_type=0, group_list_type=1)[0]
+    hidden = kernels.swiglu(gate_up, dim=-1)
+    down = kernels.grouped_matmul([hidden], [w2], group_list=counts, split_item=2,
+                                  group_type=0, group_list_type=1)[0]
+    return kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights.to(down.dtype))
