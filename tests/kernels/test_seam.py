@@ -115,6 +115,11 @@ def test_real_path_call_shapes(torch_npu):
     assert kwargs["context_lens"].dtype == int32 and kwargs["context_lens"].device.type == "cpu"
 
     x, gamma = torch.zeros(3, 64, dtype=bf16), torch.ones(64, dtype=bf16)
+    # MoE: npu_moe_finalize_routing's tensors go positionally, as its schema spells the last one
+    # "export_for_source_row" (the doc: expert_for_source_row).
+    logits = torch.zeros(4, 8)
+    ids, counts = torch.zeros(4, 2, dtype=torch.int32), torch.tensor([8, 0], dtype=torch.int64)
+    weight, rows, order = torch.zeros(2, 16, 6), torch.zeros(8, 16), torch.arange(8).int()
     for call, expected_call in [
         (lambda: kernels.rms_norm(x, gamma, 1e-5),
          ("npu_rms_norm", (x,), {"gamma": gamma, "epsilon": 1e-5})),
@@ -124,6 +129,38 @@ def test_real_path_call_shapes(torch_npu):
          ("npu_swiglu", (x,), {"dim": -1})),
         (lambda: kernels.rotary_mul(x[None], x[None], x[None], "interleave"),
          ("npu_rotary_mul", (x[None], x[None], x[None]), {"rotary_mode": "interleave"})),
+        (lambda: kernels.npu_moe_gating_top_k_softmax(logits, k=2),
+         ("npu_moe_gating_top_k_softmax", (logits,), {"finished": None, "k": 2})),
+        (lambda: kernels.npu_moe_gating_top_k(logits, 2, bias=logits[0], k_group=1, group_count=2,
+                                              group_select_mode=1, norm_type=1,
+                                              routed_scaling_factor=2.5),
+         ("npu_moe_gating_top_k", (logits, 2),
+          {"bias": logits[0], "input_ids": None, "tid2eid": None, "k_group": 1, "group_count": 2,
+           "group_select_mode": 1, "renorm": 0, "norm_type": 1, "out_flag": False,
+           "routed_scaling_factor": 2.5, "eps": 1e-20})),
+        (lambda: kernels.npu_moe_init_routing_v2(x, ids, active_num=8, expert_num=8,
+                                                 expert_tokens_num_type=1,
+                                                 expert_tokens_num_flag=True,
+                                                 active_expert_range=[0, 8]),
+         ("npu_moe_init_routing_v2", (x, ids),
+          {"scale": None, "offset": None, "active_num": 8, "expert_capacity": -1, "expert_num": 8,
+           "drop_pad_mode": 0, "expert_tokens_num_type": 1, "expert_tokens_num_flag": True,
+           "quant_mode": -1, "active_expert_range": [0, 8], "row_idx_type": 0})),
+        (lambda: kernels.npu_grouped_matmul([rows], [weight], group_list=counts, split_item=2,
+                                            group_type=0, group_list_type=1),
+         ("npu_grouped_matmul", ([rows], [weight]),
+          {"bias": None, "scale": None, "offset": None, "antiquant_scale": None,
+           "antiquant_offset": None, "per_token_scale": None, "group_list": counts,
+           "activation_input": None, "activation_quant_scale": None,
+           "activation_quant_offset": None, "split_item": 2, "group_type": 0,
+           "group_list_type": 1, "act_type": 0, "output_dtype": None, "tuning_config": None})),
+        (lambda: kernels.npu_moe_token_unpermute(rows, order, probs=logits[:, :2]),
+         ("npu_moe_token_unpermute", (rows, order),
+          {"probs": logits[:, :2], "padded_mode": False, "restore_shape": None})),
+        (lambda: kernels.npu_moe_finalize_routing(rows, None, None, None, logits[:, :2], order,
+                                                  ids, drop_pad_mode=2),
+         ("npu_moe_finalize_routing", (rows, None, None, None, logits[:, :2], order, ids),
+          {"drop_pad_mode": 2})),
     ]:
         torch_npu.calls.clear()
         call()

@@ -115,6 +115,70 @@ def top_k_top_p(logits, p=None, k=None):
     return _torch_npu().npu_top_k_top_p(logits, p=p, k=k)
 
 
+
+# --- mixture of experts (references and call order: kernels/moe.py) -------------------------------
+
+
+def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+    return _torch_npu().npu_moe_gating_top_k_softmax(x, finished=finished, k=k)
+
+
+def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
+                         group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+                         out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+    return _torch_npu().npu_moe_gating_top_k(
+        x, k, bias=bias, input_ids=input_ids, tid2eid=tid2eid, k_group=k_group,
+        group_count=group_count, group_select_mode=group_select_mode, renorm=renorm,
+        norm_type=norm_type, out_flag=out_flag, routed_scaling_factor=routed_scaling_factor,
+        eps=eps,
+    )
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+                            expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                            expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
+                            active_expert_range=[], row_idx_type=0):
+    return _torch_npu().npu_moe_init_routing_v2(
+        x, expert_idx, scale=scale, offset=offset, active_num=active_num,
+        expert_capacity=expert_capacity, expert_num=expert_num, drop_pad_mode=drop_pad_mode,
+        expert_tokens_num_type=expert_tokens_num_type,
+        expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
+        active_expert_range=active_expert_range, row_idx_type=row_idx_type,
+    )
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None,
+                       activation_input=None, activation_quant_scale=None,
+                       activation_quant_offset=None, split_item=0, group_type=None,
+                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+    return _torch_npu().npu_grouped_matmul(
+        x, weight, bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
+        antiquant_offset=antiquant_offset, per_token_scale=per_token_scale, group_list=group_list,
+        activation_input=activation_input, activation_quant_scale=activation_quant_scale,
+        activation_quant_offset=activation_quant_offset, split_item=split_item,
+        group_type=group_type, group_list_type=group_list_type, act_type=act_type,
+        output_dtype=output_dtype, tuning_config=tuning_config,
+    )
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+                            restore_shape=None):
+    return _torch_npu().npu_moe_token_unpermute(
+        permuted_tokens, sorted_indices, probs=probs, padded_mode=padded_mode,
+        restore_shape=restore_shape,
+    )
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+                             expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
+    # Positional: the schema spells the last tensor "export_for_source_row", not the documented
+    # "expert_for_source_row", so the documented keyword would be rejected.
+    return _torch_npu().npu_moe_finalize_routing(
+        expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+        expert_for_source_row, drop_pad_mode=drop_pad_mode,
+    )
+
 # --- device runtime -------------------------------------------------------------------------------
 
 

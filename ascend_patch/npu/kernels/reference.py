@@ -28,6 +28,7 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 - [ROPE] ``op_plugin/ops/atb/RopeAtb.cpp`` (binding and static cos/sin cache) and ATB RopeOperation,
   hiascend CANN 8.0.RC3 ``ascendtb_01_0091.html``.
 - [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
+- The Mixture-of-Experts ops and their sources: :mod:`.moe`.
 - [TOPKP] ``torch_npu-npu_top_k_top_p.md`` and the ``npu_top_k_top_p`` docstring in
   ``codegen/templates/_op_plugin_docs.py`` (algorithm; p and k may not both be None).
 """
@@ -48,6 +49,14 @@ from .contracts import (
     check_tensor,
     fail,
     require,
+)
+from .moe import (  # noqa: F401 - re-exported: the reference backend is this module's namespace
+    npu_grouped_matmul,
+    npu_moe_finalize_routing,
+    npu_moe_gating_top_k,
+    npu_moe_gating_top_k_softmax,
+    npu_moe_init_routing_v2,
+    npu_moe_token_unpermute,
 )
 from .paged import attend, decode_batch, gather_sequence
 
