@@ -58,6 +58,11 @@ MODELS = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
         "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
+    # The same without renormalisation: sigmoid weights the NPU gating op cannot produce.
+    "tiny-glm4-moe-unnormalised": ("Glm4MoeForCausalLM", {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": False}),
 }
 SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>", "unk": "<unk>"}
 

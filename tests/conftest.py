@@ -150,32 +150,51 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outputs
 
 
-def hf_logits(model_dir: Path, sequences: list[list[int]]) -> list:
-    """fp32 next-token logits at every position of each sequence (teacher forcing)."""
+def hf_logits(model_dir: Path, sequences: list[list[int]], dtype=None) -> list:
+    """Next-token logits (fp32 model unless ``dtype``) at every position of each sequence
+    (teacher forcing)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
     with torch.no_grad():
         return [model(torch.tensor([seq])).logits[0] for seq in sequences]
 
 
 def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
-                            min_exact: float = 0.9) -> None:
+                            min_exact: float = 0.9, routed: bool = False) -> None:
     """Reduced-precision greedy output against the fp32 HF oracle: exact equality is
     meaningless (a bf16 rounding can flip a near-tie and the sequences part), so every
     token the engine chose, on the engine's own sequence, must be HF's argmax or within
-    bf16 rounding of it (8 significant bits of the top logit), and most must be exact."""
-    logits = hf_logits(model_dir, [p + t for p, t in zip(prompts, generated)])
+    bf16 rounding of it (8 significant bits of the top logit), and most must be exact.
+
+    ``routed`` (mixture-of-experts models): a bf16 rounding anywhere in a token's context
+    can also flip a router's near-tie between two experts, a discrete change of the hidden
+    state that no logit tolerance bounds, and HF run in bf16 flips other ties than the
+    engine. So a token may also match an independent bf16 run (HF's own), and at most 1 in
+    20 tokens may match neither; a wrong expert path (weights, scaling, shared expert,
+    combine) misses on most tokens. The expert path's own bf16 numerics, routing held
+    fixed, are checked tightly in tests/kernels/test_moe_ops.py.
+    """
+    import torch
+
+    sequences = [p + t for p, t in zip(prompts, generated)]
+    oracles = [hf_logits(model_dir, sequences)]
+    if routed:
+        oracles.append(hf_logits(model_dir, sequences, torch.bfloat16))
     exact = total = 0
-    for prompt, tokens, seq_logits in zip(prompts, generated, logits):
+    misses = []
+    for n, (prompt, tokens) in enumerate(zip(prompts, generated)):
         for i, token in enumerate(tokens):
-            row = seq_logits[len(prompt) - 1 + i]
-            best = float(row.max())
-            assert float(row[token]) >= best - 0.05 * (abs(best) + 1), (prompt[:4], i)
-            exact += int(token == int(row.argmax()))
+            rows = [oracle[n][len(prompt) - 1 + i].float() for oracle in oracles]
+            if not any(float(row[token]) >= float(row.max()) - 0.05 * (abs(float(row.max())) + 1)
+                       for row in rows):
+                misses.append((n, i, [round(float(row[token]) - float(row.max()), 3) for row in rows]))
+            exact += int(any(token == int(row.argmax()) for row in rows))
             total += 1
-    assert total and exact / total >= min_exact, f"{exact}/{total} tokens are HF's argmax"
+    allowed = total // 20 if routed else 0
+    assert len(misses) <= allowed, f"{len(misses)} of {total} tokens beyond bf16 rounding: {misses}"
+    assert total and exact / total >= min_exact, f"{exact}/{total} tokens are an oracle's argmax"
 
 
 def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600) -> dict:

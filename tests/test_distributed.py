@@ -62,6 +62,21 @@ def test_multiprocess_parallelism_equals_hf(llama, prompts, oracle, tmp_path, pa
     assert tokens == oracle
 
 
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
+    ids=["tp2", "tp2-ep2"],
+)
+def test_moe_parallelism_equals_hf(tiny_models, prompts, tmp_path, parallel):
+    """GLM-4.5's MoE layers (grouped sigmoid routing, a shared expert): TP splits every
+    expert's intermediate size, EP gives each rank half the experts; vLLM's reduction over
+    the device group sums the partial outputs. HF is TP=1 (and the single-device run equals
+    it in tests/test_moe.py)."""
+    model = tiny_models["tiny-glm4-moe"]
+    tokens = _generate(model, prompts, tmp_path, distributed_executor_backend="mp", **parallel)
+    assert tokens == hf_greedy(model, prompts, GREEDY["max_tokens"])
+
+
 def test_a_worker_without_the_overlay_fails_clearly(llama, prompts, tmp_path):
     """Disable the overlay in the spawned workers only: multiprocessing children run the
     sitecustomize below, which undoes the .pth bootstrap and sets ASCEND_PATCH=off."""

@@ -11,6 +11,7 @@ chunked prefill on, in ONE driver process: every engine shares the vLLM import.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import assert_tracks_hf_logits, hf_greedy, prompt_token_ids, run_engine
 
@@ -34,6 +35,16 @@ def prompts(tiny_models):
     return prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
 
 
+# Configurations the NPU MoE path refuses, each with the message a user gets at start-up.
+REFUSED = {
+    "unnormalised sigmoid routing": (
+        "tiny-glm4-moe-unnormalised", {},
+        "uses sigmoid scores without renormalisation (npu_moe_gating_top_k always renormalises "
+        "sigmoid weights); ascend-patch cannot run it on the NPU"),
+    "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_models, prompts, tmp_path_factory):
     engines = [
@@ -41,10 +52,21 @@ def runs(tiny_models, prompts, tmp_path_factory):
          "runs": [{"prompts": prompts, "sampling": [GREEDY]}, {"prompts": prompts, "sampling": [GREEDY]}]}
         for name in MOE_MODELS for dtype in ("float32", "bfloat16")
     ]
+    engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
+                for name, kwargs, _ in REFUSED.values()]
     result = run_engine({"engines": engines}, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    return {(name, dtype): engine for (name, dtype), engine
-            in zip([(n, d) for n in MOE_MODELS for d in ("float32", "bfloat16")], result["engines"])}
+    keys = [(n, d) for n in MOE_MODELS for d in ("float32", "bfloat16")] + list(REFUSED)
+    return dict(zip(keys, result["engines"]))
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_npu_path_cannot_run_is_refused_clearly(case, runs):
+    name, _, message = REFUSED[case]
+    error = runs[case].get("error", "")
+    assert message in error, error
+    if "LoRA" not in case:
+        assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
@@ -77,5 +99,61 @@ def test_bf16_runs_the_fused_kernels_and_tracks_fp32_hf(name, runs, tiny_models,
     assert first["launches"]["fused_infer_attention_score"] > 0
     assert first["launches"]["paged_attention"] > 0
     assert first["launches"]["grouped_matmul"] > 0
-    assert_tracks_hf_logits(tiny_models[name], prompts, first["tokens"])
-    assert_tracks_hf_logits(tiny_models[name], prompts, cached["tokens"])
+    assert_tracks_hf_logits(tiny_models[name], prompts, first["tokens"], routed=True)
+    assert_tracks_hf_logits(tiny_models[name], prompts, cached["tokens"], routed=True)
+
+
+# -- the expert path on its own: routing held fixed -------------------------------------------
+
+
+def _dense_moe(x, w13, w2, weights, ids):
+    """The MoE definition, token by token in fp64: sum_j w_j * down_e(silu(gate_e x) * up_e x)
+    with vLLM's layouts w13 [E, 2I, H] (gate rows first) and w2 [E, H, I]."""
+    x, w13, w2, weights = (t.double() for t in (x, w13, w2, weights))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _expert_case(tokens=48, experts=8, hidden=64, inter=32, top_k=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=generator) / inter**0.5
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    return x, w13, w2, weights, ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_expert_path_matches_the_moe_definition(dtype):
+    from ascend_patch.npu.ops.fused_moe import fused_experts
+
+    x, w13, w2, weights, ids = _expert_case()
+    expected = _dense_moe(x, w13, w2, weights, ids)
+    got = fused_experts(x.to(dtype), w13.transpose(1, 2).contiguous().to(dtype),
+                        w2.transpose(1, 2).contiguous().to(dtype), weights, ids).double()
+    # fp32: summation order only; half precision: the inputs' own rounding (8 or 11 bits).
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    assert (got - expected).norm() <= tolerance * expected.norm()
+
+
+def test_expert_parallel_ranks_sum_to_the_whole():
+    """Two ranks, each holding half the experts (vLLM's expert_map: global id -> local id, -1
+    elsewhere), each combining only its experts' copies: their outputs add up to the MoE."""
+    from ascend_patch.npu.ops.fused_moe import fused_experts
+
+    x, w13, w2, weights, ids = _expert_case()
+    expected = _dense_moe(x, w13, w2, weights, ids)
+    total = torch.zeros_like(expected)
+    for rank_experts in ([0, 2, 4, 6], [1, 3, 5, 7]):  # round-robin placement
+        expert_map = torch.full((8,), -1, dtype=torch.int32)
+        expert_map[rank_experts] = torch.arange(4, dtype=torch.int32)
+        local13 = w13[rank_experts].transpose(1, 2).contiguous()
+        local2 = w2[rank_experts].transpose(1, 2).contiguous()
+        total += fused_experts(x, local13, local2, weights, ids, expert_map).double()
+    assert (total - expected).norm() <= 1e-5 * expected.norm()

@@ -49,7 +49,7 @@ def test_gating_top_k_softmax_is_the_top_k_of_the_softmax(rows, experts, k, dtyp
     x = grid_logits(generator, shape, dtype, steps)
     finished = torch.rand(shape[:-1], generator=generator) < 0.3 if with_finished else None
 
-    y, expert_idx, row_idx = kernels.npu_moe_gating_top_k_softmax(x, finished, k=k)
+    y, expert_idx, row_idx = kernels.moe_gating_top_k_softmax(x, finished, k=k)
 
     assert y.shape == expert_idx.shape == row_idx.shape == (*shape[:-1], k)
     assert (y.dtype, expert_idx.dtype, row_idx.dtype) == (dtype, torch.int32, torch.int32)
@@ -118,13 +118,13 @@ def test_gating_top_k_for_every_grouping_of_the_experts(experts, group_count):
     k = min(4, experts // group_count * k_group)
     if experts // group_count <= 2:
         with pytest.raises(KernelContractError, match="more than 2 experts per group"):
-            kernels.npu_moe_gating_top_k(x, k, bias=bias, k_group=k_group, group_count=group_count)
+            kernels.moe_gating_top_k(x, k, bias=bias, k_group=k_group, group_count=group_count)
         return
     for norm_type in (0, 1):
         for group_select_mode in (0, 1):
             settings_ = dict(k_group=k_group, group_count=group_count, norm_type=norm_type,
                              group_select_mode=group_select_mode)
-            y, ids, _ = kernels.npu_moe_gating_top_k(x, k, bias=bias, **settings_)
+            y, ids, _ = kernels.moe_gating_top_k(x, k, bias=bias, **settings_)
             weights, expected_ids = gating_oracle(x, k, bias, k_group, group_count,
                                                   group_select_mode, norm_type, 1.0, 1e-20)
             assert ids.tolist() == expected_ids
@@ -147,7 +147,7 @@ def test_gating_top_k_matches_the_documented_algorithm(rows, experts, data, dtyp
     x = grid_logits(generator, (rows, experts), dtype, steps)
     bias = grid_logits(generator, (experts,), dtype, 2) if with_bias else None
 
-    y, ids, norm_out = kernels.npu_moe_gating_top_k(
+    y, ids, norm_out = kernels.moe_gating_top_k(
         x, k, bias=bias, k_group=k_group, group_count=group_count,
         group_select_mode=group_select_mode, norm_type=norm_type, out_flag=out_flag,
         routed_scaling_factor=scaling)
@@ -186,7 +186,7 @@ def test_gating_top_k_reproduces_vllm_grouped_topk_with_the_documented_mapping(
         scoring_func=scoring, routed_scaling_factor=scaling, e_score_correction_bias=bias)
 
     softmax_renorm = scoring == "softmax" and renormalize
-    y, ids, _ = kernels.npu_moe_gating_top_k(
+    y, ids, _ = kernels.moe_gating_top_k(
         logits, k, bias=bias, k_group=top_groups, group_count=groups,
         group_select_mode=1 if with_bias else 0, norm_type=0 if scoring == "softmax" else 1,
         routed_scaling_factor=1.0 if softmax_renorm else scaling)
@@ -239,7 +239,7 @@ def test_init_routing_v2_sorts_pairs_by_expert(tokens, k, experts, pattern, dtyp
     expert_idx = routing_ids(generator, tokens, k, experts, pattern)
     scale = torch.rand(tokens, generator=generator) if with_scale else None
 
-    expanded_x, expanded_row_idx, counts, expanded_scale = kernels.npu_moe_init_routing_v2(
+    expanded_x, expanded_row_idx, counts, expanded_scale = kernels.moe_init_routing_v2(
         x, expert_idx, scale=scale, active_num=tokens * k, expert_num=experts,
         expert_tokens_num_type=tokens_num_type, expert_tokens_num_flag=True,
         active_expert_range=[start, end], row_idx_type=row_idx_type)
@@ -277,7 +277,7 @@ def test_init_routing_v2_dynamic_int8(tokens, k, experts, dtype, smooth, seed):
     if smooth is not None:
         scale = torch.rand(1 if smooth == "shared" else experts, 16, generator=generator) + 0.5
 
-    expanded_x, _, counts, expanded_scale = kernels.npu_moe_init_routing_v2(
+    expanded_x, _, counts, expanded_scale = kernels.moe_init_routing_v2(
         x, expert_idx, scale=scale, expert_num=experts, expert_tokens_num_type=1,
         expert_tokens_num_flag=True, quant_mode=1)
 
@@ -334,7 +334,7 @@ def test_grouped_matmul_multiplies_each_row_group_by_its_expert(rows, experts, d
     group_list = torch.tensor(counts if list_type == 1 else torch.tensor(counts).cumsum(0).tolist(),
                               dtype=torch.int64)
 
-    (y,) = kernels.npu_grouped_matmul([x], [weight], group_list=group_list, split_item=2,
+    (y,) = kernels.grouped_matmul([x], [weight], group_list=group_list, split_item=2,
                                       group_type=0, group_list_type=list_type)
 
     assert y.shape == (rows, 40) and y.dtype == dtype
@@ -355,7 +355,7 @@ def test_grouped_matmul_int8_dequantises_per_channel_and_per_token(rows, experts
     counts = group_counts(generator, rows, experts, pattern)
     output_dtype = torch.bfloat16 if scale_dtype == torch.bfloat16 else torch.float16
 
-    (y,) = kernels.npu_grouped_matmul(
+    (y,) = kernels.grouped_matmul(
         [x], [weight], scale=[scale], per_token_scale=[token_scale] if per_token else None,
         group_list=torch.tensor(counts), split_item=3, group_type=0, group_list_type=1,
         output_dtype=output_dtype)
@@ -367,7 +367,7 @@ def test_grouped_matmul_int8_dequantises_per_channel_and_per_token(rows, experts
     assert y.dtype == output_dtype
     assert_close(y, expected.to(output_dtype), output_dtype)
 
-    (raw,) = kernels.npu_grouped_matmul([x], [weight], group_list=torch.tensor(counts),
+    (raw,) = kernels.grouped_matmul([x], [weight], group_list=torch.tensor(counts),
                                         split_item=2, group_type=0, group_list_type=1,
                                         output_dtype=torch.int32)
     assert raw.dtype == torch.int32
@@ -389,7 +389,7 @@ def test_token_unpermute_gathers_and_weights_each_tokens_rows(tokens, k, dtype, 
     indices = torch.randperm(tokens * k, generator=generator).to(torch.int32)
     probs = torch.rand(tokens, k, generator=generator) if with_probs else None
 
-    out = kernels.npu_moe_token_unpermute(permuted, indices, probs=probs)
+    out = kernels.moe_token_unpermute(permuted, indices, probs=probs)
 
     expected = torch.zeros(tokens, 8, dtype=torch.float64)
     for token in range(tokens):
@@ -417,7 +417,7 @@ def test_finalize_routing_follows_its_formula(tokens, k, experts, dtype, drop_pa
     src_to_dst = torch.randperm(tokens * k, generator=generator).to(torch.int32)
     expert_for_row = torch.randint(experts, (tokens, k), generator=generator, dtype=torch.int32)
 
-    out = kernels.npu_moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst,
+    out = kernels.moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst,
                                            expert_for_row, drop_pad_mode=drop_pad_mode)
 
     expected = torch.zeros(tokens, 8, dtype=torch.float64)
@@ -467,21 +467,21 @@ def test_moe_layer_built_from_the_ops_equals_the_dense_definition(tokens, layout
     w2 = torch.randn(experts, hidden_size, intermediate, generator=generator) / 4
 
     if routing == "softmax" or experts < 6:
-        weights, ids, _ = kernels.npu_moe_gating_top_k_softmax(logits, k=k)
+        weights, ids, _ = kernels.moe_gating_top_k_softmax(logits, k=k)
     else:
         bias = torch.randn(experts, generator=generator) * 0.1
-        weights, ids, _ = kernels.npu_moe_gating_top_k(
+        weights, ids, _ = kernels.moe_gating_top_k(
             logits, min(k, 3), bias=bias, k_group=1, group_count=2, group_select_mode=1,
             norm_type=1, routed_scaling_factor=1.5)
         k = weights.shape[1]
 
-    expanded, expanded_row_idx, counts, _ = kernels.npu_moe_init_routing_v2(
+    expanded, expanded_row_idx, counts, _ = kernels.moe_init_routing_v2(
         hidden, ids, active_num=tokens * k, expert_num=experts, expert_tokens_num_type=list_type,
         expert_tokens_num_flag=True, active_expert_range=[0, experts])
     gemm = dict(group_list=counts, group_list_type=list_type, group_type=0, split_item=2)
-    (gate_up,) = kernels.npu_grouped_matmul([expanded], [w13.transpose(1, 2)], **gemm)
-    (down,) = kernels.npu_grouped_matmul([kernels.swiglu(gate_up)], [w2.transpose(1, 2)], **gemm)
-    out = kernels.npu_moe_token_unpermute(down, expanded_row_idx, probs=weights)
+    (gate_up,) = kernels.grouped_matmul([expanded], [w13.transpose(1, 2)], **gemm)
+    (down,) = kernels.grouped_matmul([kernels.swiglu(gate_up)], [w2.transpose(1, 2)], **gemm)
+    out = kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights)
 
     torch.testing.assert_close(out, dense_moe(hidden, w13, w2, weights, ids), atol=1e-5,
                                rtol=1e-5)
@@ -493,14 +493,14 @@ def test_moe_layer_built_from_the_ops_equals_the_dense_definition(tokens, layout
 def gating_softmax(**overrides):
     args = dict(x=torch.zeros(4, 8), finished=None, k=2)
     args.update(overrides)
-    return kernels.npu_moe_gating_top_k_softmax(**args)
+    return kernels.moe_gating_top_k_softmax(**args)
 
 
 def gating(**overrides):
     args = dict(x=torch.zeros(4, 16), k=4, bias=torch.zeros(16), k_group=2, group_count=4,
                 group_select_mode=1, norm_type=1)
     args.update(overrides)
-    return kernels.npu_moe_gating_top_k(args.pop("x"), args.pop("k"), **args)
+    return kernels.moe_gating_top_k(args.pop("x"), args.pop("k"), **args)
 
 
 def init_routing(**overrides):
@@ -509,7 +509,7 @@ def init_routing(**overrides):
                 active_num=6, expert_num=4, expert_tokens_num_type=1,
                 expert_tokens_num_flag=True, active_expert_range=[0, 4])
     args.update(overrides)
-    return kernels.npu_moe_init_routing_v2(args.pop("x"), args.pop("expert_idx"), **args)
+    return kernels.moe_init_routing_v2(args.pop("x"), args.pop("expert_idx"), **args)
 
 
 def grouped_matmul(**overrides):
@@ -517,7 +517,7 @@ def grouped_matmul(**overrides):
                 group_list=torch.tensor([2, 0, 3]), split_item=2, group_type=0,
                 group_list_type=1)
     args.update(overrides)
-    return kernels.npu_grouped_matmul(args.pop("x"), args.pop("weight"), **args)
+    return kernels.grouped_matmul(args.pop("x"), args.pop("weight"), **args)
 
 
 def unpermute(**overrides):
@@ -525,7 +525,7 @@ def unpermute(**overrides):
                 sorted_indices=torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32),
                 probs=torch.ones(3, 2))
     args.update(overrides)
-    return kernels.npu_moe_token_unpermute(**args)
+    return kernels.moe_token_unpermute(**args)
 
 
 def finalize(**overrides):
@@ -535,7 +535,7 @@ def finalize(**overrides):
                 expert_for_source_row=torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32),
                 drop_pad_mode=2)
     args.update(overrides)
-    return kernels.npu_moe_finalize_routing(**args)
+    return kernels.moe_finalize_routing(**args)
 
 
 SOFTMAX, GATING = "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k"

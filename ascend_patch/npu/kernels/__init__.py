@@ -5,7 +5,7 @@ Two backends implement the same signatures:
 - ``"reference"`` (default, :mod:`.reference`): plain torch that enforces each op's documented input
   contract and computes its documented output. It runs the emulated engine on CPU and makes contract
   violations fail loudly off-hardware. The Mixture-of-Experts references live in :mod:`.moe`
-  (re-exported by :mod:`.reference`) and keep the full torch_npu names (``npu_grouped_matmul``).
+  (re-exported by :mod:`.reference`).
 - ``"npu"`` (:mod:`.npu`): direct calls of the documented torch_npu ops, imported lazily.
 
 :func:`use` rebinds the module-level functions, so a call is a plain attribute lookup with no
@@ -30,12 +30,12 @@ OPS = (
     "rotary_embedding",
     "rotary_mul",
     "top_k_top_p",
-    "npu_moe_gating_top_k_softmax",
-    "npu_moe_gating_top_k",
-    "npu_moe_init_routing_v2",
-    "npu_grouped_matmul",
-    "npu_moe_token_unpermute",
-    "npu_moe_finalize_routing",
+    "moe_gating_top_k_softmax",
+    "moe_gating_top_k",
+    "moe_init_routing_v2",
+    "grouped_matmul",
+    "moe_token_unpermute",
+    "moe_finalize_routing",
 )
 
 _BACKENDS = {"reference": reference, "npu": npu}
@@ -50,12 +50,12 @@ swiglu = reference.swiglu
 rotary_embedding = reference.rotary_embedding
 rotary_mul = reference.rotary_mul
 top_k_top_p = reference.top_k_top_p
-npu_moe_gating_top_k_softmax = reference.npu_moe_gating_top_k_softmax
-npu_moe_gating_top_k = reference.npu_moe_gating_top_k
-npu_moe_init_routing_v2 = reference.npu_moe_init_routing_v2
-npu_grouped_matmul = reference.npu_grouped_matmul
-npu_moe_token_unpermute = reference.npu_moe_token_unpermute
-npu_moe_finalize_routing = reference.npu_moe_finalize_routing
+moe_gating_top_k_softmax = reference.moe_gating_top_k_softmax
+moe_gating_top_k = reference.moe_gating_top_k
+moe_init_routing_v2 = reference.moe_init_routing_v2
+grouped_matmul = reference.grouped_matmul
+moe_token_unpermute = reference.moe_token_unpermute
+moe_finalize_routing = reference.moe_finalize_routing
 
 _active = "reference"
 

@@ -114,7 +114,7 @@ def _check_int(op, arg, value):
 # --- routing --------------------------------------------------------------------------------------
 
 
-def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+def moe_gating_top_k_softmax(x, finished=None, k=1):
     """``softmax(x)`` over experts, then its top k: ``(y, expert_idx, row_idx)``.
 
     ``y`` is not renormalised. ``row_idx[i, j] = j * rows + i`` ([SOFTMAX-TOPK] formula, written
@@ -146,7 +146,7 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
             row_idx.reshape(shape))
 
 
-def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
+def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
                          group_count=1, group_select_mode=0, renorm=0, norm_type=0,
                          out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
     """Grouped top-k routing: ``(y, expert_idx, norm_out)`` ([GATING] equivalent code).
@@ -223,7 +223,7 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
 _QUANT_MODES = {-1, 0, 1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 16, 17}
 
 
-def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
                             expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
                             expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
                             active_expert_range=[], row_idx_type=0):
@@ -352,7 +352,7 @@ _INT8_SCALE_OUTPUT = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float
 _INNER_LIMIT = 65536  # [GMM] 内轴限制 InnerLimit
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None,
                        activation_input=None, activation_quant_scale=None,
                        activation_quant_offset=None, split_item=0, group_type=None,
@@ -516,7 +516,7 @@ def _single(op, arg, tensors):
 # --- combine --------------------------------------------------------------------------------------
 
 
-def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
                             restore_shape=None):
     """``out[t] = sum_j probs[t, j] * permuted_tokens[sorted_indices[t * k + j]]`` ([UNPERMUTE]).
 
@@ -561,7 +561,7 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     return gathered.sum(dim=1).to(permuted_tokens.dtype)
 
 
-def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                              expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
     """``out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src[i, k]] + bias[e[i, k]])``.
 

@@ -119,11 +119,11 @@ def top_k_top_p(logits, p=None, k=None):
 # --- mixture of experts (references and call order: kernels/moe.py) -------------------------------
 
 
-def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+def moe_gating_top_k_softmax(x, finished=None, k=1):
     return _torch_npu().npu_moe_gating_top_k_softmax(x, finished=finished, k=k)
 
 
-def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
+def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
                          group_count=1, group_select_mode=0, renorm=0, norm_type=0,
                          out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
     return _torch_npu().npu_moe_gating_top_k(
@@ -134,7 +134,7 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
     )
 
 
-def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
                             expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
                             expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
                             active_expert_range=[], row_idx_type=0):
@@ -147,7 +147,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     )
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None,
                        activation_input=None, activation_quant_scale=None,
                        activation_quant_offset=None, split_item=0, group_type=None,
@@ -162,7 +162,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     )
 
 
-def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
                             restore_shape=None):
     return _torch_npu().npu_moe_token_unpermute(
         permuted_tokens, sorted_indices, probs=probs, padded_mode=padded_mode,
@@ -170,7 +170,7 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     )
 
 
-def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                              expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
     # Positional: the schema spells the last tensor "export_for_source_row", not the documented
     # "expert_for_source_row", so the documented keyword would be rejected.

@@ -51,12 +51,12 @@ from .contracts import (
     require,
 )
 from .moe import (  # noqa: F401 - re-exported: the reference backend is this module's namespace
-    npu_grouped_matmul,
-    npu_moe_finalize_routing,
-    npu_moe_gating_top_k,
-    npu_moe_gating_top_k_softmax,
-    npu_moe_init_routing_v2,
-    npu_moe_token_unpermute,
+    grouped_matmul,
+    moe_finalize_routing,
+    moe_gating_top_k,
+    moe_gating_top_k_softmax,
+    moe_init_routing_v2,
+    moe_token_unpermute,
 )
 from .paged import attend, decode_batch, gather_sequence
 

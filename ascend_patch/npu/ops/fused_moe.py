@@ -20,9 +20,9 @@ used up to 0.27), and it routes, dispatches, computes and combines on the NPU:
 
 Shared experts (Qwen2-MoE's gated one, DeepSeek's) stay vLLM's: its runner runs them
 beside the routed experts. Tensor parallelism splits each expert's intermediate size and
-vLLM reduces the outputs; expert parallelism gives each rank a contiguous block of
-experts (the active expert range of the dispatch op), and the same reduction sums the
-ranks' partial outputs. Routing the NPU ops cannot express (a model's own Python routing
+vLLM reduces the outputs; expert parallelism gives each rank a subset of the experts
+(vLLM's ``expert_map``), each rank combines the copies routed to its own experts, and the
+same reduction sums the ranks' partial outputs. Routing the NPU ops cannot express (a model's own Python routing
 function, sigmoid scores without renormalisation, ...) is refused at load time, naming
 the model and the function.
 """
@@ -86,14 +86,16 @@ class Routing:
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights fp32 [T, k], expert ids int32 [T, k])`` for router logits [T, E]."""
+        logits = logits.float()  # the ops return weights in the logits' dtype; vLLM's are fp32
         if self.plain_softmax:
-            weights, ids, _ = kernels.moe_gating_top_k_softmax(logits, None, self.top_k)
+            weights, ids, _ = kernels.moe_gating_top_k_softmax(logits, k=self.top_k)
         else:
             # The op renormalises sigmoid weights itself (and scales after that); softmax
             # weights are renormalised here, so scaling waits until then.
             sigmoid = self.scoring == "sigmoid"
             weights, ids, _ = kernels.moe_gating_top_k(
-                logits, self.top_k, bias=self.bias, k_group=self.group_top_k,
+                logits, self.top_k, bias=None if self.bias is None else self.bias.float(),
+                k_group=self.group_top_k,
                 group_count=self.groups, group_select_mode=1 if self.bias is not None else 0,
                 renorm=0, norm_type=1 if sigmoid else 0, out_flag=False,
                 routed_scaling_factor=self.scaling if sigmoid and self.apply_scaling else 1.0,
@@ -129,7 +131,6 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             raise UnsupportedMoEError(f"{_where(layer)} uses {', '.join(unsupported)}; not "
                                       "supported on the NPU yet")
         layer.ascend_routing = Routing(layer)
-        layer.ascend_expert_range = _local_expert_range(layer)
         # npu_grouped_matmul takes the weight as [experts, in, out]: transpose once, here,
         # never per step. vLLM keeps [experts, out, in].
         for name in ("w13_weight", "w2_weight"):
@@ -138,38 +139,29 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         weights, ids = layer.ascend_routing(router_logits)
-        return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids,
-                             layer.global_num_experts, layer.ascend_expert_range)
+        return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.expert_map)
 
 
-def _local_expert_range(layer) -> tuple[int, int]:
-    """The global ids ``[first, end)`` of this rank's experts; expert parallelism must
-    place them contiguously (vLLM's default, linear placement)."""
-    expert_map = layer.expert_map
-    if expert_map is None:
-        return 0, layer.global_num_experts
-    local = torch.nonzero(expert_map >= 0).flatten().tolist()
-    first, end = local[0], local[-1] + 1
-    if local != list(range(first, end)) or expert_map[first:end].tolist() != list(range(end - first)):
-        raise UnsupportedMoEError(
-            f"{_where(layer)}: expert parallelism with a non-contiguous expert placement; "
-            "the NPU dispatch op takes one contiguous expert range per rank (use the "
-            "default linear placement)"
-        )
-    return first, end
-
-
-def fused_experts(x, w13, w2, weights, ids, num_experts, expert_range):
+def fused_experts(x, w13, w2, weights, ids, expert_map=None):
     """Routed experts for tokens ``x`` [T, H]: dispatch, SwiGLU MLP per expert, combine.
 
-    ``w13`` is [E_local, H, 2I] and ``w2`` [E_local, I, H]; ``ids`` are global expert ids.
+    ``w13`` is [E_local, H, 2I] and ``w2`` [E_local, I, H]. Under expert parallelism
+    ``expert_map`` maps global expert ids to this rank's (-1 elsewhere): a copy routed to
+    another rank's expert gets weight 0 and is parked on local expert 0. That keeps every
+    documented contract (the counts sum to the dispatched rows, the combine index is a
+    permutation) with no host sync, at the price of computing those copies; in decode the
+    grouped matmul is bound by reading the weights, which parking adds none of.
     """
     tokens, top_k = ids.shape
-    first, end = expert_range
+    if expert_map is not None:
+        local = expert_map[ids.long()]
+        weights = torch.where(local >= 0, weights, 0.0)
+        ids = local.clamp_(min=0).to(torch.int32)
+    experts = w13.shape[0]
     expanded, expanded_row_idx, counts, _ = kernels.moe_init_routing_v2(
-        x, ids, active_num=tokens * top_k, expert_num=num_experts,
+        x, ids, active_num=tokens * top_k, expert_num=experts,
         expert_tokens_num_type=1, expert_tokens_num_flag=True,
-        active_expert_range=[first, end],
+        active_expert_range=[0, experts],
     )
     gate_up = kernels.grouped_matmul([expanded], [w13], group_list=counts, split_item=2,
                                      group_type=0, group_list_type=1)[0]
