@@ -293,13 +293,32 @@ def _add_parameter(path: Path, lineno: int) -> None:
 INJECTABLE = [p for p in v0_29.PATCHES if p.signature is not None]
 
 
+# Without importing every target module (seconds each): an inert loader schedules nothing,
+# so no later import can apply a patch; the off/auto tests import them all to prove it.
+INERT_REPORT = """
+import json, os
+import vllm
+from ascend_patch.overlay import loader
+from vllm.platforms import current_platform
+act = loader.current()
+print(json.dumps({
+    "platform": type(current_platform).__name__,
+    "state": act.state,
+    "reason": act.reason,
+    "applied": loader.REGISTRY.applied_targets(),
+    "environment": loader.REGISTRY.environment(),
+    "vllm_dir": os.path.realpath(os.path.dirname(vllm.__file__)),
+}))
+"""
+
+
 def _inject_and_report(patch, vllm_dir: Path, root: Path) -> tuple[str, subprocess.CompletedProcess]:
     tree = SourceTree(vllm_dir)
     copy = _mirror(vllm_dir, root / "vllm", tree.module_path(patch.module))
     _add_parameter(copy, tree.lookup(patch.module, patch.qualname).lineno)
     faulty = SourceTree(root / "vllm").lookup(patch.module, patch.qualname).signature
     env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root))
-    return faulty, run_python(STOCK_REPORT, env=env)
+    return faulty, run_python(INERT_REPORT, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -320,19 +339,12 @@ def test_fault_injection_leaves_vllm_stock_and_names_the_target(patch, vllm_dir,
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["vllm_dir"] == str(root / "vllm"), "the injected copy is what got imported"
     assert report["state"] == "inert"
-    assert_stock_from_copy(report, vllm_dir, root / "vllm")
+    assert report["platform"] == "UnspecifiedPlatform"
+    assert report["applied"] == [] and report["environment"] == {}, "nothing patched, nothing forced"
     assert f"{patch.target}: expected {patch.expected()}, found {faulty}" in report["reason"]
     assert "1 of" in report["reason"] and "nothing was patched" in report["reason"]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("ascend-patch:")]
     assert len(warnings) == 1 and "does not match patch set v0_29" in warnings[0]
-
-
-def assert_stock_from_copy(report: dict, real: Path, copy: Path) -> None:
-    assert report["platform"] == "UnspecifiedPlatform"
-    assert report["applied"] == []
-    for target, live in report["targets"].items():
-        assert not live["wrapped"], target
-        assert live["file"].startswith((str(real), str(copy))), target
 
 
 # --- bad environments ------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from ascend_patch import __version__, env
-from ascend_patch.overlay import loader
 from ascend_patch.overlay import version as versions
 
 PTH_NAME = "a1_ascend_patch.pth"
@@ -43,7 +42,7 @@ def pth_files() -> list[str]:
     return [str(Path(d) / PTH_NAME) for d in dirs if (Path(d) / PTH_NAME).is_file()]
 
 
-def _import_targets(act: loader.Activation) -> list[str]:
+def _import_targets(act) -> list[str]:
     failures = []
     for module in sorted({p.module for p in act.patches}):
         try:
@@ -59,6 +58,12 @@ def report(apply: bool = False) -> dict:
     except ValueError as exc:
         return {"ok": False, "error": str(exc), "settings": env.settings()}
     import_failures: list[str] = []
+    try:
+        # Imported here: a damaged loader is a finding to report, not a crash.
+        from ascend_patch.overlay import loader
+    except Exception as exc:
+        return {"ok": False, "requested_mode": requested, "settings": env.settings(),
+                "error": f"the loader failed ({type(exc).__name__}: {exc}); reinstall ascend-patch"}
     try:
         if apply and requested != "off":
             import vllm  # noqa: F401  (the .pth, if installed, activates here)
