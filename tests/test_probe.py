@@ -15,6 +15,7 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -100,8 +101,14 @@ def make_wheel(package_dir: Path, out_dir: Path, version: str = INSTALLED) -> Pa
 
 def run_probe(capsys, *argv: str) -> tuple[int, dict]:
     """``ascend-patch probe ARGV --json`` in this process; (exit status, document)."""
+    code, data, _ = run_probe_with_stderr(capsys, *argv)
+    return code, data
+
+
+def run_probe_with_stderr(capsys, *argv: str) -> tuple[int, dict, str]:
     code = cli.main(["probe", *argv, "--json"])
-    return code, json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out), captured.err
 
 
 def _target(data: dict, suffix: str) -> dict:
@@ -311,13 +318,20 @@ def test_bad_inputs_exit_2(tree, tmp_path, capsys):
 
 
 @contextlib.contextmanager
-def serve(routes: dict[str, tuple[str, bytes]]):
-    """A package index: ``routes`` maps a path to (content type, body)."""
+def serve(routes: dict, requests: list[str] | None = None):
+    """A package index: ``routes`` maps a path to (content type, body), or to a function
+    that answers the request itself (a hostile server); ``requests`` collects the paths asked."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            if requests is not None:
+                requests.append(self.path)
             if self.path not in routes:
                 self.send_error(404)
+                return
+            if callable(routes[self.path]):
+                with contextlib.suppress(OSError):  # the probe hung up
+                    routes[self.path](self)
                 return
             content_type, body = routes[self.path]
             self.send_response(200)
@@ -361,6 +375,11 @@ def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("ASCEND_PATCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("no_proxy", "127.0.0.1")
     return tmp_path / "cache"
+
+
+def cached_names(cache: Path) -> list[str]:
+    """What the release cache holds besides its lock file: entries, staging directories."""
+    return sorted(p.name for p in (cache / "releases").iterdir() if p.name != ".lock")
 
 
 def test_download_verifies_extracts_and_reuses_the_cache(tree, tmp_path, cache, capsys):
@@ -411,7 +430,7 @@ def test_corrupt_download_is_refused_and_not_cached(tree, tmp_path, cache, capsy
         code, data = run_probe(capsys, INSTALLED, "--index-url", index)
     assert code == 2
     assert f"{sdist.name} is corrupt" in data["error"] and "the index says " + "0" * 64 in data["error"]
-    assert list((cache / "releases").iterdir()) == []
+    assert cached_names(cache) == []
 
 
 def test_unknown_version_lists_the_nearest(tree, tmp_path, cache, capsys):
@@ -430,6 +449,412 @@ def test_no_network(cache, capsys):
     assert code == 2
     assert data["error"].startswith(f"cannot reach {index}/vllm/")
     assert "Check the network" in data["error"]
+
+
+# -- a hostile index ----------------------------------------------------------------
+#
+# The limits are shrunk through the module's constants so each case takes well under a second.
+
+
+def list_file_as(routes: dict, **fields) -> None:
+    """Change fields of the first file a JSON index page lists (None drops the field)."""
+    content_type, body = routes["/simple/vllm/"]
+    document = json.loads(body)
+    for key, value in fields.items():
+        document["files"][0][key] = value
+        if value is None:
+            del document["files"][0][key]
+    routes["/simple/vllm/"] = (content_type, json.dumps(document).encode())
+
+
+def _tree_snapshot(root: Path, skip: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file below ``root`` but under ``skip``: contents and mtime."""
+    return {
+        str(p): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in root.rglob("*") if p.is_file() and skip not in p.parents
+    }
+
+
+@pytest.mark.parametrize("form", ["relative", "absolute", "html-escaped"])
+def test_index_file_names_cannot_reach_outside_the_cache(form, tree, tmp_path, cache, capsys):
+    """A name the index lists is never a path: nothing outside the cache is created,
+    overwritten or deleted, and nothing is cached to be reused."""
+    sdist = make_sdist(tree, tmp_path)
+    victim = tmp_path / "victim" / sdist.name  # ../../../victim/… from a staging directory
+    victim.parent.mkdir()
+    victim.write_text("user data\n")
+    name = str(victim) if form == "absolute" else f"../../../victim/{sdist.name}"
+    if form == "html-escaped":
+        escaped = f"..%2F..%2F..%2Fvictim%2F{sdist.name}"
+        page = f'<a href="../../files/{escaped}">x</a>'
+        routes = {"/simple/vllm/": ("text/html", page.encode()),
+                  f"/files/{escaped}": ("application/octet-stream", sdist.read_bytes())}
+    else:
+        routes = json_index([sdist], [INSTALLED])
+        list_file_as(routes, filename=name)
+    before = _tree_snapshot(tmp_path, cache / "releases")
+    requests: list[str] = []
+    with serve(routes, requests) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2
+    assert data["error"] == (
+        f"{index} names the file {name!r}, which is not a plain file name; refusing it "
+        "(a path would write outside the cache)"
+    )
+    assert requests == ["/simple/vllm/"], "nothing was downloaded"
+    assert _tree_snapshot(tmp_path, cache / "releases") == before
+    assert cached_names(cache) == []
+    code, data = run_probe(capsys, INSTALLED, "--index-url", index)  # the server is gone
+    assert code == 2 and data["error"].startswith("cannot reach"), "nothing poisoned to reuse"
+
+
+def test_only_http_downloads_are_followed(tree, tmp_path, cache, capsys):
+    secret = tmp_path / f"vllm-{INSTALLED}.tar.gz"  # a local file the index points at
+    make_sdist(tree, tmp_path)
+    routes = json_index([secret], [INSTALLED])
+    list_file_as(routes, url=secret.as_uri())
+    with serve(routes) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2
+    assert data["error"] == (
+        f"{index} gives {secret.as_uri()!r} for {secret.name}: only http(s) downloads are fetched"
+    )
+    assert cached_names(cache) == []
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:3000])
+
+
+def _flip_a_byte(path: Path) -> None:
+    """Bit rot: same size, same mtime."""
+    stat, data = path.stat(), bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def _drop_manifest(entry: Path) -> None:
+    """release.json as ascend-patch wrote it before entries recorded their files."""
+    info = json.loads((entry / "release.json").read_text())
+    del info["manifest"]
+    (entry / "release.json").write_text(json.dumps(info))
+
+
+DAMAGE = {
+    "release.json cut short": (
+        lambda e: (e / "release.json").write_text('{"version": "0.33.0", "arch'),
+        "its release.json is unreadable",
+    ),
+    "release.json deleted": (lambda e: (e / "release.json").unlink(), "it has no release.json"),
+    "release.json of an older ascend-patch": (
+        _drop_manifest, "its release.json records no files (an older ascend-patch wrote it)"),
+    "target truncated": (
+        lambda e: _truncate(e / "vllm/v1/worker/utils.py"),
+        "vllm/v1/worker/utils.py changed since it was extracted",
+    ),
+    "target flipped in place": (
+        lambda e: _flip_a_byte(e / "vllm/v1/worker/utils.py"),
+        "vllm/v1/worker/utils.py changed since it was extracted",
+    ),
+    "target deleted": (
+        lambda e: (e / "vllm/v1/worker/block_table.py").unlink(),
+        "vllm/v1/worker/block_table.py is missing",
+    ),
+    "file added": (
+        lambda e: (e / "vllm/v1/worker/extra.py").write_text("x = 1\n"),
+        "vllm/v1/worker/extra.py is not part of the release",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_cache_entry_gives_no_verdict_and_is_replaced(damage, tree, tmp_path, cache, capsys):
+    damage_entry, problem = DAMAGE[damage]
+    routes = json_index([make_sdist(tree, tmp_path)], [INSTALLED])
+    requests: list[str] = []
+    with serve(routes, requests) as index:
+        entry = releases.fetch_release(INSTALLED, index).package_dir.parent
+    damage_entry(entry)
+
+    # Offline: no verdict from the damaged copy, and the copy is kept until one replaces it.
+    code, data, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
+    assert code == 2 and set(data) == {"schema", "error"} and data["error"].startswith("cannot reach")
+    assert f"the cached {entry} is damaged ({problem}); fetching the release again" in err
+    assert cached_names(cache) == [entry.name]
+
+    with serve(routes, requests) as index:
+        code, data, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
+    assert code == 0 and data["input"]["cached"] is False
+    assert f"is damaged ({problem})" in err
+    assert requests.count(f"/files/vllm-{INSTALLED}.tar.gz") == 2
+    assert cached_names(cache) == [entry.name]
+    assert "manifest" not in data["input"] and data["input"]["files"] == len(list(tree.rglob("*.py")))
+    assert releases.fetch_release(INSTALLED, index).details["cached"] is True  # offline again
+
+
+def _zeros(size: int) -> io.BufferedReader:
+    class Zeros(io.RawIOBase):
+        left = size
+
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            count = min(len(buffer), self.left)
+            buffer[:count] = bytes(count)
+            self.left -= count
+            return count
+
+    return io.BufferedReader(Zeros())
+
+
+def _bomb_sdist(out_dir: Path, name: str, size: int, **pax) -> Path:
+    """A small sdist that unpacks to a ``size``-byte member ``name``; ``pax`` headers on it."""
+    path = out_dir / f"vllm-{INSTALLED}.tar.gz"
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tf:
+        for member, data in ((f"vllm-{INSTALLED}/PKG-INFO", f"Version: {INSTALLED}\n".encode()),
+                             (f"vllm-{INSTALLED}/vllm/__init__.py", b"")):
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo(f"vllm-{INSTALLED}/{name}")
+        info.size, info.pax_headers = size, pax
+        tf.addfile(info, _zeros(size))
+    return path
+
+
+def _bomb_wheel(out_dir: Path, name: str, size: int) -> Path:
+    path = out_dir / f"vllm-{INSTALLED}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("vllm/__init__.py", "")
+        with zf.open(name, "w") as member:
+            shutil.copyfileobj(_zeros(size), member)
+    return path
+
+
+MiB = 1 << 20
+UNPACKING_LIMITS = {
+    "one member": ("MAX_MEMBER_BYTES", 64 << 10, lambda d, tree: _bomb_sdist(d, "vllm/big.py", MiB),
+                   "holds vllm/big.py of 1 MiB (limit 64 KiB)"),
+    "one wheel member": ("MAX_MEMBER_BYTES", 64 << 10, lambda d, tree: _bomb_wheel(d, "vllm/big.py", MiB),
+                         "holds vllm/big.py of 1 MiB (limit 64 KiB)"),
+    "everything kept": ("MAX_KEPT_BYTES", 64 << 10, lambda d, tree: make_sdist(tree, d),
+                        "holds more than 64 KiB of vllm/**/*.py"),
+    "files kept": ("MAX_KEPT_FILES", 5, lambda d, tree: make_sdist(tree, d),
+                   "holds more than 5 vllm/**/*.py files"),
+    "members passed over": ("MAX_UNPACKED_BYTES", 256 << 10,
+                            lambda d, tree: _bomb_sdist(d, "tests/big.bin", MiB), "unpacks to more than 256 KiB"),
+    "extended header": ("MAX_TAR_HEADER_BYTES", 4096,
+                        lambda d, tree: _bomb_sdist(d, "vllm/x.py", 0, comment="x" * (64 << 10)),
+                        "extended header (limit 4 KiB)"),
+}
+
+
+@pytest.mark.parametrize("limit", list(UNPACKING_LIMITS))
+def test_archive_bombs_are_refused(limit, tree, tmp_path, cache, capsys, monkeypatch):
+    constant, value, build, message = UNPACKING_LIMITS[limit]
+    monkeypatch.setattr(releases, constant, value)
+    archive = build(tmp_path, tree)
+    assert archive.stat().st_size < MiB / 4, "small download, large contents"
+    with serve(json_index([archive], [INSTALLED])) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2
+    assert message in data["error"] and "decompression bomb" in data["error"], data["error"]
+    assert cached_names(cache) == []
+
+
+def _send(body: bytes, *, length: int | None, content_type: str = "application/octet-stream"):
+    """A route that sends ``body`` under a Content-Length of ``length`` (None: none, the
+    connection's end ends the body)."""
+    def respond(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Type", content_type)
+        if length is not None:
+            handler.send_header("Content-Length", str(length))
+        handler.end_headers()
+        handler.wfile.write(body)
+    return respond
+
+
+def test_oversized_index_pages_are_cut_off(cache, capsys, monkeypatch):
+    monkeypatch.setattr(releases, "MAX_PAGE_BYTES", 64 << 10)
+    page = b"<html>" + b"<!-- padding -->" * 65536  # 1 MiB
+    for length, error in ((len(page), "announces 1 MiB, more than 64 KiB, the limit for an index page"),
+                          (None, "sent more than 64 KiB, the limit for an index page")):
+        with serve({"/simple/vllm/": _send(page, length=length, content_type="text/html")}) as index:
+            code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        assert code == 2 and data["error"] == f"{index}/vllm/ {error}"
+
+
+def test_downloads_must_match_the_size_the_index_lists(tree, tmp_path, cache, capsys, monkeypatch):
+    sdist = make_sdist(tree, tmp_path)
+    data_bytes = sdist.read_bytes()
+    size = len(data_bytes)
+    url_path = f"/files/{sdist.name}"
+    cases = [
+        (_send(data_bytes + b"x" * 1000, length=size + 1000), "KiB, more than the "
+         f"{size} bytes the index lists for it"),
+        (_send(data_bytes + b"x" * 1000, length=None), f"sent more than the {size} bytes the index lists for it"),
+        (_send(data_bytes[:-1000], length=size - 1000),
+         f"is incomplete: {size - 1000} bytes received, the index lists {size}"),
+        (_send(data_bytes[:-1000], length=size), f"broke off after {size - 1000} of {size} bytes"),
+    ]
+    for route, error in cases:
+        routes = json_index([sdist], [INSTALLED])
+        routes[url_path] = route
+        with serve(routes) as index:
+            code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        assert code == 2 and error in data["error"], data["error"]
+        assert cached_names(cache) == []
+
+    monkeypatch.setattr(releases, "MAX_DOWNLOAD_BYTES", 64 << 10)
+    requests: list[str] = []
+    with serve(json_index([sdist], [INSTALLED]), requests) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2 and data["error"].startswith(f"{index} lists {sdist.name} at ")
+    assert data["error"].endswith("KiB, more than the 64 KiB the probe downloads")
+    assert url_path not in requests
+    routes = json_index([sdist], [INSTALLED])
+    list_file_as(routes, size=None)  # HTML pages and JSON pages before API 1.1 may not say
+    routes[url_path] = _send(data_bytes, length=None)
+    with serve(routes) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2 and data["error"].endswith("sent more than 64 KiB, the download limit")
+
+
+def _trickle(body: bytes, *, headers_too: bool, every: float = 0.02):
+    """A server that sends one byte at a time: a socket timeout never fires on it."""
+    def respond(handler):
+        head = (b"HTTP/1.0 200 OK\r\nContent-Type: application/vnd.pypi.simple.v1+json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
+        if not headers_too:
+            handler.wfile.write(head)
+            head = b""
+        for byte in head + body:
+            handler.wfile.write(bytes([byte]))
+            time.sleep(every)
+    return respond
+
+
+def _silent(handler):
+    time.sleep(3)
+
+
+@pytest.mark.parametrize("server", ["trickles the page", "trickles the headers", "says nothing",
+                                    "trickles the download"])
+def test_a_stalling_server_is_cut_off(server, tree, tmp_path, cache, capsys, monkeypatch):
+    monkeypatch.setattr(releases, "STALL_SECONDS", 0.4)
+    monkeypatch.setattr(releases, "STALL_BYTES", 4096)
+    sdist = make_sdist(tree, tmp_path)
+    routes = json_index([sdist], [INSTALLED])
+    page = routes["/simple/vllm/"][1]
+    stalled = "/simple/vllm/"
+    if server == "trickles the page":
+        routes[stalled] = _trickle(page, headers_too=False)
+    elif server == "trickles the headers":
+        routes[stalled] = _trickle(page, headers_too=True)
+    elif server == "says nothing":
+        routes[stalled] = _silent
+    else:
+        stalled = f"/files/{sdist.name}"
+        routes[stalled] = _trickle(sdist.read_bytes(), headers_too=False)
+    with serve(routes) as index:
+        started = time.monotonic()
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        elapsed = time.monotonic() - started
+    url = f"{index}/vllm/" if stalled.startswith("/simple") else f"{index.rsplit('/', 1)[0]}{stalled}"
+    assert code == 2
+    assert data["error"] == (
+        f"{url} sent less than 4 KiB in 0.4 s: the server or the network stalls. "
+        "Run the probe again, or use --index-url for a mirror"
+    )
+    assert elapsed < 3, f"cut off after {elapsed:.1f} s"
+    assert cached_names(cache) == []
+
+
+@pytest.mark.parametrize("index_url", ["notaurl", "ftp://example.org/simple", "file:///srv/simple",
+                                       "http://[::1/simple", "https:///simple"])
+def test_an_index_url_that_is_not_http_fails_in_one_line(index_url, cache, capsys):
+    code = cli.main(["probe", INSTALLED, "--index-url", index_url])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err == (
+        f"ascend-patch probe: --index-url {index_url!r} is not an http(s) URL; give a simple-API "
+        f"index such as {releases.DEFAULT_INDEX}\n"
+    )
+    code, data = run_probe(capsys, INSTALLED, "--index-url", index_url)
+    assert code == 2 and set(data) == {"schema", "error"}
+
+
+@pytest.mark.parametrize("document", [[], {"files": "x"}, {"files": [{"url": "x"}]},
+                                      {"files": [{"filename": 1, "url": "x"}]}])
+def test_a_malformed_json_page_fails_in_one_line(document, cache, capsys):
+    routes = {"/simple/vllm/": ("application/vnd.pypi.simple.v1+json", json.dumps(document).encode())}
+    with serve(routes) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 2 and data["error"] == f"{index}/vllm/ is not a valid simple-API JSON page"
+
+
+def test_an_unexpected_error_still_exits_2_in_one_line(tree, monkeypatch, capsys):
+    """A bug in the probe is "the probe failed", never "would not activate"."""
+    def broken(*args):
+        raise KeyError("version")
+
+    monkeypatch.setattr(probe, "decide", broken)
+    assert cli.main(["probe", str(tree)]) == 2
+    assert capsys.readouterr().err == \
+        "ascend-patch probe: internal error, please report it: KeyError: 'version'\n"
+
+
+def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
+    """A live probe's staging directory is left alone; a killed one's goes on the next run."""
+    sdist, older = make_sdist(tree, tmp_path), make_sdist(tree, tmp_path, "0.32.0")
+    release = threading.Event()
+
+    def half_then_hang(handler):
+        body = sdist.read_bytes()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body[: len(body) // 2])
+        release.wait(30)
+
+    routes = json_index([sdist, older], ["0.32.0", INSTALLED])
+    full = routes[f"/files/{sdist.name}"]
+    routes[f"/files/{sdist.name}"] = half_then_hang
+    with serve(routes) as index:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "ascend_patch", "probe", INSTALLED, "--index-url", index],
+            env=clean_env(ASCEND_PATCH_CACHE_DIR=str(cache), no_proxy="127.0.0.1"), cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not list((cache / "releases").glob(f".vllm-{INSTALLED}-*/{sdist.name}")):
+                assert time.monotonic() < deadline and child.poll() is None, "the child never downloaded"
+                time.sleep(0.05)
+            (staging,) = (cache / "releases").glob(f".vllm-{INSTALLED}-*")
+            legacy = cache / "releases" / ".vllm-0.31.0-oldstyle"  # an older ascend-patch's
+            legacy.mkdir()
+
+            code, _, err = run_probe_with_stderr(capsys, "0.32.0", "--index-url", index)
+            assert code == 0
+            assert staging.is_dir(), "a concurrent probe's staging directory is live"
+            assert f"removed {legacy}, left by an interrupted probe" in err and not legacy.exists()
+
+            child.kill()
+            child.wait(30)
+            assert staging.is_dir()
+            routes[f"/files/{sdist.name}"] = full
+            code, _, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
+        finally:
+            child.kill()
+            child.wait(30)
+            release.set()
+    assert code == 0
+    assert f"removed {staging}, left by an interrupted probe" in err
+    assert cached_names(cache) == ["vllm-0.32.0", f"vllm-{INSTALLED}"]
 
 
 # -- the command, the digests -------------------------------------------------

@@ -238,9 +238,16 @@ def run(argument: str, *, version: str | None, index_url: str, as_json: bool) ->
         with open_source(argument, version, index_url) as source:
             data = probe(source, table)
     except (ProbeError, matrix.MatrixError) as exc:
-        if as_json:
-            print(json.dumps({"schema": SCHEMA_VERSION, "error": str(exc)}, indent=2))
-        print(f"ascend-patch probe: {exc}", file=sys.stderr)
-        return 2
+        return _failed(str(exc), as_json)
+    except Exception as exc:  # a bug, yet still "the probe failed", never "would not activate"
+        return _failed(f"internal error, please report it: {type(exc).__name__}: {exc}", as_json)
     print(json.dumps(data, indent=2) if as_json else render(data))
     return 0 if data["would_activate"] else 1
+
+
+def _failed(message: str, as_json: bool) -> int:
+    message = " ".join(message.split())  # one line, whatever an index put in it
+    if as_json:
+        print(json.dumps({"schema": SCHEMA_VERSION, "error": message}, indent=2))
+    print(f"ascend-patch probe: {message}", file=sys.stderr)
+    return 2
