@@ -7,7 +7,7 @@ runtime (and without the CANN toolkit it breaks ``import torch`` itself), so mer
 backend must stay free. Each kernel keeps the signature of its ``reference`` twin; arguments go to
 torch_npu under the names the op schemas use (``op_plugin/config/op_plugin_functions.yaml`` and the
 ATB bindings in ``op_plugin/ops/atb/``), except the leading tensor of ops whose schema calls it
-``self``, which the Python binding only accepts positionally.
+``self``, which goes positionally: the generated Python binding renames it ``input``.
 
 The device-runtime queries at the end (probe, names, memory, seeding) live here for the same
 reason: they are torch_npu calls; :mod:`ascend_patch.npu.device` and the loader reach the NPU through
@@ -51,7 +51,7 @@ def fused_infer_attention_score(
     block_size=0,
     sparse_mode=0,
 ):
-    # query, key, value are positional-only in the documented prototype.
+    # query, key, value positionally, as the documented prototype has them before its `*`.
     return _torch_npu().npu_fused_infer_attention_score(
         query, key, value,
         atten_mask=atten_mask, block_table=block_table,
@@ -80,30 +80,6 @@ def add_rms_norm(x1, x2, gamma, epsilon=1e-6):
 
 def swiglu(self, dim=-1):
     return _torch_npu().npu_swiglu(self, dim=dim)
-
-
-def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
-    rotary_dim = cos_sin_cache.shape[-1]
-    if rotary_dim == head_size:
-        _torch_npu()._npu_rotary_embedding(
-            positions=positions, query=query, key=key, head_size=head_size,
-            cos_sin_cache=cos_sin_cache, is_neox_style=is_neox_style,
-        )
-        return
-    # Partial rotary: the ATB RopeOperation takes the head width from cos/sin, so hand it only the
-    # rotary lanes of each head, packed, with head_size=rotary_dim (for GPT-J its rotaryCoeff must
-    # equal the cos width), and copy the rotated lanes back.
-    tokens = query.shape[0]
-    query_lanes = query.view(tokens, -1, head_size)[..., :rotary_dim]
-    key_lanes = key.view(tokens, -1, head_size)[..., :rotary_dim]
-    query_rot = query_lanes.reshape(tokens, -1)
-    key_rot = key_lanes.reshape(tokens, -1)
-    _torch_npu()._npu_rotary_embedding(
-        positions=positions, query=query_rot, key=key_rot, head_size=rotary_dim,
-        cos_sin_cache=cos_sin_cache, is_neox_style=is_neox_style,
-    )
-    query_lanes.copy_(query_rot.view(query_lanes.shape))
-    key_lanes.copy_(key_rot.view(key_lanes.shape))
 
 
 def rotary_mul(self, r1, r2, rotary_mode="half"):
