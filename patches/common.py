@@ -140,7 +140,8 @@ ENGINE_CONTRACTS = [
               by="ascend_patch.npu.sample.sampler:forward_npu",
               upstream="vllm/v1/sample/ops/topk_topp_sampler.py"),
     _contract("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch",
-              "(logits, k, p, allow_cpu_sync=...)", "the sampler's fallback above the NPU op's k limit",
+              "(logits, k, p, allow_cpu_sync=...)",
+              "the sampler's path for rows whose top-k is above the NPU op's k limit",
               by="ascend_patch.npu.sample.sampler:filter_top_k_top_p",
               upstream="vllm/v1/sample/ops/topk_topp_sampler.py"),
 ]
@@ -160,6 +161,18 @@ RUNNER_GLUE = [
         upstream="vllm/v1/sample/ops/topk_topp_sampler.py: __init__ gives out-of-tree platforms "
                  "forward_native; there is no platform hook for the sampler",
         remove_when="vLLM dispatches TopKTopPSampler to a platform (forward_oot) implementation",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_input_batch:InputBatch._make_sampling_metadata",
+        reason="hand the sampler the host copy of top_k, so it routes rows between npu_top_k_top_p "
+               "(k ≤ 1024) and vLLM's torch path without a per-step device sync",
+        signature=("(self)",),
+        wrapper="ascend_patch.npu.sample.sampler:attach_host_top_k",
+        upstream="vllm/v1/worker/gpu_input_batch.py: SamplingMetadata.top_k is a device tensor "
+                 "copied from InputBatch.top_k_cpu (k = vocab size for requests without top-k); "
+                 "the host copy never reaches TopKTopPSampler.forward",
+        remove_when="vLLM dispatches TopKTopPSampler to a platform implementation that is given "
+                    "the host sampling parameters",
     ),
     Patch(
         "vllm.model_executor.warmup.kernel_warmup:kernel_warmup",

@@ -10,10 +10,17 @@ from __future__ import annotations
 import gc
 from types import SimpleNamespace
 
+import hypothesis.strategies as st
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
+from ascend_patch.npu import kernels
 from ascend_patch.npu.device import EmulatedRuntime
+from ascend_patch.npu.sample import sampler
 from ascend_patch.npu.kv_cache import ascend_layer_view, compute_slot_mapping
 
 
@@ -105,16 +112,114 @@ def test_activation_tracker_measures_the_transient_peak():
     assert stats["allocated_bytes.all.peak"] == 1000 + 256 * 1024 + 64 * 1024
 
 
-def test_sampler_filter_matches_vllm_and_falls_back_above_the_npu_k_limit():
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+# --- the sampler's top-k/top-p filter ---------------------------------------------------------
 
-    from ascend_patch.npu.sample.sampler import filter_top_k_top_p
+# Device ops that make the host wait for the device: reading a value, or an output whose size
+# depends on the data.
+HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                 torch.ops.aten.masked_select.default, torch.ops.aten.equal.default}
 
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts host syncs outside the seam's top_k_top_p: on hardware that is one asynchronous
+    launch, while its emulated reference reads values to check the op's contract."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.syncs = 0
+        self._in_kernel = False
+        op = kernels.top_k_top_p
+
+        def kernel(*args, **kwargs):
+            self._in_kernel = True
+            try:
+                return op(*args, **kwargs)
+            finally:
+                self._in_kernel = False
+
+        monkeypatch.setattr(kernels, "top_k_top_p", kernel)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_SYNC_OPS and not self._in_kernel:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _host_top_k(k: list[int]) -> torch.Tensor:
+    """k as the sampler gets it from vLLM's InputBatch: a device tensor carrying the host copy
+    that attach_host_top_k hands over."""
+    tensor = torch.tensor(k, dtype=torch.int32)
+    setattr(tensor, sampler.HOST_TOP_K, np.array(k, dtype=np.int32))
+    return tensor
+
+
+def _distinct_logits(rows: int, vocab: int, spread: float, generator) -> torch.Tensor:
+    # Distinct values: vLLM sorts unstably and the op's documented sort is stable, so only ties
+    # could order (and so cut) differently.
+    return torch.stack([torch.randperm(vocab, generator=generator) for _ in range(rows)]).float() \
+        * (spread / vocab)
+
+
+@st.composite
+def mixed_batches(draw):
+    """Rows with a top-k the op takes (k ≤ 1024), none (k = vocab, as vLLM passes it), or one
+    above the op's limit; top-p for every row (1.0 where a request has none) or for no row."""
+    vocab = draw(st.sampled_from([600, 1500, 4000]))
+    rows = draw(st.integers(1, 6))
+    k = []
+    for _ in range(rows):
+        kind = draw(st.sampled_from(["within", "none", "beyond"]))
+        if kind == "none":
+            k.append(vocab)
+        elif kind == "beyond" and vocab > sampler.MAX_NPU_TOP_K + 1:
+            k.append(draw(st.integers(sampler.MAX_NPU_TOP_K + 1, vocab - 1)))
+        else:
+            k.append(draw(st.integers(1, min(vocab, sampler.MAX_NPU_TOP_K))))
+    p = draw(st.none() | st.lists(st.just(1.0) | st.floats(0.05, 1.0), min_size=rows, max_size=rows))
+    return vocab, k, p, draw(st.floats(1.0, 30.0)), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=mixed_batches())
+def test_sampler_filter_equals_vllms_torch_path_and_launches_the_op_for_what_it_takes(batch):
+    vocab, k, p, spread, seed = batch
+    logits = _distinct_logits(len(k), vocab, spread, torch.Generator().manual_seed(seed))
+    p_tensor = None if p is None else torch.tensor(p)
+    with kernels.count_launches() as launches:
+        ours = sampler.filter_top_k_top_p(logits.clone(), _host_top_k(k), p_tensor)
+    theirs = apply_top_k_top_p_pytorch(logits.clone(), torch.tensor(k, dtype=torch.int32), p_tensor)
+    assert torch.equal(ours, theirs)
+    # One launch for the rows with k ≤ 1024, one top-p-only launch for rows without top-k.
+    within = any(row_k <= sampler.MAX_NPU_TOP_K for row_k in k)
+    without_top_k = any(row_k == vocab > sampler.MAX_NPU_TOP_K for row_k in k)
+    assert launches["top_k_top_p"] == within + (without_top_k and p is not None)
+
+
+@pytest.mark.parametrize(("k", "launches_per_step"), [
+    ([5, 4000, 40, 4000], 2),  # top-k rows and rows without: the review's mixed batch
+    ([5, 40, 1024, 7], 1),
+    ([5, 4000, 2000, 7], 2),  # plus one row above the op's limit, on vLLM's torch path
+])
+def test_sampler_filter_needs_no_host_sync(monkeypatch, k, launches_per_step):
+    steps, vocab = 5, 4000
+    top_k, top_p = _host_top_k(k), torch.tensor([0.9, 0.5, 1.0, 0.8])
     generator = torch.Generator().manual_seed(0)
-    for vocab, k in ((512, [5, 512, 40]), (3000, [5, 3000, 1500])):
-        logits = torch.randn(3, vocab, generator=generator)
-        k_t = torch.tensor(k, dtype=torch.int32)
-        p = torch.tensor([0.9, 0.5, 1.0])
-        ours = filter_top_k_top_p(logits.clone(), k_t, p)
-        theirs = apply_top_k_top_p_pytorch(logits.clone(), k_t.long(), p)
-        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), vocab
+    counter = HostSyncCounter(monkeypatch)  # before count_launches, which restores what it found
+    with kernels.count_launches() as launches, counter:
+        for _ in range(steps):
+            logits = _distinct_logits(len(k), vocab, 10.0, generator)
+            sampler.filter_top_k_top_p(logits, top_k, top_p)
+    assert counter.syncs == 0
+    assert launches["top_k_top_p"] == launches_per_step * steps
+
+
+def test_sampler_filter_without_host_top_k_takes_vllms_torch_path(monkeypatch):
+    """A k tensor no InputBatch made (vLLM's dummy sampler run builds its own) carries no host
+    copy: all rows go to the sort-based path, still without a sync."""
+    logits = _distinct_logits(2, 1500, 10.0, torch.Generator().manual_seed(1))
+    k, p = torch.tensor([5, 1500], dtype=torch.int32), torch.tensor([0.7, 0.9])
+    counter = HostSyncCounter(monkeypatch)
+    with kernels.count_launches() as launches, counter:
+        ours = sampler.filter_top_k_top_p(logits.clone(), k, p)
+    assert counter.syncs == 0 and launches["top_k_top_p"] == 0
+    assert torch.equal(ours, apply_top_k_top_p_pytorch(logits.clone(), k, p))

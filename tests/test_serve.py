@@ -96,7 +96,7 @@ def _client(server):
     return OpenAI(base_url=f"{server['base']}/v1", api_key="unused")
 
 
-def test_completions_streamed_and_not_equal_hf(server):
+def test_completions_streamed_and_unstreamed_equal_hf(server):
     prompts = prompt_token_ids(server["model"], [5, 40, 130])
     expected = hf_greedy(server["model"], prompts, 16)
     client = _client(server)
@@ -110,7 +110,7 @@ def test_completions_streamed_and_not_equal_hf(server):
         assert "".join(chunk.choices[0].text for chunk in streamed) == full.choices[0].text
 
 
-def test_chat_completions_streamed_and_not_equal_hf(server):
+def test_chat_completions_streamed_and_unstreamed_equal_hf(server):
     import json
     import urllib.request
 

@@ -53,15 +53,6 @@ def scatter(**overrides):
     return kernels.scatter_pa_kv_cache(**args)
 
 
-def rope(**overrides):
-    cache = torch.rand(64, 32, dtype=BF16)
-    args = dict(positions=torch.arange(3), query=torch.zeros(3, 4 * 32, dtype=BF16),
-                key=torch.zeros(3, 2 * 32, dtype=BF16), head_size=32, cos_sin_cache=cache,
-                is_neox_style=True)
-    args.update(overrides)
-    return kernels.rotary_embedding(**args)
-
-
 def rotary_mul(**overrides):
     x = torch.zeros(3, 4, 64)
     args = dict(self=x, r1=torch.rand(3, 1, 64), r2=torch.rand(3, 1, 64), rotary_mode="half")
@@ -191,6 +182,10 @@ VIOLATIONS = {
     "scatter non-contiguous key": (
         lambda: scatter(key=torch.ones(2, 4, 64, dtype=BF16).transpose(0, 1)),
         "npu_scatter_pa_kv_cache: key must be contiguous"),
+    "scatter non-contiguous slot_mapping": (
+        lambda: scatter(slot_mapping=torch.tensor([[0, 1], [5, 6], [17, 18], [31, 30]],
+                                                  dtype=torch.int32)[:, 0]),
+        "npu_scatter_pa_kv_cache: slot_mapping must be contiguous, got strides (2,)"),
     # norms and activation
     "rms_norm 1-D input": (
         lambda: kernels.rms_norm(torch.zeros(64), torch.ones(64)),
@@ -214,23 +209,6 @@ VIOLATIONS = {
         lambda: kernels.swiglu(torch.zeros(8, 4).t()),
         "npu_swiglu: self must be contiguous"),
     # rotary
-    "rope query sliced out of a fused qkv": (
-        lambda: rope(query=torch.zeros(3, 7 * 32, dtype=BF16)[:, :4 * 32]),
-        "_npu_rotary_embedding: query must be contiguous"),
-    "rope float32 query": (
-        lambda: rope(query=torch.zeros(3, 4 * 32), key=torch.zeros(3, 2 * 32)),
-        "_npu_rotary_embedding: query must be float16 or bfloat16, got torch.float32"),
-    "rope position beyond the cache": (
-        lambda: rope(positions=torch.tensor([0, 1, 64])),
-        "_npu_rotary_embedding: positions must be within [0, 63] (cos_sin_cache rows), "
-        "got range [0, 64]"),
-    "rope rotary dim over head size": (
-        lambda: rope(cos_sin_cache=torch.rand(64, 48, dtype=BF16)),
-        "_npu_rotary_embedding: cos_sin_cache must be an even width ≤ head_size=32"),
-    "rope without key": (
-        lambda: rope(key=None),
-        "_npu_rotary_embedding: key must be a tensor (the binding updates query and key), "
-        "got None"),
     "rotary_mul unknown mode": (
         lambda: rotary_mul(rotary_mode="neox"),
         "npu_rotary_mul: rotary_mode must be 'half' or 'interleave', got 'neox'"),
@@ -243,7 +221,16 @@ VIOLATIONS = {
         "npu_rotary_mul: self must be an even last dim below 896, got 63"),
     "rotary_mul interleave with per-head factors": (
         lambda: rotary_mul(r1=torch.rand(3, 4, 64), rotary_mode="interleave"),
-        "npu_rotary_mul: r1 must be 11SD, 1S1D, S11D or T1D in interleave mode, got (3, 4, 64)"),
+        "npu_rotary_mul: r1 must be T1D (3, 1, 64) for a TND input in interleave mode, "
+        "got (3, 4, 64)"),
+    "rotary_mul TND with one cos for every token": (
+        lambda: rotary_mul(r1=torch.rand(1, 1, 64)),
+        "npu_rotary_mul: r1 must be T1D (3, 1, 64) or TND (3, 4, 64) for a TND input in half "
+        "mode, got (1, 1, 64)"),
+    "rotary_mul 4-D interleave with per-head factors": (
+        lambda: rotary_mul(self=torch.zeros(1, 3, 4, 64), r1=torch.rand(1, 3, 4, 64),
+                           r2=torch.rand(1, 3, 1, 64), rotary_mode="interleave"),
+        "npu_rotary_mul: r1 must be 11SD, 1S1D or S11D in interleave mode, got (1, 3, 4, 64)"),
     # top-k / top-p
     "top_k k = 0": (
         lambda: top_k_top_p(k=torch.tensor([0, 5], dtype=torch.int32)),
@@ -276,7 +263,7 @@ def test_violation_is_rejected_with_a_clear_message(call, message):
         call()
 
 
-@pytest.mark.parametrize("build", [fused_attention, paged_attention, scatter, rope, rotary_mul,
+@pytest.mark.parametrize("build", [fused_attention, paged_attention, scatter, rotary_mul,
                                    top_k_top_p])
 def test_the_baselines_are_valid(build):
     """Each violation above is one change away from a call that passes."""
@@ -285,17 +272,6 @@ def test_the_baselines_are_valid(build):
 
 def test_contract_error_is_a_value_error():
     assert issubclass(KernelContractError, ValueError)
-
-
-def test_rotary_embedding_rejects_a_second_cos_sin_cache():
-    """_npu_rotary_embedding keeps cos/sin from its first cache in static globals; a process that
-    passes another cache would get silently wrong rotations on hardware."""
-    first = torch.rand(64, 32, dtype=BF16)
-    rope(cos_sin_cache=first)
-    rope(cos_sin_cache=first)  # the same cache again is fine
-    with pytest.raises(KernelContractError, match=re.escape(
-            "_npu_rotary_embedding: cos_sin_cache must be the first cache this process passed")):
-        rope(cos_sin_cache=torch.rand(64, 32, dtype=BF16))
 
 
 def test_unsupported_layout_and_sparse_mode_are_not_contract_errors():

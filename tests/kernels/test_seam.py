@@ -1,7 +1,11 @@
-"""The seam itself: backend switching, real-path call shapes, the launch counter, lazy import."""
+"""The seam itself: backend switching, real-path calls bound against the published op schemas,
+the launch counter, lazy import."""
 
+import ast
 import collections
 import importlib.machinery
+import inspect
+import re
 import subprocess
 import sys
 import types
@@ -15,9 +19,181 @@ from ascend_patch.npu.kernels import npu, reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# --- the published schemas ------------------------------------------------------------------------
 
-class RecordingTorchNpu(types.ModuleType):
-    """Stands in for torch_npu: every attribute is an op that records its call."""
+OP_PLUGIN = "Ascend/op-plugin@517f2e7d0f202f38b76310706cb977ca2388ad21"
+_FUNCTIONS_YAML = "op_plugin/config/op_plugin_functions.yaml"
+
+# op name -> (path:line in OP_PLUGIN, schema text verbatim). The yaml entries are from its
+# `custom:` section (its `func:` values); the ATB op from the TORCH_LIBRARY_FRAGMENT(atb) m.def.
+PUBLISHED_SCHEMAS = {
+    "npu_scatter_pa_kv_cache": (f"{_FUNCTIONS_YAML}:6950", (
+        'npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, '
+        'Tensor(b!) value_cache, Tensor slot_mapping, *, Tensor? compress_lens=None, '
+        'Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, '
+        "str? cache_mode='PA_NZ') -> ()"
+    )),
+    "npu_fused_infer_attention_score": (f"{_FUNCTIONS_YAML}:6177", (
+        'npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, '
+        'Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, '
+        'SymInt[]? actual_seq_lengths_kv=None, Tensor? dequant_scale1=None, '
+        'Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, '
+        'Tensor? quant_offset2=None, Tensor? antiquant_scale=None, '
+        'Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, '
+        'Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, '
+        'Tensor? value_antiquant_offset=None, Tensor? block_table=None, '
+        'Tensor? query_padding_size=None, Tensor? kv_padding_size=None, '
+        'Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, '
+        'SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, '
+        'Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, '
+        'float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, '
+        'str input_layout="BSH", int num_key_value_heads=0, int sparse_mode=0, '
+        'int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, '
+        'int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)'
+    )),
+    "npu_rms_norm": (f"{_FUNCTIONS_YAML}:6865", (
+        'npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)'
+    )),
+    "npu_add_rms_norm": (f"{_FUNCTIONS_YAML}:5805", (
+        'npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, '
+        'Tensor, Tensor)'
+    )),
+    "npu_swiglu": (f"{_FUNCTIONS_YAML}:7014", (
+        'npu_swiglu(Tensor self, int dim=-1) -> Tensor'
+    )),
+    "npu_rotary_mul": (f"{_FUNCTIONS_YAML}:6886", (
+        "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', "
+        'Tensor? rotate=None) -> Tensor'
+    )),
+    "npu_top_k_top_p": (f"{_FUNCTIONS_YAML}:7424", (
+        'npu_top_k_top_p(Tensor logits, Tensor? p=None, Tensor? k=None) -> Tensor'
+    )),
+    "npu_moe_gating_top_k_softmax": (f"{_FUNCTIONS_YAML}:6576", (
+        'npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, '
+        'Tensor, Tensor)'
+    )),
+    "npu_moe_gating_top_k": (f"{_FUNCTIONS_YAML}:6584", (
+        'npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, '
+        'Tensor? tid2eid=None, int k_group=1, int group_count=1, int group_select_mode=0, int '
+        'renorm=0, int norm_type=0, bool out_flag=False, float routed_scaling_factor=1.0, float '
+        'eps=1e-20) -> (Tensor, Tensor, Tensor)'
+    )),
+    "npu_moe_init_routing_v2": (f"{_FUNCTIONS_YAML}:6600", (
+        'npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? '
+        'offset=None, int active_num=-1, int expert_capacity=-1, int expert_num=-1, int '
+        'drop_pad_mode=0, int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int '
+        'quant_mode=-1, int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) -> '
+        '(Tensor, Tensor, Tensor, Tensor)'
+    )),
+    "npu_grouped_matmul": (f"{_FUNCTIONS_YAML}:6346", (
+        'npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? '
+        'scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? '
+        'antiquant_offset=None, Tensor[]? per_token_scale=None, Tensor? group_list=None, '
+        'Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, Tensor[]? '
+        'activation_quant_offset=None, int? split_item=0, int? group_type=None, int? '
+        'group_list_type=0, int? act_type=0, int[]? tuning_config=None, int? output_dtype=None, '
+        'int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, int? '
+        'per_token_scale_dtype=None) -> Tensor[]'
+    )),
+    "npu_moe_token_unpermute": (f"{_FUNCTIONS_YAML}:7465", (
+        'npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? '
+        'probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor'
+    )),
+    "npu_moe_finalize_routing": (f"{_FUNCTIONS_YAML}:6572", (
+        'npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, '
+        'Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? '
+        'export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor'
+    )),
+    "_npu_paged_attention": ("op_plugin/ops/atb/PagedAttentionAtb.cpp:106", (
+        '_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, '
+        'int num_kv_heads, int num_heads, float scale_value, Tensor block_table, '
+        'Tensor context_lens, Tensor(a!) out, *,Tensor? workspace=None) -> ()'
+    )),
+}
+
+# How each family reaches Python (which decides the keyword names a call may use):
+# - the yaml ops are torch_npu functions generated with torchgen, whose Python signatures spell a
+#   leading `Tensor self` as `input` ("s/self/input/ outside method bindings",
+#   torchgen/api/python.py, PythonArgument.argument_str); the torch_npu docs show it so, e.g.
+#   `torch_npu.npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None)`;
+# - the ATB ops are `torch.ops.atb.<name>` set on torch_npu (op_plugin/python/atb/_atb_ops.py,
+#   `_patch_atb_ops`), which bind by the schema's own argument names.
+_PYTHON_TYPES = {"Tensor": torch.Tensor, "int": int, "SymInt": int, "float": (int, float),
+                 "bool": bool, "str": str}
+
+
+def _split_arguments(text: str) -> list[str]:
+    """The schema's argument list at its top-level commas (not those inside brackets or quotes)."""
+    arguments, current, depth, quote = [], "", 0, None
+    for char in text:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            arguments.append(current.strip())
+            current = ""
+            continue
+        current += char
+    return [argument for argument in (*arguments, current.strip()) if argument]
+
+
+def parse_schema(schema: str, *, python_binding: bool) -> tuple[str, inspect.Signature]:
+    """``name(Type arg, *, Type? arg=default) -> returns`` as a Python signature whose annotations
+    are the schema types; arguments after ``*`` are keyword-only."""
+    name, arguments = re.fullmatch(r"(\w+)\((.*)\) -> .+", schema).groups()
+    parameters, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for argument in _split_arguments(arguments):
+        if argument == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        declaration, has_default, default = argument.partition("=")
+        schema_type, arg_name = declaration.rsplit(" ", 1)
+        if python_binding and arg_name == "self" and schema_type == "Tensor":
+            arg_name = "input"
+        parameters.append(inspect.Parameter(
+            arg_name, kind, annotation=schema_type,
+            default=ast.literal_eval(default) if has_default else inspect.Parameter.empty))
+    return name, inspect.Signature(parameters)
+
+
+def accepts(schema_type: str, value) -> bool:
+    """Whether the binding takes ``value`` for an argument of ``schema_type``."""
+    base = re.sub(r"\(.*?\)", "", schema_type)  # alias annotations: Tensor(a!) is a Tensor
+    if base.endswith("?"):
+        if value is None:
+            return True
+        base = base[:-1]
+    listed = re.fullmatch(r"(.+)\[(\d*)\]", base)  # int[] or a fixed size: int[2]
+    if listed:
+        item, size = listed.groups()
+        return (isinstance(value, (list, tuple)) and all(accepts(item, v) for v in value)
+                and (not size or not value or len(value) == int(size)))
+    if isinstance(value, bool) and base != "bool":
+        return False
+    return isinstance(value, _PYTHON_TYPES[base])
+
+
+def _signatures() -> dict[str, inspect.Signature]:
+    signatures = {}
+    for op, (source, schema) in PUBLISHED_SCHEMAS.items():
+        name, signature = parse_schema(schema, python_binding=source.startswith(_FUNCTIONS_YAML))
+        assert name == op, source
+        signatures[op] = signature
+    return signatures
+
+
+SIGNATURES = _signatures()
+
+
+class PublishedTorchNpu(types.ModuleType):
+    """Stands in for torch_npu with exactly the ops whose published schema is above. A call binds
+    as the real binding does (argument names, positional vs keyword-only, required arguments,
+    argument types) or raises, and is recorded as its bound arguments by schema name."""
 
     def __init__(self):
         super().__init__("torch_npu")
@@ -25,34 +201,86 @@ class RecordingTorchNpu(types.ModuleType):
         self.results = {}
 
     def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name not in SIGNATURES:
+            raise AttributeError(f"torch_npu has no published schema for {name!r} here")
+        signature = SIGNATURES[name]
 
         def op(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
+            arguments = signature.bind(*args, **kwargs).arguments
+            for arg, value in arguments.items():
+                schema_type = signature.parameters[arg].annotation
+                if not accepts(schema_type, value):
+                    raise TypeError(f"{name}(): argument '{arg}' must be {schema_type}, "
+                                    f"not {type(value).__name__}")
+            self.calls.append((name, arguments))
             return self.results.get(name)
 
         return op
 
-    def only_call(self):
-        assert len(self.calls) == 1, self.calls
-        return self.calls[0]
+    def only_call(self, name):
+        """The one recorded call, which must be of ``name``; clears the record."""
+        (called, arguments), = self.calls
+        assert called == name
+        self.calls.clear()
+        return arguments
 
 
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return type(a) is type(b) and a == b
+def assert_arguments(arguments, expected):
+    """Every argument the call passed, by schema name: tensors the very objects, the rest equal
+    and of the same type."""
+    assert arguments.keys() == expected.keys()
+    for arg, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert arguments[arg] is value, arg
+        else:
+            assert type(arguments[arg]) is type(value) and arguments[arg] == value, arg
 
 
 @pytest.fixture
 def torch_npu(monkeypatch):
-    fake = RecordingTorchNpu()
+    fake = PublishedTorchNpu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     npu._torch_npu.cache_clear()
     kernels.use("npu")
     yield fake
     npu._torch_npu.cache_clear()
+
+
+def test_schemas_parse_into_the_bindings_signatures():
+    assert str(SIGNATURES["npu_swiglu"]) == "(input: 'Tensor', dim: 'int' = -1)"
+    scatter = SIGNATURES["npu_scatter_pa_kv_cache"].parameters
+    assert [p.name for p in scatter.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == [
+        "key", "value", "key_cache", "value_cache", "slot_mapping"]
+    assert scatter["cache_mode"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert (scatter["cache_mode"].annotation, scatter["cache_mode"].default) == ("str?", "PA_NZ")
+    paged = SIGNATURES["_npu_paged_attention"].parameters  # torch.ops: no self/input renaming
+    assert paged["out"].annotation == "Tensor(a!)" and paged["out"].default is inspect.Parameter.empty
+    assert paged["workspace"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert SIGNATURES["npu_fused_infer_attention_score"].parameters["input_layout"].default == "BSH"
+
+
+X, GAMMA = torch.zeros(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+SLOTS = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda t: t.npu_rms_norm(self=X, gamma=GAMMA), "missing a required argument: 'input'"),
+    (lambda t: t.npu_scatter_pa_kv_cache(X, X, X, X, SLOTS, "Norm"), "too many positional"),
+    (lambda t: t.npu_scatter_pa_kv_cache(X, X, X, X, SLOTS, block_size=128),
+     "unexpected keyword argument 'block_size'"),
+    (lambda t: t.npu_top_k_top_p(X, 0.9), "argument 'p' must be Tensor?, not float"),
+    (lambda t: t.npu_swiglu(X, dim=True), "argument 'dim' must be int, not bool"),
+    (lambda t: t.npu_fused_infer_attention_score(X, X, X, actual_seq_lengths=SLOTS),
+     "argument 'actual_seq_lengths' must be SymInt[]?, not Tensor"),
+    (lambda t: t._npu_paged_attention(X, X, X, 2, 8, 0.125, X, SLOTS), "missing a required "
+     "argument: 'out'"),
+    (lambda t: t._npu_rotary_embedding(X, X, X, 64, X, True), "no published schema"),
+])
+def test_a_call_the_real_binding_rejects_fails(call, error):
+    fake = PublishedTorchNpu()
+    with pytest.raises((TypeError, AttributeError), match=re.escape(error)):
+        call(fake)
+    assert fake.calls == []
 
 
 def test_use_rebinds_every_op_and_reports_the_backend():
@@ -65,23 +293,21 @@ def test_use_rebinds_every_op_and_reports_the_backend():
         kernels.use("cuda")
 
 
-def test_real_path_call_shapes(torch_npu):
-    """Each real implementation calls the documented torch_npu op with the documented argument
-    names, values and types (schemas: op_plugin/config/op_plugin_functions.yaml and the ATB
-    bindings in op_plugin/ops/atb/). Without an NPU, checking the call is the most we can do: the
-    stand-in cannot tell whether the op would accept the tensors or compute the right numbers."""
+def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
+    """Each real implementation calls its torch_npu op in a way the op's published schema binds,
+    with our values in the arguments the op documents for them. Without an NPU this is the most
+    we can check: the stand-in cannot tell whether the op would accept the tensors or compute the
+    right numbers (the reference kernels check that)."""
     bf16, int32 = torch.bfloat16, torch.int32
     cache = torch.zeros(4, 128, 2, 64, dtype=bf16)
 
     key, value = torch.zeros(3, 2, 64, dtype=bf16), torch.zeros(3, 2, 64, dtype=bf16)
-    slots = torch.tensor([0, 1, 2], dtype=int32)
-    kernels.scatter_pa_kv_cache(key, value, cache, cache, slots)
-    name, args, kwargs = torch_npu.only_call()
-    assert name == "npu_scatter_pa_kv_cache" and args == ()
-    assert kwargs == {"key": key, "value": value, "key_cache": cache, "value_cache": cache,
-                      "slot_mapping": slots, "cache_mode": "Norm"}
+    kernels.scatter_pa_kv_cache(key, value, cache, cache, SLOTS)
+    # cache_mode "Norm": vLLM's ND caches (the schema's default "PA_NZ" is the NZ layout).
+    assert_arguments(torch_npu.only_call("npu_scatter_pa_kv_cache"), {
+        "key": key, "value": value, "key_cache": cache, "value_cache": cache,
+        "slot_mapping": SLOTS, "cache_mode": "Norm"})
 
-    torch_npu.calls.clear()
     torch_npu.results["npu_fused_infer_attention_score"] = expected = (object(), object())
     query = torch.zeros(5, 8, 64, dtype=bf16)
     mask = torch.ones(2048, 2048, dtype=torch.int8).triu(1)
@@ -91,124 +317,80 @@ def test_real_path_call_shapes(torch_npu):
         query, paged, paged, atten_mask=mask, block_table=table, actual_seq_lengths=[1, 5],
         actual_seq_lengths_kv=[200, 140], num_heads=8, num_key_value_heads=2, scale=0.125,
         input_layout="TND", block_size=128, sparse_mode=3)
-    name, args, kwargs = torch_npu.only_call()
     assert result is expected
-    assert name == "npu_fused_infer_attention_score"
-    assert args == (query, paged, paged)  # positional-only in the documented prototype
-    assert kwargs == {"atten_mask": mask, "block_table": table, "actual_seq_lengths": [1, 5],
-                      "actual_seq_lengths_kv": [200, 140], "num_heads": 8,
-                      "num_key_value_heads": 2, "scale": 0.125, "input_layout": "TND",
-                      "block_size": 128, "sparse_mode": 3}
-    lengths = kwargs["actual_seq_lengths"] + kwargs["actual_seq_lengths_kv"]
-    assert all(type(n) is int for n in lengths)
-    assert kwargs["block_table"].dtype == int32
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score"), {
+        "query": query, "key": paged, "value": paged, "atten_mask": mask, "block_table": table,
+        "actual_seq_lengths": [1, 5], "actual_seq_lengths_kv": [200, 140], "num_heads": 8,
+        "num_key_value_heads": 2, "scale": 0.125, "input_layout": "TND", "block_size": 128,
+        "sparse_mode": 3})
 
-    torch_npu.calls.clear()
     query, out = torch.zeros(2, 8, 64, dtype=bf16), torch.empty(2, 8, 64, dtype=bf16)
     context_lens = torch.tensor([3, 9], dtype=int32)
     kernels.paged_attention(query, cache, cache, 2, 8, 0.125, table, context_lens, out)
-    name, args, kwargs = torch_npu.only_call()
-    assert name == "_npu_paged_attention" and args == ()
-    assert kwargs == {"query": query, "key_cache": cache, "value_cache": cache,
-                      "num_kv_heads": 2, "num_heads": 8, "scale_value": 0.125,
-                      "block_table": table, "context_lens": context_lens, "out": out}
-    assert kwargs["context_lens"].dtype == int32 and kwargs["context_lens"].device.type == "cpu"
+    assert_arguments(torch_npu.only_call("_npu_paged_attention"), {
+        "query": query, "key_cache": cache, "value_cache": cache, "num_kv_heads": 2,
+        "num_heads": 8, "scale_value": 0.125, "block_table": table, "context_lens": context_lens,
+        "out": out})
 
-    x, gamma = torch.zeros(3, 64, dtype=bf16), torch.ones(64, dtype=bf16)
+    kernels.rms_norm(X, GAMMA, 1e-5)
+    assert_arguments(torch_npu.only_call("npu_rms_norm"),
+                     {"input": X, "gamma": GAMMA, "epsilon": 1e-5})
+    kernels.add_rms_norm(X, X, GAMMA, 1e-5)
+    assert_arguments(torch_npu.only_call("npu_add_rms_norm"),
+                     {"x1": X, "x2": X, "gamma": GAMMA, "epsilon": 1e-5})
+    kernels.swiglu(X)
+    assert_arguments(torch_npu.only_call("npu_swiglu"), {"input": X, "dim": -1})
+    x, cos, sin = X[None], X[None] / 2, X[None] / 3
+    kernels.rotary_mul(x, cos, sin, "interleave")
+    assert_arguments(torch_npu.only_call("npu_rotary_mul"),
+                     {"input": x, "r1": cos, "r2": sin, "rotary_mode": "interleave"})
+
     # MoE: npu_moe_finalize_routing's tensors go positionally, as its schema spells the last one
     # "export_for_source_row" (the doc: expert_for_source_row).
     logits = torch.zeros(4, 8)
-    ids, counts = torch.zeros(4, 2, dtype=torch.int32), torch.tensor([8, 0], dtype=torch.int64)
+    ids, counts = torch.zeros(4, 2, dtype=int32), torch.tensor([8, 0], dtype=torch.int64)
     weight, rows, order = torch.zeros(2, 16, 6), torch.zeros(8, 16), torch.arange(8).int()
-    for call, expected_call in [
-        (lambda: kernels.rms_norm(x, gamma, 1e-5),
-         ("npu_rms_norm", (x,), {"gamma": gamma, "epsilon": 1e-5})),
-        (lambda: kernels.add_rms_norm(x, x, gamma, 1e-5),
-         ("npu_add_rms_norm", (), {"x1": x, "x2": x, "gamma": gamma, "epsilon": 1e-5})),
-        (lambda: kernels.swiglu(x),
-         ("npu_swiglu", (x,), {"dim": -1})),
-        (lambda: kernels.rotary_mul(x[None], x[None], x[None], "interleave"),
-         ("npu_rotary_mul", (x[None], x[None], x[None]), {"rotary_mode": "interleave"})),
-        (lambda: kernels.moe_gating_top_k_softmax(logits, k=2),
-         ("npu_moe_gating_top_k_softmax", (logits,), {"finished": None, "k": 2})),
-        (lambda: kernels.moe_gating_top_k(logits, 2, bias=logits[0], k_group=1, group_count=2,
-                                              group_select_mode=1, norm_type=1,
-                                              routed_scaling_factor=2.5),
-         ("npu_moe_gating_top_k", (logits, 2),
-          {"bias": logits[0], "input_ids": None, "tid2eid": None, "k_group": 1, "group_count": 2,
-           "group_select_mode": 1, "renorm": 0, "norm_type": 1, "out_flag": False,
-           "routed_scaling_factor": 2.5, "eps": 1e-20})),
-        (lambda: kernels.moe_init_routing_v2(x, ids, active_num=8, expert_num=8,
-                                                 expert_tokens_num_type=1,
-                                                 expert_tokens_num_flag=True,
-                                                 active_expert_range=[0, 8]),
-         ("npu_moe_init_routing_v2", (x, ids),
-          {"scale": None, "offset": None, "active_num": 8, "expert_capacity": -1, "expert_num": 8,
-           "drop_pad_mode": 0, "expert_tokens_num_type": 1, "expert_tokens_num_flag": True,
-           "quant_mode": -1, "active_expert_range": [0, 8], "row_idx_type": 0})),
-        (lambda: kernels.grouped_matmul([rows], [weight], group_list=counts, split_item=2,
-                                            group_type=0, group_list_type=1),
-         ("npu_grouped_matmul", ([rows], [weight]),
-          {"bias": None, "scale": None, "offset": None, "antiquant_scale": None,
-           "antiquant_offset": None, "per_token_scale": None, "group_list": counts,
-           "activation_input": None, "activation_quant_scale": None,
-           "activation_quant_offset": None, "split_item": 2, "group_type": 0,
-           "group_list_type": 1, "act_type": 0, "output_dtype": None, "tuning_config": None})),
-        (lambda: kernels.moe_token_unpermute(rows, order, probs=logits[:, :2]),
-         ("npu_moe_token_unpermute", (rows, order),
-          {"probs": logits[:, :2], "padded_mode": False, "restore_shape": None})),
-        (lambda: kernels.moe_finalize_routing(rows, None, None, None, logits[:, :2], order,
-                                                  ids, drop_pad_mode=2),
-         ("npu_moe_finalize_routing", (rows, None, None, None, logits[:, :2], order, ids),
-          {"drop_pad_mode": 2})),
-    ]:
-        torch_npu.calls.clear()
-        call()
-        name, args, kwargs = torch_npu.only_call()
-        expected_name, expected_args, expected_kwargs = expected_call
-        assert name == expected_name
-        assert len(args) == len(expected_args) and all(map(same, args, expected_args))
-        assert kwargs.keys() == expected_kwargs.keys()
-        assert all(same(kwargs[k], v) for k, v in expected_kwargs.items())
+    kernels.moe_gating_top_k_softmax(logits, k=2)
+    assert_arguments(torch_npu.only_call("npu_moe_gating_top_k_softmax"),
+                     {"x": logits, "finished": None, "k": 2})
+    bias = logits[0]
+    kernels.moe_gating_top_k(logits, 2, bias=bias, k_group=1, group_count=2,
+                             group_select_mode=1, norm_type=1, routed_scaling_factor=2.5)
+    assert_arguments(torch_npu.only_call("npu_moe_gating_top_k"), {
+        "x": logits, "k": 2, "bias": bias, "input_ids": None, "tid2eid": None, "k_group": 1,
+        "group_count": 2, "group_select_mode": 1, "renorm": 0, "norm_type": 1, "out_flag": False,
+        "routed_scaling_factor": 2.5, "eps": 1e-20})
+    kernels.moe_init_routing_v2(X, ids, active_num=8, expert_num=8, expert_tokens_num_type=1,
+                                expert_tokens_num_flag=True, active_expert_range=[0, 8])
+    assert_arguments(torch_npu.only_call("npu_moe_init_routing_v2"), {
+        "x": X, "expert_idx": ids, "scale": None, "offset": None, "active_num": 8,
+        "expert_capacity": -1, "expert_num": 8, "drop_pad_mode": 0, "expert_tokens_num_type": 1,
+        "expert_tokens_num_flag": True, "quant_mode": -1, "active_expert_range": [0, 8],
+        "row_idx_type": 0})
+    kernels.grouped_matmul([rows], [weight], group_list=counts, split_item=2, group_type=0,
+                           group_list_type=1)
+    call = torch_npu.only_call("npu_grouped_matmul")
+    assert call["x"][0] is rows and call["weight"][0] is weight
+    assert_arguments({k: v for k, v in call.items() if k not in ("x", "weight")}, {
+        "bias": None, "scale": None, "offset": None, "antiquant_scale": None,
+        "antiquant_offset": None, "per_token_scale": None, "group_list": counts,
+        "activation_input": None, "activation_quant_scale": None, "activation_quant_offset": None,
+        "split_item": 2, "group_type": 0, "group_list_type": 1, "act_type": 0,
+        "output_dtype": None, "tuning_config": None})
+    probs = logits[:, :2]
+    kernels.moe_token_unpermute(rows, order, probs=probs)
+    assert_arguments(torch_npu.only_call("npu_moe_token_unpermute"), {
+        "permuted_tokens": rows, "sorted_indices": order, "probs": probs, "padded_mode": False,
+        "restore_shape": None})
+    kernels.moe_finalize_routing(rows, None, None, None, probs, order, ids, drop_pad_mode=2)
+    assert_arguments(torch_npu.only_call("npu_moe_finalize_routing"), {
+        "expanded_permuted_rows": rows, "skip1": None, "skip2": None, "bias": None,
+        "scales": probs, "expanded_src_to_dst_row": order, "export_for_source_row": ids,
+        "drop_pad_mode": 2})
 
-    torch_npu.calls.clear()
     logits, p, k = torch.zeros(2, 50), torch.tensor([0.5, 0.9]), torch.tensor([5, 9], dtype=int32)
     kernels.top_k_top_p(logits, p=p, k=k)
-    name, args, kwargs = torch_npu.only_call()
-    # Positional order is (logits, p, k): p and k go by keyword so they cannot be swapped.
-    assert name == "npu_top_k_top_p" and args == (logits,) and kwargs == {"p": p, "k": k}
-
-
-def test_real_rotary_embedding_call_shapes(torch_npu):
-    """Full rotary is one in-place call; partial rotary hands the op the packed rotary lanes with
-    head_size=rotary_dim and copies them back, leaving the pass-through lanes alone."""
-    positions = torch.arange(3)
-    query = torch.zeros(3, 4 * 64, dtype=torch.bfloat16)
-    key = torch.zeros(3, 64, dtype=torch.bfloat16)
-    cache = torch.rand(16, 64, dtype=torch.bfloat16)
-    kernels.rotary_embedding(positions, query, key, 64, cache, True)
-    name, args, kwargs = torch_npu.only_call()
-    assert name == "_npu_rotary_embedding" and args == ()
-    assert kwargs == {"positions": positions, "query": query, "key": key, "head_size": 64,
-                      "cos_sin_cache": cache, "is_neox_style": True}
-
-    torch_npu.calls.clear()
-
-    def rotate_in_place(positions, query, key, head_size, cos_sin_cache, is_neox_style):
-        torch_npu.calls.append(("_npu_rotary_embedding", (), dict(query=query.clone(),
-                                                                 head_size=head_size)))
-        query.add_(1)
-        key.add_(1)
-
-    torch_npu._npu_rotary_embedding = rotate_in_place
-    partial = cache[:, :32].contiguous()
-    kernels.rotary_embedding(positions, query, key, 64, partial, False)
-    _, _, kwargs = torch_npu.only_call()
-    assert kwargs["head_size"] == 32 and kwargs["query"].shape == (3, 4 * 32)
-    lanes = query.view(3, 4, 64)
-    assert torch.all(lanes[..., :32] == 1) and torch.all(lanes[..., 32:] == 0)
-    key_lanes = key.view(3, 1, 64)
-    assert torch.all(key_lanes[..., :32] == 1) and torch.all(key_lanes[..., 32:] == 0)
+    assert_arguments(torch_npu.only_call("npu_top_k_top_p"), {"logits": logits, "p": p, "k": k})
 
 
 def test_count_launches_counts_per_op_and_restores_the_originals():
@@ -234,7 +416,7 @@ def test_count_launches_on_the_real_path(torch_npu):
         kernels.swiglu(torch.zeros(2, 8))
         kernels.top_k_top_p(torch.zeros(2, 8), k=torch.ones(2, dtype=torch.int32))
     assert counts == collections.Counter(swiglu=1, top_k_top_p=1)
-    assert [name for name, _, _ in torch_npu.calls] == ["npu_swiglu", "npu_top_k_top_p"]
+    assert [name for name, _ in torch_npu.calls] == ["npu_swiglu", "npu_top_k_top_p"]
 
 
 def test_selecting_the_npu_backend_does_not_import_torch_npu():

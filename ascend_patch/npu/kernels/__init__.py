@@ -27,7 +27,6 @@ OPS = (
     "rms_norm",
     "add_rms_norm",
     "swiglu",
-    "rotary_embedding",
     "rotary_mul",
     "top_k_top_p",
     "moe_gating_top_k_softmax",
@@ -47,7 +46,6 @@ paged_attention = reference.paged_attention
 rms_norm = reference.rms_norm
 add_rms_norm = reference.add_rms_norm
 swiglu = reference.swiglu
-rotary_embedding = reference.rotary_embedding
 rotary_mul = reference.rotary_mul
 top_k_top_p = reference.top_k_top_p
 moe_gating_top_k_softmax = reference.moe_gating_top_k_softmax
@@ -76,8 +74,7 @@ def active_backend() -> str:
 
 @contextlib.contextmanager
 def count_launches():
-    """Count seam calls per op while the block runs; on the real path each is one op launch
-    (plus two lane copies per tensor for a partial-rotary ``rotary_embedding``).
+    """Count seam calls per op while the block runs; on the real path each is one op launch.
 
     Yields a ``collections.Counter`` keyed by op name. The op functions are swapped for counting
     wrappers and the exact originals are restored on exit, so do not call :func:`use` inside.

@@ -147,8 +147,8 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
 
 
 def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
-                         group_count=1, group_select_mode=0, renorm=0, norm_type=0,
-                         out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+                     group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+                     out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
     """Grouped top-k routing: ``(y, expert_idx, norm_out)`` ([GATING] equivalent code).
 
     ``norm_out`` = softmax (norm_type 0) or sigmoid (1) of ``x`` in fp32. Selection uses
@@ -224,9 +224,9 @@ _QUANT_MODES = {-1, 0, 1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 16, 17}
 
 
 def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
-                            expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
-                            expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
-                            active_expert_range=[], row_idx_type=0):
+                        expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                        expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
+                        active_expert_range=[], row_idx_type=0):
     """Sort the ``N*K`` (token, slot) pairs by expert and gather their rows (dropless mode).
 
     Returns ``(expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum, expanded_scale)``.
@@ -353,10 +353,10 @@ _INNER_LIMIT = 65536  # [GMM] 内轴限制 InnerLimit
 
 
 def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                       antiquant_offset=None, per_token_scale=None, group_list=None,
-                       activation_input=None, activation_quant_scale=None,
-                       activation_quant_offset=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+                   antiquant_offset=None, per_token_scale=None, group_list=None,
+                   activation_input=None, activation_quant_scale=None,
+                   activation_quant_offset=None, split_item=0, group_type=None,
+                   group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
     """The MoE form ("single-single-single", M-axis groups): ``[x @ weight[g] per row group]``.
 
     ``x`` = ``[x (M, K)]``, ``weight`` = ``[w (E, K, N)]`` (a transposed view is fine), row group
@@ -517,7 +517,7 @@ def _single(op, arg, tensors):
 
 
 def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
-                            restore_shape=None):
+                        restore_shape=None):
     """``out[t] = sum_j probs[t, j] * permuted_tokens[sorted_indices[t * k + j]]`` ([UNPERMUTE]).
 
     ``sorted_indices`` is init_routing_v2's ``expanded_row_idx`` (gather layout): a permutation of
@@ -562,7 +562,7 @@ def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode
 
 
 def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
-                             expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
+                         expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
     """``out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src[i, k]] + bias[e[i, k]])``.
 
     ``src[i, k]`` is ``expanded_src_to_dst_row[k * N + i]`` with ``drop_pad_mode=0`` (column

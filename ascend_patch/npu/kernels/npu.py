@@ -7,7 +7,7 @@ runtime (and without the CANN toolkit it breaks ``import torch`` itself), so mer
 backend must stay free. Each kernel keeps the signature of its ``reference`` twin; arguments go to
 torch_npu under the names the op schemas use (``op_plugin/config/op_plugin_functions.yaml`` and the
 ATB bindings in ``op_plugin/ops/atb/``), except the leading tensor of ops whose schema calls it
-``self``, which the Python binding only accepts positionally.
+``self``, which goes positionally: the generated Python binding renames it ``input``.
 
 The device-runtime queries at the end (probe, names, memory, seeding) live here for the same
 reason: they are torch_npu calls; :mod:`ascend_patch.npu.device` and the loader reach the NPU through
@@ -51,7 +51,7 @@ def fused_infer_attention_score(
     block_size=0,
     sparse_mode=0,
 ):
-    # query, key, value are positional-only in the documented prototype.
+    # query, key, value positionally, as the documented prototype has them before its `*`.
     return _torch_npu().npu_fused_infer_attention_score(
         query, key, value,
         atten_mask=atten_mask, block_table=block_table,
@@ -82,30 +82,6 @@ def swiglu(self, dim=-1):
     return _torch_npu().npu_swiglu(self, dim=dim)
 
 
-def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
-    rotary_dim = cos_sin_cache.shape[-1]
-    if rotary_dim == head_size:
-        _torch_npu()._npu_rotary_embedding(
-            positions=positions, query=query, key=key, head_size=head_size,
-            cos_sin_cache=cos_sin_cache, is_neox_style=is_neox_style,
-        )
-        return
-    # Partial rotary: the ATB RopeOperation takes the head width from cos/sin, so hand it only the
-    # rotary lanes of each head, packed, with head_size=rotary_dim (for GPT-J its rotaryCoeff must
-    # equal the cos width), and copy the rotated lanes back.
-    tokens = query.shape[0]
-    query_lanes = query.view(tokens, -1, head_size)[..., :rotary_dim]
-    key_lanes = key.view(tokens, -1, head_size)[..., :rotary_dim]
-    query_rot = query_lanes.reshape(tokens, -1)
-    key_rot = key_lanes.reshape(tokens, -1)
-    _torch_npu()._npu_rotary_embedding(
-        positions=positions, query=query_rot, key=key_rot, head_size=rotary_dim,
-        cos_sin_cache=cos_sin_cache, is_neox_style=is_neox_style,
-    )
-    query_lanes.copy_(query_rot.view(query_lanes.shape))
-    key_lanes.copy_(key_rot.view(key_lanes.shape))
-
-
 def rotary_mul(self, r1, r2, rotary_mode="half"):
     return _torch_npu().npu_rotary_mul(self, r1, r2, rotary_mode=rotary_mode)
 
@@ -124,8 +100,8 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
 
 
 def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
-                         group_count=1, group_select_mode=0, renorm=0, norm_type=0,
-                         out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+                     group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+                     out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
     return _torch_npu().npu_moe_gating_top_k(
         x, k, bias=bias, input_ids=input_ids, tid2eid=tid2eid, k_group=k_group,
         group_count=group_count, group_select_mode=group_select_mode, renorm=renorm,
@@ -135,9 +111,9 @@ def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1
 
 
 def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
-                            expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
-                            expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
-                            active_expert_range=[], row_idx_type=0):
+                        expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                        expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
+                        active_expert_range=[], row_idx_type=0):
     return _torch_npu().npu_moe_init_routing_v2(
         x, expert_idx, scale=scale, offset=offset, active_num=active_num,
         expert_capacity=expert_capacity, expert_num=expert_num, drop_pad_mode=drop_pad_mode,
@@ -148,10 +124,10 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
 
 
 def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                       antiquant_offset=None, per_token_scale=None, group_list=None,
-                       activation_input=None, activation_quant_scale=None,
-                       activation_quant_offset=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+                   antiquant_offset=None, per_token_scale=None, group_list=None,
+                   activation_input=None, activation_quant_scale=None,
+                   activation_quant_offset=None, split_item=0, group_type=None,
+                   group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
     return _torch_npu().npu_grouped_matmul(
         x, weight, bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
         antiquant_offset=antiquant_offset, per_token_scale=per_token_scale, group_list=group_list,
@@ -163,7 +139,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
 
 
 def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
-                            restore_shape=None):
+                        restore_shape=None):
     return _torch_npu().npu_moe_token_unpermute(
         permuted_tokens, sorted_indices, probs=probs, padded_mode=padded_mode,
         restore_shape=restore_shape,
@@ -171,7 +147,7 @@ def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode
 
 
 def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
-                             expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
+                         expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
     # Positional: the schema spells the last tensor "export_for_source_row", not the documented
     # "expert_for_source_row", so the documented keyword would be rejected.
     return _torch_npu().npu_moe_finalize_routing(

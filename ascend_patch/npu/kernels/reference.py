@@ -25,8 +25,6 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   ``op_plugin/config/op_plugin_functions.yaml``.
 - [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
   [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
-- [ROPE] ``op_plugin/ops/atb/RopeAtb.cpp`` (binding and static cos/sin cache) and ATB RopeOperation,
-  hiascend CANN 8.0.RC3 ``ascendtb_01_0091.html``.
 - [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
 - The Mixture-of-Experts ops and their sources: :mod:`.moe`.
 - [TOPKP] ``torch_npu-npu_top_k_top_p.md`` and the ``npu_top_k_top_p`` docstring in
@@ -78,7 +76,7 @@ def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     tensors = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache}
     for name, tensor in tensors.items():
         check_tensor(op, name, tensor)
-        check_contiguous(op, name, tensor)  # [SCATTER] 约束: 输入参数不支持非连续
+        check_contiguous(op, name, tensor)  # [SCATTER] 约束说明: "输入参数不支持非连续"
         # [SCATTER] key, value, key_cache, value_cache 的数据类型必须一致
         require(tensor.dtype == key.dtype, op, name, f"{key.dtype} like key", tensor.dtype)
     # [SCATTER] 场景一: key/value 3-D [batch, num_head, head_size]; the 4-D form is the compress mode.
@@ -99,6 +97,7 @@ def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     check_tensor(op, "slot_mapping", slot_mapping)
     check_dtype(op, "slot_mapping", slot_mapping, _INDEX)  # [SCATTER] int32 / int64
     check_dims(op, "slot_mapping", slot_mapping, 1)
+    check_contiguous(op, "slot_mapping", slot_mapping)  # [SCATTER] the same: every input
     require(slot_mapping.numel() == key.shape[0], op, "slot_mapping",
             f"length {key.shape[0]} (one slot per token)", slot_mapping.numel())
     num_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -463,87 +462,6 @@ def swiglu(self, dim=-1):
 
 # --- rotary embedding -----------------------------------------------------------------------------
 
-# The first cos_sin_cache rotary_embedding saw, kept alive (as the real op keeps its copies) so its
-# address cannot be reused by another tensor, with its identity (data_ptr, shape, dtype, device).
-_first_cos_sin_cache = None
-
-
-def reset_rotary_embedding_state():
-    """Forget the first cos_sin_cache, as a fresh process would (tests; one model per process)."""
-    global _first_cos_sin_cache
-    _first_cos_sin_cache = None
-
-
-def _cache_identity(cache):
-    return cache.data_ptr(), tuple(cache.shape), cache.dtype, cache.device
-
-
-def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
-    """In-place RoPE on 2-D ``[T, heads*head_size]`` query/key, vLLM semantics: the first
-    ``rotary_dim = cos_sin_cache.shape[-1]`` lanes of each head rotate, the rest pass through.
-
-    The real op keeps cos/sin from the FIRST cos_sin_cache it ever sees in static globals ([ROPE]:
-    ``if (!cosCache.defined()) InitializeCosSinCache(...)``), so any later, different cache gives
-    silently wrong results on hardware. Here that is a loud error.
-    """
-    global _first_cos_sin_cache
-    op = "_npu_rotary_embedding"
-    check_tensor(op, "positions", positions)
-    check_dtype(op, "positions", positions, _INDEX)  # [ROPE] index_select over the cache
-    check_dims(op, "positions", positions, 1)
-    require(key is not None, op, "key", "a tensor (the binding updates query and key)", None)
-    for name, tensor in (("query", query), ("key", key)):
-        check_tensor(op, name, tensor)
-        check_dims(op, name, tensor, 2)  # [ROPE] q/k [ntokens, hiddenSize]
-        check_dtype(op, name, tensor, _HALF)  # [ROPE] q/k float16/bf16
-        check_contiguous(op, name, tensor)  # [ATB-OUT] query and key are the in-place outputs
-        require(tensor.shape[0] == positions.numel(), op, name,
-                f"{positions.numel()} rows (one per position)", tensor.shape[0])
-        require(tensor.shape[1] % head_size == 0, op, name,
-                f"a row width that is a multiple of head_size={head_size}", tensor.shape[1])
-    require(key.dtype == query.dtype, op, "key", f"{query.dtype} like query", key.dtype)
-    check_tensor(op, "cos_sin_cache", cos_sin_cache)
-    check_dims(op, "cos_sin_cache", cos_sin_cache, 2)  # [ROPE] [max_position, rotary_dim]
-    rotary_dim = cos_sin_cache.shape[1]
-    require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_size, op, "cos_sin_cache",
-            f"an even width ≤ head_size={head_size} (cos and sin halves)", rotary_dim)
-    # [ROPE] RopeOperation: inputs share one dtype, except an fp32 cos/sin (high-precision mode).
-    check_dtype(op, "cos_sin_cache", cos_sin_cache, (query.dtype, torch.float32))
-    if positions.numel():
-        low, high = positions.aminmax()
-        require(0 <= low and high < cos_sin_cache.shape[0], op, "positions",
-                f"within [0, {cos_sin_cache.shape[0] - 1}] (cos_sin_cache rows)",
-                f"range [{int(low)}, {int(high)}]")
-
-    if _first_cos_sin_cache is None:
-        _first_cos_sin_cache = cos_sin_cache
-    elif _cache_identity(cos_sin_cache) != _cache_identity(_first_cos_sin_cache):
-        fail(op, "cos_sin_cache", "the first cache this process passed (the real op caches cos/sin "
-             f"from its first call in static globals and would silently reuse them): "
-             f"{_describe_cache(_first_cos_sin_cache)}", _describe_cache(cos_sin_cache))
-
-    cos, sin = cos_sin_cache.index_select(0, positions).float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    for tensor in (query, key):
-        lanes = tensor.view(tensor.shape[0], -1, head_size)[..., :rotary_dim]
-        lanes.copy_(_rotate_pairs(lanes.float(), cos, sin, is_neox_style))
-
-
-def _describe_cache(cache):
-    return f"{cache.dtype} {tuple(cache.shape)} on {cache.device} at 0x{cache.data_ptr():x}"
-
-
-def _rotate_pairs(x, cos, sin, is_neox_style):
-    """Rotate lane pairs by half-width (cos, sin): NeoX pairs (i, i + d/2), GPT-J (2i, 2i + 1)."""
-    if is_neox_style:
-        first, second = x.chunk(2, dim=-1)
-    else:
-        first, second = x[..., 0::2], x[..., 1::2]
-    rotated = (first * cos - second * sin, second * cos + first * sin)
-    if is_neox_style:
-        return torch.cat(rotated, dim=-1)
-    return torch.stack(rotated, dim=-1).flatten(-2)
-
 
 def rotary_mul(self, r1, r2, rotary_mode="half"):
     """``x * r1 + rotate(x) * r2``; "half" rotates halves (NeoX), "interleave" pairs (GPT-J)."""
@@ -567,11 +485,21 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
                 and all(f in (1, x) for f, x in zip(factor.shape, self.shape)),
                 op, name, f"broadcastable to {tuple(self.shape)} with the same last dim",
                 tuple(factor.shape))
-        if rotary_mode == "interleave":
-            # [ROTARY-MUL] interleave: r1/r2 only 11SD, 1S1D, S11D (4-D) or T1D (TND).
+        if self.dim() == 3:
+            # [ROTARY-MUL] 约束说明, r1、r2 "对应input layout的支持情况": half mode
+            # "x为$TND$： $T1D、TND$", interleave mode "x为$TND: T1D$". (1, 1, D) is neither.
+            tokens, heads = self.shape[:2]
+            layouts = {f"T1D {(tokens, 1, head_dim)}": (tokens, 1, head_dim)}
+            if rotary_mode == "half":
+                layouts[f"TND {(tokens, heads, head_dim)}"] = (tokens, heads, head_dim)
+            require(tuple(factor.shape) in layouts.values(), op, name,
+                    f"{' or '.join(layouts)} for a TND input in {rotary_mode} mode",
+                    tuple(factor.shape))
+        elif rotary_mode == "interleave":
+            # [ROTARY-MUL] interleave: r1/r2 only 11SD, 1S1D or S11D for a 4-D input.
             leading = [size for size in factor.shape[:-1] if size != 1]
-            require(len(leading) <= 1 and (self.dim() == 4 or factor.shape[1] == 1), op, name,
-                    "11SD, 1S1D, S11D or T1D in interleave mode", tuple(factor.shape))
+            require(len(leading) <= 1, op, name, "11SD, 1S1D or S11D in interleave mode",
+                    tuple(factor.shape))
         # [ROTARY-MUL] r1、r2 数据范围 [-1, 1].
         if factor.numel():
             low, high = factor.aminmax()

@@ -6,12 +6,21 @@ routes the instance to :func:`forward_npu`: the top-k/top-p mask comes from
 ``npu_top_k_top_p`` and everything after it — processed-logprob modes, softmax and
 the exponential-noise sampling that needs no host sync — is vLLM's own
 ``forward_native`` with the filters already applied.
+
+``npu_top_k_top_p`` takes k in [1, 1024] only, while vLLM gives a request without
+top-k k = vocab size. Which rows the op can take is decided from the host copy of
+k that vLLM's ``InputBatch`` already keeps (``top_k_cpu``): :func:`attach_host_top_k`
+hands it to the k tensor of each new sampling metadata, and the first step that
+samples with that tensor turns it into a :class:`TopKRoute` kept on the tensor. A
+step therefore reads no device value, and routing costs a few attribute lookups.
 """
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
@@ -20,18 +29,75 @@ from ascend_patch.npu import kernels
 # npu_top_k_top_p: k is int32 in [1, 1024].
 MAX_NPU_TOP_K = 1024
 
+# Attributes set on vLLM's per-metadata top_k tensor (a fresh view for each SamplingMetadata).
+HOST_TOP_K = "_ascend_host_top_k"
+_ROUTE = "_ascend_top_k_route"
+
+
+@dataclass(frozen=True)
+class TopKRoute:
+    """Which rows of a batch go where, for one k tensor and vocab size."""
+
+    vocab: int
+    op_k: torch.Tensor | None
+    """int32 k for the NPU op, each row's k capped at the op's limit; None if no row has k
+    within it. Rows above the limit get their result from one of the two paths below."""
+    without_top_k: torch.Tensor | None
+    """[rows, 1] bool: rows with k ≥ vocab (no top-k), which take the op's top-p-only form."""
+    beyond_limit: torch.Tensor | None
+    """Row indices with 1024 < k < vocab: a top-k the op cannot do, left to vLLM's torch path."""
+
+    @classmethod
+    def from_host(cls, host_k: np.ndarray, vocab: int, device: torch.device) -> TopKRoute:
+        within = host_k <= MAX_NPU_TOP_K
+        without = (host_k >= vocab) & ~within
+        beyond = ~within & ~without
+        op_k = None
+        if within.any():
+            op_k = torch.from_numpy(np.minimum(host_k, MAX_NPU_TOP_K).astype(np.int32)).to(device)
+        return cls(
+            vocab=vocab,
+            op_k=op_k,
+            without_top_k=torch.from_numpy(without[:, None]).to(device) if without.any() else None,
+            beyond_limit=torch.from_numpy(np.flatnonzero(beyond)).to(device) if beyond.any() else None,
+        )
+
+
+def _route(k: torch.Tensor, vocab: int) -> TopKRoute | None:
+    route = getattr(k, _ROUTE, None)
+    if route is not None and route.vocab == vocab:
+        return route
+    host_k = getattr(k, HOST_TOP_K, None)
+    if host_k is None:
+        return None
+    route = TopKRoute.from_host(host_k, vocab, k.device)
+    setattr(k, _ROUTE, route)
+    return route
+
 
 def filter_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None):
     """Mask every logit outside each row's top-k, then top-p set, to -inf."""
-    if k is not None and logits.shape[1] > MAX_NPU_TOP_K and int(k.max()) > MAX_NPU_TOP_K:
-        # A row asks for more than the NPU op's k limit (requests without top-k
-        # carry k = vocab size): torch's sort-based path, same semantics.
-        return apply_top_k_top_p_pytorch(logits, k, p)
-    if k is not None and k.dtype != torch.int32:
-        k = k.to(torch.int32)
     if p is not None and p.dtype != logits.dtype:
         p = p.to(logits.dtype)
-    return kernels.top_k_top_p(logits, p=p, k=k)
+    if k is None:
+        return kernels.top_k_top_p(logits, p=p, k=None)
+    route = _route(k, logits.shape[1])
+    if route is None or (route.op_k is None and route.without_top_k is None):
+        # No host copy of k (vLLM's dummy sampler run builds its own), or every row's top-k is
+        # beyond the op: vLLM's sort-based path, which needs no host values.
+        return apply_top_k_top_p_pytorch(logits, k, p)
+    filtered = None
+    if route.op_k is not None:
+        filtered = kernels.top_k_top_p(logits, p=p, k=route.op_k)
+    if route.without_top_k is not None:
+        top_p_only = logits if p is None else kernels.top_k_top_p(logits, p=p, k=None)
+        filtered = top_p_only if filtered is None else torch.where(route.without_top_k, top_p_only, filtered)
+    if route.beyond_limit is not None:
+        rows = route.beyond_limit
+        filtered.index_copy_(0, rows, apply_top_k_top_p_pytorch(
+            logits.index_select(0, rows), k.index_select(0, rows),
+            None if p is None else p.index_select(0, rows)))
+    return filtered
 
 
 def forward_npu(self, logits, generators, k, p):
@@ -44,3 +110,12 @@ def init_wrapper(wrapped, instance, args, kwargs):
     """Wrapper of ``TopKTopPSampler.__init__``."""
     wrapped(*args, **kwargs)
     instance.forward = types.MethodType(forward_npu, instance)
+
+
+def attach_host_top_k(wrapped, instance, args, kwargs):
+    """Wrapper of ``InputBatch._make_sampling_metadata``: the metadata's top_k tensor carries
+    the host values it was just copied from, so the sampler can route rows without a sync."""
+    metadata = wrapped(*args, **kwargs)
+    if metadata.top_k is not None:
+        setattr(metadata.top_k, HOST_TOP_K, instance.top_k_cpu[: instance.num_reqs].copy())
+    return metadata
