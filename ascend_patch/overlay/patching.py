@@ -50,8 +50,22 @@ class PatchError(RuntimeError):
     """A target could not be patched as declared."""
 
 
+class _Target:
+    """``target`` is ``"package.module:Qualified.name"``."""
+
+    target: str
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+
 @dataclass(frozen=True)
-class Patch:
+class Patch(_Target):
     """One change to vLLM or torch.
 
     Exactly one of ``wrapper`` / ``replacement`` is set, or neither: then the
@@ -91,14 +105,6 @@ class Patch:
             raise ValueError(f"patch target {self.target!r} must be 'module:qualname'")
         if self.wrapper is not None and self.replacement is not None:
             raise ValueError(f"patch {self.target}: give a wrapper or a replacement, not both")
-
-    @property
-    def module(self) -> str:
-        return self.target.partition(":")[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.partition(":")[2]
 
     @property
     def kind(self) -> str:
@@ -180,7 +186,7 @@ class Setting:
 
 
 @dataclass(frozen=True)
-class Seam:
+class Seam(_Target):
     """A name that appears (``since``) or disappears (``until``) inside a set's releases.
 
     The NPU wing probes for it at run time (``hasattr``); the declaration makes that
@@ -196,14 +202,6 @@ class Seam:
     signature: tuple[str, ...] | None = None
     vllm: str | None = None
     kind = "seam"
-
-    @property
-    def module(self) -> str:
-        return self.target.partition(":")[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.partition(":")[2]
 
     @property
     def implementation(self) -> str:
