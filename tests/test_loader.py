@@ -25,6 +25,7 @@ from tests.conftest import ascend_patch_lines, clean_env, run_json, run_python
 # still vLLM's own (defined in a vLLM file, not wrapped).
 STOCK_REPORT = """
 import importlib, json, os, sys
+import wrapt
 bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
 from ascend_patch.overlay import loader
@@ -36,10 +37,19 @@ for p in v0_29.PATCHES:
     for name in path:
         owner = getattr(owner, name)
     raw = vars(owner)[attr]
-    func = getattr(raw, "__func__", raw)
+    func = getattr(raw, "fget", None) or getattr(raw, "__func__", raw)  # property, classmethod
+    # vLLM wraps some of its own functions (functools.wraps: tracing's @instrument); walk
+    # those down to the code, but any wrapt wrapper or ascend_patch object is ours.
+    ours = False
+    while True:
+        wrapper = isinstance(func, wrapt.FunctionWrapper)
+        ours = ours or wrapper or (getattr(func, "__module__", "") or "").startswith("ascend_patch")
+        if wrapper or not hasattr(func, "__wrapped__"):
+            break
+        func = func.__wrapped__
     code = getattr(func, "__code__", None)
     targets[p.target] = {
-        "wrapped": hasattr(func, "__wrapped__"),
+        "wrapped": ours,
         "file": os.path.realpath(code.co_filename) if code else None,
         "qualname": getattr(func, "__qualname__", None),
     }
@@ -150,6 +160,14 @@ def test_off_and_auto_without_npu_leave_vllm_stock(mode, vllm_dir):
     else:
         assert report["state"] == "inert"
         assert "no NPU" in report["reason"] and "torch_npu is not installed" in report["reason"]
+
+
+def test_the_stock_report_sees_the_overlay_where_it_is_active():
+    """The report the stock checks rely on is not blind: with the overlay active it marks
+    exactly the wrapped and replaced targets as ours."""
+    report = run_json(STOCK_REPORT, env=clean_env(ASCEND_PATCH="emulate"))
+    changed = {p.target for p in v0_29.PATCHES if p.kind in ("wrap", "replace")}
+    assert {t for t, live in report["targets"].items() if live["wrapped"]} == changed
 
 
 def test_revert_restores_every_original_by_identity():
