@@ -47,7 +47,8 @@ except ImportError:
     kernels = None
 
 custom_ops = sys.argv[2]
-llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0,
+# Eager, as the NPU platform runs: inside a compiled graph no layer hook would fire.
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True,
           distributed_executor_backend="uni", compilation_config={"custom_ops": [custom_ops]})
 model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
 layers = list(model.model.layers)
@@ -63,11 +64,12 @@ class Launches(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.active = False
-        self.in_seam = False
         self.aten = Counter()
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.active and not self.in_seam and not func.__name__.startswith(("empty", "detach")):
+        if func.namespace == "vllm":
+            return out  # vLLM's custom-op wrappers (moe_forward) run Python, not a kernel
+        if self.active and not state["in_seam"] and not func.__name__.startswith(("empty", "detach")):
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
             fresh = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
@@ -76,6 +78,7 @@ class Launches(TorchDispatchMode):
                 self.aten[func.__name__] += 1
         return out
 
+state = {"in_seam": False}
 mode = Launches()
 seam = Counter()
 moe = {"seam": Counter(), "aten": Counter(), "active": False}
@@ -85,11 +88,11 @@ def counted(name, fn):
             seam[name] += 1
             if moe["active"]:
                 moe["seam"][name] += 1
-        mode.in_seam = True
+        state["in_seam"] = True
         try:
             return fn(*a, **k)
         finally:
-            mode.in_seam = False
+            state["in_seam"] = False
     return call
 if kernels is not None:
     for name in kernels.OPS:
@@ -105,6 +108,22 @@ def moe_exit(*a):
 for block in moe_blocks:
     block.register_forward_pre_hook(moe_enter)
     block.register_forward_hook(moe_exit)
+# The routed experts run inside vLLM's moe_forward custom op, where the dispatch mode above is
+# switched off: count the MoE method's own device ops with a mode entered inside it.
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+def inside_moe(fn):
+    def call(*a, **k):
+        inner = Launches()
+        inner.active = moe["active"]
+        with inner:
+            result = fn(*a, **k)
+        mode.aten.update(inner.aten)  # the MoE block's own count takes it from there
+        return result
+    return call
+for cls in (UnquantizedFusedMoEMethod, *UnquantizedFusedMoEMethod.__subclasses__()):
+    for name in ("apply", "apply_monolithic"):
+        if name in vars(cls):
+            setattr(cls, name, inside_moe(vars(cls)[name]))
 
 prompts = [TokensPrompt(prompt_token_ids=[i + 3]) for i in range(8)]  # 1-token prompts: every step decodes
 steps = 16

@@ -53,7 +53,12 @@ def _run_engine(spec: dict) -> dict:
                 "launches": dict(launches),
             }
         )
+    # vLLM <= 0.32 keeps a deleted in-process engine alive unless it is shut down, and
+    # freezes the heap when its engine core starts (gc.freeze()): shut down and unfreeze so
+    # this engine's tensors, and the emulated HBM they hold, are freed before the next one.
+    llm.llm_engine.engine_core.shutdown()
     del llm
+    gc.unfreeze()
     gc.collect()
     return result
 
