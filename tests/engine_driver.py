@@ -6,10 +6,22 @@ for a user's script, and nothing here imports ``ascend_patch`` before vLLM.
 
     python tests/engine_driver.py SPEC.json   ->   one JSON line on stdout
 
-SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [
-          {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}]}]}
-Each run reports per prompt the generated token ids and the number of prompt tokens
-served from the prefix cache, plus the kernel-seam launch counts for the whole run.
+SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [RUN, ...]}]}
+RUN, by "kind":
+  "generate" (default)  {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}
+  "chat"                {"conversations": [[message, ...], ...], "sampling": [...], "chat": {...}}
+                        (``chat`` holds extra ``LLM.chat`` keyword arguments)
+  "beam_search"         {"prompts": [[token ids], ...], "beam": {...BeamSearchParams}}
+A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
+dict applies to every prompt, a list pairs them one by one.
+
+Each run reports the kernel-seam launch counts for the whole run and, per prompt, the
+generated token ids of the first completion ("tokens"), the number of prompt tokens
+served from the prefix cache, and "outputs": the prompt's token ids and prompt logprobs
+and every completion with its tokens, text, finish reason and logprobs (per position a
+list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
+A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
+then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 """
 
 from __future__ import annotations
@@ -18,13 +30,75 @@ import gc
 import json
 import os
 import sys
+import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _run_engine(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+def _sampling_params(spec: dict):
+    from vllm import SamplingParams
+
+    spec = dict(spec)
+    if "logit_bias" in spec:  # JSON object keys are strings
+        spec["logit_bias"] = {int(token): bias for token, bias in spec["logit_bias"].items()}
+    structured = spec.pop("structured_outputs", None)
+    if structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        spec["structured_outputs"] = StructuredOutputsParams(**structured)
+    return SamplingParams(**spec)
+
+
+def _logprobs(positions) -> list | None:
+    if positions is None:
+        return None
+    return [None if p is None else [[t, lp.logprob, lp.rank] for t, lp in p.items()] for p in positions]
+
+
+def _request_outputs(outputs) -> dict:
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens or 0 for o in outputs],
+        "outputs": [
+            {
+                "prompt_token_ids": list(o.prompt_token_ids),
+                "prompt_logprobs": _logprobs(o.prompt_logprobs),
+                "completions": [
+                    {"tokens": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": _logprobs(c.logprobs)}
+                    for c in o.outputs
+                ],
+            }
+            for o in outputs
+        ],
+    }
+
+
+def _run(llm, run: dict) -> dict:
     from vllm.inputs import TokensPrompt
+
+    kind = run.get("kind", "generate")
+    if kind == "beam_search":
+        from vllm.sampling_params import BeamSearchParams
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
+        outputs = llm.beam_search(prompts, BeamSearchParams(**run["beam"]))
+        return {"beams": [[{"tokens": list(s.tokens), "cum_logprob": s.cum_logprob, "text": s.text}
+                           for s in o.sequences] for o in outputs]}
+    count = len(run["prompts"] if kind == "generate" else run["conversations"])
+    params = [_sampling_params(s) for s in run["sampling"]]
+    if len(params) == 1:
+        params = params * count
+    if kind == "chat":
+        outputs = llm.chat(run["conversations"], params, use_tqdm=False, **run.get("chat", {}))
+    else:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return _request_outputs(outputs)
+
+
+def _run_engine(spec: dict, report_errors: bool) -> dict:
+    from vllm import LLM
 
     from ascend_patch.npu import kernels
 
@@ -40,19 +114,16 @@ def _run_engine(spec: dict) -> dict:
         "runs": [],
     }
     for run in spec["runs"]:
-        params = [SamplingParams(**s) for s in run["sampling"]]
-        if len(params) == 1:
-            params = params * len(run["prompts"])
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
         with kernels.count_launches() as launches:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        result["runs"].append(
-            {
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "cached": [o.num_cached_tokens or 0 for o in outputs],
-                "launches": dict(launches),
-            }
-        )
+            try:
+                report = _run(llm, run)
+            except Exception as exc:
+                if not report_errors:
+                    raise
+                # e.g. a rejected request: the next run shows whether the engine survived it
+                traceback.print_exc()
+                report = {"error": f"{type(exc).__name__}: {exc}"}
+        result["runs"].append({**report, "launches": dict(launches)})
     del llm
     gc.collect()
     return result
@@ -61,7 +132,7 @@ def _run_engine(spec: dict) -> dict:
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    results = [_run_engine(engine) for engine in spec["engines"]]
+    results = [_run_engine(engine, spec.get("report_errors", False)) for engine in spec["engines"]]
     from vllm.platforms import current_platform
 
     print(
