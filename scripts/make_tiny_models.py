@@ -5,11 +5,12 @@ tokenizer) that vLLM and transformers load the normal way:
 
 - a byte-level BPE tokenizer trained on text that ships with Python itself;
 - random-weight ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with grouped-query
-  attention (4 query heads, 2 KV heads), head_dim 64, fp32;
+  attention (4 query heads, 2 KV heads), head_dim 64, fp32; and a Llama with head_dim
+  128, the fused NPU kernels' other head size;
 - weights re-drawn from N(0, 0.2) so greedy decoding does not collapse into one
   repeated token, which would make token-for-token comparisons meaningless.
 
-    python scripts/make_tiny_models.py OUT_DIR      # writes OUT_DIR/tiny-llama, OUT_DIR/tiny-qwen2
+    python scripts/make_tiny_models.py OUT_DIR      # writes OUT_DIR/tiny-llama, ... (MODELS)
 
 Deterministic: the same seed gives byte-identical weights, and an existing output
 with the same recipe is reused.
@@ -38,7 +39,12 @@ RECIPE = {
     "seed": 0,
     "init_std": 0.2,
 }
-ARCHITECTURES = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM"}
+# name: (architecture, changes to RECIPE)
+MODELS = {
+    "tiny-llama": ("LlamaForCausalLM", {}),
+    "tiny-qwen2": ("Qwen2ForCausalLM", {}),
+    "tiny-llama-hd128": ("LlamaForCausalLM", {"head_dim": 128}),
+}
 SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>", "unk": "<unk>"}
 
 
@@ -87,21 +93,21 @@ def _tokenizer(out: Path):
     return fast
 
 
-def _model(out: Path, architecture: str, tokenizer) -> None:
+def _model(out: Path, architecture: str, recipe: dict, tokenizer) -> None:
     import torch
     import transformers
 
     common = dict(
-        vocab_size=RECIPE["vocab_size"],
-        hidden_size=RECIPE["hidden_size"],
-        intermediate_size=RECIPE["intermediate_size"],
-        num_hidden_layers=RECIPE["num_hidden_layers"],
-        num_attention_heads=RECIPE["num_attention_heads"],
-        num_key_value_heads=RECIPE["num_key_value_heads"],
-        head_dim=RECIPE["head_dim"],
-        max_position_embeddings=RECIPE["max_position_embeddings"],
-        rms_norm_eps=RECIPE["rms_norm_eps"],
-        rope_theta=RECIPE["rope_theta"],
+        vocab_size=recipe["vocab_size"],
+        hidden_size=recipe["hidden_size"],
+        intermediate_size=recipe["intermediate_size"],
+        num_hidden_layers=recipe["num_hidden_layers"],
+        num_attention_heads=recipe["num_attention_heads"],
+        num_key_value_heads=recipe["num_key_value_heads"],
+        head_dim=recipe["head_dim"],
+        max_position_embeddings=recipe["max_position_embeddings"],
+        rms_norm_eps=recipe["rms_norm_eps"],
+        rope_theta=recipe["rope_theta"],
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -110,23 +116,24 @@ def _model(out: Path, architecture: str, tokenizer) -> None:
     )
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_cls(**common)
-    torch.manual_seed(RECIPE["seed"])
+    torch.manual_seed(recipe["seed"])
     model = getattr(transformers, architecture)(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(RECIPE["seed"])
+    generator = torch.Generator().manual_seed(recipe["seed"])
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if "norm" in name:
                 param.fill_(1.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * RECIPE["init_std"])
+                param.copy_(torch.randn(param.shape, generator=generator) * recipe["init_std"])
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
 
 
 def build(root: Path) -> dict[str, Path]:
-    stamp = hashlib.sha256(json.dumps([RECIPE, ARCHITECTURES], sort_keys=True).encode()).hexdigest()[:12]
     paths = {}
-    for name, architecture in ARCHITECTURES.items():
+    for name, (architecture, changes) in MODELS.items():
+        recipe = {**RECIPE, **changes}
+        stamp = hashlib.sha256(json.dumps([recipe, architecture], sort_keys=True).encode()).hexdigest()[:12]
         out = root / name
         paths[name] = out
         marker = out / ".recipe"
@@ -135,7 +142,7 @@ def build(root: Path) -> dict[str, Path]:
         out.mkdir(parents=True, exist_ok=True)
         print(f"building {out} ({architecture})", file=sys.stderr)
         tokenizer = _tokenizer(out)
-        _model(out, architecture, tokenizer)
+        _model(out, architecture, recipe, tokenizer)
         marker.write_text(stamp)
     return paths
 

@@ -150,14 +150,15 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outputs
 
 
-def hf_logits(model_dir: Path, sequences: list[list[int]]) -> list:
-    """fp32 next-token logits at every position of each sequence (teacher forcing)."""
+def hf_logits(model_dir: Path, sequences: list[list[int]], dtype: str = "float32") -> list:
+    """Next-token logits (as fp32) at every position of each sequence (teacher forcing), from
+    the model run in ``dtype``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     with torch.no_grad():
-        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+        return [model(torch.tensor([seq])).logits[0].float() for seq in sequences]
 
 
 def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600) -> dict:

@@ -15,7 +15,8 @@ RUN, by "kind":
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one.
 
-Each run reports the kernel-seam launch counts for the whole run and, per prompt, the
+Each run reports the kernel-seam launch counts for the whole run, what kinds of batch the
+fused attention launches served ("fused_batches", see ``_fused_batches``) and, per prompt, the
 generated token ids of the first completion ("tokens"), the number of prompt tokens
 served from the prefix cache, and "outputs": the prompt's token ids and prompt logprobs
 and every completion with its tokens, text, finish reason and logprobs (per position a
@@ -26,6 +27,8 @@ then the run reports {"error": "Type: message"} and the engine goes on to the ne
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
 import json
 import os
@@ -97,6 +100,30 @@ def _run(llm, run: dict) -> dict:
     return _request_outputs(outputs)
 
 
+@contextlib.contextmanager
+def _fused_batches(kernels):
+    """Count ``fused_infer_attention_score`` launches by the batch they served, from the query
+    and KV lengths the backend passed: "mixed" holds decode rows (one query token) next to
+    longer queries; "with_context" holds a multi-token query behind KV already in the cache
+    (a chunked-prefill continuation or a prefix-cache hit)."""
+    kinds = collections.Counter()
+    launch = kernels.fused_infer_attention_score
+
+    def classify(*args, **kwargs):
+        ends = kwargs["actual_seq_lengths"]
+        query_lens = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+        kv_lens = kwargs["actual_seq_lengths_kv"]
+        kinds["mixed"] += 1 in query_lens and max(query_lens) > 1
+        kinds["with_context"] += any(1 < q < kv for q, kv in zip(query_lens, kv_lens))
+        return launch(*args, **kwargs)
+
+    kernels.fused_infer_attention_score = classify
+    try:
+        yield kinds
+    finally:
+        kernels.fused_infer_attention_score = launch
+
+
 def _run_engine(spec: dict, report_errors: bool) -> dict:
     from vllm import LLM
 
@@ -114,7 +141,7 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
         "runs": [],
     }
     for run in spec["runs"]:
-        with kernels.count_launches() as launches:
+        with kernels.count_launches() as launches, _fused_batches(kernels) as batches:
             try:
                 report = _run(llm, run)
             except Exception as exc:
@@ -123,7 +150,7 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
                 # e.g. a rejected request: the next run shows whether the engine survived it
                 traceback.print_exc()
                 report = {"error": f"{type(exc).__name__}: {exc}"}
-        result["runs"].append({**report, "launches": dict(launches)})
+        result["runs"].append({**report, "launches": dict(launches), "fused_batches": dict(batches)})
     del llm
     gc.collect()
     return result
