@@ -125,6 +125,7 @@ def cases(llama, hf):
     _, tokenizer = hf
     prompts = prompt_token_ids(llama, [6, 23, 40, 130])
     greedy = [hf_generate(hf, p, MAX_TOKENS) for p in prompts]
+    # 7-token windows on which beams end at EOS (the beam tests assert they still do)
     beam_prompts = [prompt_token_ids(llama, [7] * 53)[i] for i in (10, 43, 52)]
     return {"prompts": prompts, "greedy": greedy, "beam_prompts": beam_prompts,
             "stop": _stop_string(tokenizer, greedy[1]), "bad_words": _bad_words(tokenizer, greedy[2]),
@@ -181,8 +182,7 @@ def _runs(cases) -> dict[str, dict]:
         # the seeded request again, now batched between others
         "seeded_in_batch": {"prompts": [second, first, prompts[2]],
                             "sampling": [sample, seeded, GREEDY]},
-        "stop": {"prompts": [second], "sampling": [{**GREEDY, "stop": [cases["stop"]]},
-                                                   ]},
+        "stop": {"prompts": [second], "sampling": [{**GREEDY, "stop": [cases["stop"]]}]},
         "stop_included": {"prompts": [second],
                           "sampling": [{**GREEDY, "stop": [cases["stop"]], "include_stop_str_in_output": True}]},
         "stop_token": {"prompts": [first], "sampling": [{**GREEDY, "stop_token_ids": [greedy[0][4]]}]},
@@ -208,7 +208,7 @@ def _logit_bias(greedy) -> dict[int, float]:
 
 
 def _allowed(greedy) -> list[int]:
-    """Twenty tokens, among them some greedy chose and most it did not."""
+    """About twenty tokens: every third one greedy chose, and a run it mostly did not."""
     chosen = sorted({t for g in greedy[:2] for t in g[::3]})
     return sorted(set(chosen) | set(range(100, 120 - len(chosen))))
 
