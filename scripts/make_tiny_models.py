@@ -5,7 +5,8 @@ tokenizer) that vLLM and transformers load the normal way:
 
 - a byte-level BPE tokenizer trained on text that ships with Python itself;
 - random-weight ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with grouped-query
-  attention (4 query heads, 2 KV heads), head_dim 64, fp32;
+  attention (4 query heads, 2 KV heads), head_dim 64, fp32; and a Llama with head_dim
+  128, the fused NPU kernels' other head size;
 - the mixture-of-experts families on the same attention: ``Qwen3MoeForCausalLM`` (8
   experts, top-2, renormalised), ``Qwen2MoeForCausalLM`` (8 experts, top-2, not
   renormalised, plus a gated shared expert), ``MixtralForCausalLM`` (8 experts, top-2) and
@@ -48,6 +49,7 @@ _MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128
 MODELS = {
     "tiny-llama": ("LlamaForCausalLM", {}),
     "tiny-qwen2": ("Qwen2ForCausalLM", {}),
+    "tiny-llama-hd128": ("LlamaForCausalLM", {"head_dim": 128}),
     "tiny-qwen3-moe": ("Qwen3MoeForCausalLM", {**_MOE, "norm_topk_prob": True}),
     "tiny-qwen2-moe": ("Qwen2MoeForCausalLM", {**_MOE, "norm_topk_prob": False,
                                                "shared_expert_intermediate_size": 256}),
@@ -116,7 +118,7 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
     import torch
     import transformers
 
-    common = dict(
+    common = dict(  # the overrides may replace any of these
         vocab_size=RECIPE["vocab_size"],
         hidden_size=RECIPE["hidden_size"],
         intermediate_size=RECIPE["intermediate_size"],
@@ -132,8 +134,7 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
-        **overrides,
-    )
+    ) | overrides
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_cls(**common)
     torch.manual_seed(RECIPE["seed"])

@@ -150,15 +150,15 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outputs
 
 
-def hf_logits(model_dir: Path, sequences: list[list[int]], dtype=None) -> list:
-    """Next-token logits (fp32 model unless ``dtype``) at every position of each sequence
-    (teacher forcing)."""
+def hf_logits(model_dir: Path, sequences: list[list[int]], dtype: str = "float32") -> list:
+    """Next-token logits (as fp32) at every position of each sequence (teacher forcing), from
+    the model run in ``dtype``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     with torch.no_grad():
-        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+        return [model(torch.tensor([seq])).logits[0].float() for seq in sequences]
 
 
 def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
@@ -176,12 +176,10 @@ def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated
     combine) misses on most tokens. The expert path's own bf16 numerics, routing held
     fixed, are checked tightly in tests/kernels/test_moe_ops.py.
     """
-    import torch
-
     sequences = [p + t for p, t in zip(prompts, generated)]
     oracles = [hf_logits(model_dir, sequences)]
     if routed:
-        oracles.append(hf_logits(model_dir, sequences, torch.bfloat16))
+        oracles.append(hf_logits(model_dir, sequences, "bfloat16"))
     exact = total = 0
     misses = []
     for n, (prompt, tokens) in enumerate(zip(prompts, generated)):

@@ -6,25 +6,126 @@ for a user's script, and nothing here imports ``ascend_patch`` before vLLM.
 
     python tests/engine_driver.py SPEC.json   ->   one JSON line on stdout
 
-SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [
-          {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}]}]}
-Each run reports per prompt the generated token ids and the number of prompt tokens
-served from the prefix cache, plus the kernel-seam launch counts for the whole run.
+SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [RUN, ...]}]}
+RUN, by "kind":
+  "generate" (default)  {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}
+  "chat"                {"conversations": [[message, ...], ...], "sampling": [...], "chat": {...}}
+                        (``chat`` holds extra ``LLM.chat`` keyword arguments)
+  "beam_search"         {"prompts": [[token ids], ...], "beam": {...BeamSearchParams}}
+A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
+dict applies to every prompt, a list pairs them one by one.
+
+Each run reports the kernel-seam launch counts for the whole run, what kinds of batch the
+fused attention launches served ("fused_batches", see ``_fused_batches``) and, per prompt, the
+generated token ids of the first completion ("tokens"), the number of prompt tokens
+served from the prefix cache, and "outputs": the prompt's token ids and prompt logprobs
+and every completion with its tokens, text, finish reason and logprobs (per position a
+list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
+A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
+then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
 import json
 import os
 import sys
+import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _run_engine(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+def _sampling_params(spec: dict):
+    from vllm import SamplingParams
+
+    spec = dict(spec)
+    if "logit_bias" in spec:  # JSON object keys are strings
+        spec["logit_bias"] = {int(token): bias for token, bias in spec["logit_bias"].items()}
+    structured = spec.pop("structured_outputs", None)
+    if structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        spec["structured_outputs"] = StructuredOutputsParams(**structured)
+    return SamplingParams(**spec)
+
+
+def _logprobs(positions) -> list | None:
+    if positions is None:
+        return None
+    return [None if p is None else [[t, lp.logprob, lp.rank] for t, lp in p.items()] for p in positions]
+
+
+def _request_outputs(outputs) -> dict:
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens or 0 for o in outputs],
+        "outputs": [
+            {
+                "prompt_token_ids": list(o.prompt_token_ids),
+                "prompt_logprobs": _logprobs(o.prompt_logprobs),
+                "completions": [
+                    {"tokens": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": _logprobs(c.logprobs)}
+                    for c in o.outputs
+                ],
+            }
+            for o in outputs
+        ],
+    }
+
+
+def _run(llm, run: dict) -> dict:
     from vllm.inputs import TokensPrompt
+
+    kind = run.get("kind", "generate")
+    if kind == "beam_search":
+        from vllm.sampling_params import BeamSearchParams
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
+        outputs = llm.beam_search(prompts, BeamSearchParams(**run["beam"]))
+        return {"beams": [[{"tokens": list(s.tokens), "cum_logprob": s.cum_logprob, "text": s.text}
+                           for s in o.sequences] for o in outputs]}
+    count = len(run["prompts"] if kind == "generate" else run["conversations"])
+    params = [_sampling_params(s) for s in run["sampling"]]
+    if len(params) == 1:
+        params = params * count
+    if kind == "chat":
+        outputs = llm.chat(run["conversations"], params, use_tqdm=False, **run.get("chat", {}))
+    else:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return _request_outputs(outputs)
+
+
+@contextlib.contextmanager
+def _fused_batches(kernels):
+    """Count ``fused_infer_attention_score`` launches by the batch they served, from the query
+    and KV lengths the backend passed: "mixed" holds decode rows (one query token) next to
+    longer queries; "with_context" holds a multi-token query behind KV already in the cache
+    (a chunked-prefill continuation or a prefix-cache hit)."""
+    kinds = collections.Counter()
+    launch = kernels.fused_infer_attention_score
+
+    def classify(*args, **kwargs):
+        ends = kwargs["actual_seq_lengths"]
+        query_lens = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+        kv_lens = kwargs["actual_seq_lengths_kv"]
+        kinds["mixed"] += 1 in query_lens and max(query_lens) > 1
+        kinds["with_context"] += any(1 < q < kv for q, kv in zip(query_lens, kv_lens))
+        return launch(*args, **kwargs)
+
+    kernels.fused_infer_attention_score = classify
+    try:
+        yield kinds
+    finally:
+        kernels.fused_infer_attention_score = launch
+
+
+def _run_engine(spec: dict, report_errors: bool) -> dict:
+    from vllm import LLM
 
     from ascend_patch.npu import kernels
 
@@ -40,19 +141,16 @@ def _run_engine(spec: dict) -> dict:
         "runs": [],
     }
     for run in spec["runs"]:
-        params = [SamplingParams(**s) for s in run["sampling"]]
-        if len(params) == 1:
-            params = params * len(run["prompts"])
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
-        with kernels.count_launches() as launches:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        result["runs"].append(
-            {
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "cached": [o.num_cached_tokens or 0 for o in outputs],
-                "launches": dict(launches),
-            }
-        )
+        with kernels.count_launches() as launches, _fused_batches(kernels) as batches:
+            try:
+                report = _run(llm, run)
+            except Exception as exc:
+                if not report_errors:
+                    raise
+                # e.g. a rejected request: the next run shows whether the engine survived it
+                traceback.print_exc()
+                report = {"error": f"{type(exc).__name__}: {exc}"}
+        result["runs"].append({**report, "launches": dict(launches), "fused_batches": dict(batches)})
     # vLLM <= 0.32 keeps a deleted in-process engine alive unless it is shut down, and
     # freezes the heap when its engine core starts (gc.freeze()): shut down and unfreeze so
     # this engine's tensors, and the emulated HBM they hold, are freed before the next one.
@@ -66,7 +164,7 @@ def _run_engine(spec: dict) -> dict:
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    results = [_run_engine(engine) for engine in spec["engines"]]
+    results = [_run_engine(engine, spec.get("report_errors", False)) for engine in spec["engines"]]
     from vllm.platforms import current_platform
 
     print(

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import assert_tracks_hf_logits, hf_greedy, hf_logits, prompt_token_ids, run_engine
+from tests.conftest import hf_greedy, hf_logits, prompt_token_ids, run_engine
 
 # Lengths chosen to cover one token short of / across / several 128-token KV blocks.
 PROMPT_LENGTHS = [3, 9, 17, 64, 127, 129, 200, 300]
@@ -109,17 +109,131 @@ def test_qwen2_greedy_equals_hf(tiny_models, tmp_path):
     assert result["engines"][0]["runs"][0]["tokens"] == hf_greedy(qwen, prompts, MAX_TOKENS)
 
 
-def test_bf16_runs_the_fused_kernels_and_tracks_fp32_hf(llama, prompts, tmp_path):
-    """bf16 exercises the fused NPU kernels (FIA for prefill, paged attention for decode).
-    bf16 rounding makes exact equality with an fp32 oracle meaningless, so every token the
-    engine chose is checked against HF fp32 logits of the engine's own sequence: it must be
-    HF's argmax, or within bf16 rounding of it."""
-    spec = {"engines": [{"model": str(llama), "kwargs": {**ENGINE, "dtype": "bfloat16"},
-                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}]}
-    run = run_engine(spec, tmp_path)["engines"][0]["runs"][0]
-    assert run["launches"]["fused_infer_attention_score"] > 0
-    assert run["launches"]["paged_attention"] > 0
-    assert_tracks_hf_logits(llama, prompts, run["tokens"])
+# --- bf16 and fp16: the fused NPU kernels -----------------------------------------------------
+
+HALF_DTYPES = ("bfloat16", "float16")
+# Qwen2 and the head_dim-128 Llama: short, one block and a bit, several blocks.
+HALF_LENGTHS = [3, 17, 129, 300]
+HALF_SAMPLE = {"temperature": 0.8, "top_k": 5, "max_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
+    """One driver process, several engines: per dtype the Llama with prefix caching and a
+    64-token step budget (chunked prefill, mixed prefill + decode steps, prefix-cache hits,
+    seeded sampling) and Qwen2; the head_dim-128 Llama in bf16. Each engine takes a small
+    share of the emulated HBM, since some vLLM releases keep a deleted engine's memory."""
+    small = {**ENGINE, "gpu_memory_utilization": 0.15}
+    sampling = [{**HALF_SAMPLE, "seed": seed} for seed in (3, 4)]
+    qwen = tiny_models["tiny-qwen2"]
+    engines, names = [], []
+    for dtype in HALF_DTYPES:
+        engines.append({"model": str(llama), "runs": [
+            {"prompts": prompts, "sampling": [GREEDY]},
+            {"prompts": _shared_prefix_prompts(prompts), "sampling": [GREEDY]},
+            {"prompts": prompts[1:3], "sampling": sampling},
+            {"prompts": prompts[1:3], "sampling": sampling},
+        ], "kwargs": {**small, "dtype": dtype, "enable_prefix_caching": True, "enable_chunked_prefill": True,
+                      "max_num_batched_tokens": 64}})
+        engines.append({"model": str(qwen), "kwargs": {**small, "dtype": dtype},
+                        "runs": [{"prompts": prompt_token_ids(qwen, HALF_LENGTHS), "sampling": [GREEDY]}]})
+        names += [("llama", dtype), ("qwen2", dtype)]
+    hd128 = tiny_models["tiny-llama-hd128"]
+    engines.append({"model": str(hd128), "kwargs": {**small, "dtype": "bfloat16"},
+                    "runs": [{"prompts": prompt_token_ids(hd128, HALF_LENGTHS), "sampling": [GREEDY]}]})
+    names.append(("llama-hd128", "bfloat16"))
+    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("half"))
+    for engine in result["engines"]:
+        assert "error" not in engine, engine["error"]
+    return dict(zip(names, result["engines"]))
+
+
+def _assert_fused_attention_only(run) -> None:
+    """Every layer's attention in every step went to a fused kernel: each writes the KV cache
+    once (scatter_pa_kv_cache), then launches FIA (any batch with a longer query) or paged
+    attention (pure decode), never the composed fp32 path."""
+    launches = run["launches"]
+    assert launches["fused_infer_attention_score"] > 0 and launches["paged_attention"] > 0
+    assert launches["fused_infer_attention_score"] + launches["paged_attention"] == launches["scatter_pa_kv_cache"]
+
+
+def _hf_in_both_precisions(model_dir, sequences, dtype) -> tuple[list, list]:
+    """HF logits of each sequence from the fp32 model (the oracle) and from the model run in
+    ``dtype`` (what that precision alone does to them)."""
+    return hf_logits(model_dir, sequences), hf_logits(model_dir, sequences, dtype)
+
+
+def _assert_tracks_fp32_hf(model_dir, prompts, tokens, dtype) -> None:
+    """Half precision makes exact equality with an fp32 oracle meaningless, so the engine is
+    held to what HF's own forward in ``dtype`` does on the engine's sequences. Every chosen
+    token is HF fp32's argmax or short of it by at most twice HF's largest ``dtype`` logit
+    error on that sequence (the best and the chosen logit may both move), and the share of
+    fp32 argmaxes is HF ``dtype``'s own share, give or take 5 points."""
+    sequences = [p + t for p, t in zip(prompts, tokens)]
+    exact_logits, rounded_logits = _hf_in_both_precisions(model_dir, sequences, dtype)
+    engine_hits = hf_hits = total = 0
+    for prompt, generated, exact, rounded in zip(prompts, tokens, exact_logits, rounded_logits):
+        assert len(generated) == MAX_TOKENS
+        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(generated))
+        error = float((exact[rows] - rounded[rows]).abs().max())
+        for token, row in zip(generated, exact[rows]):
+            assert float(row.max() - row[token]) <= 2 * error, (prompt[:4], token)
+            engine_hits += int(token == int(row.argmax()))
+        hf_hits += int((rounded[rows].argmax(-1) == exact[rows].argmax(-1)).sum())
+        total += len(generated)
+    assert engine_hits / total >= hf_hits / total - 0.05
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_chunked_prefill_and_mixed_batches_run_the_fused_kernels(
+        half_precision_runs, llama, prompts, dtype):
+    run = half_precision_runs[("llama", dtype)]["runs"][0]
+    _assert_fused_attention_only(run)
+    assert run["fused_batches"]["with_context"] > 0, "prompt chunks behind their computed part"
+    assert run["fused_batches"]["mixed"] > 0, "decode rows and prefill chunks in one FIA launch"
+    _assert_tracks_fp32_hf(llama, prompts, run["tokens"], dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_prefix_cache_hits_run_the_fused_kernels(half_precision_runs, llama, prompts, dtype):
+    run = half_precision_runs[("llama", dtype)]["runs"][1]
+    # the two blocks of the longest prompt, computed by the previous run
+    assert run["cached"] == [256] * 4
+    _assert_fused_attention_only(run)
+    assert run["fused_batches"]["with_context"] > 0, "suffixes behind a cached prefix"
+    _assert_tracks_fp32_hf(llama, _shared_prefix_prompts(prompts), run["tokens"], dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_seeded_sampling_repeats_within_hf_top_k(half_precision_runs, llama, prompts, dtype):
+    first, again = half_precision_runs[("llama", dtype)]["runs"][2:4]
+    assert first["tokens"] == again["tokens"]
+    assert first["tokens"][0] != first["tokens"][1][: len(first["tokens"][0])]
+    assert first["launches"]["top_k_top_p"] > 0
+    _assert_fused_attention_only(first)
+    chosen = prompts[1:3]
+    sequences = [p + t for p, t in zip(chosen, first["tokens"])]
+    for prompt, tokens, exact, rounded in zip(chosen, first["tokens"], *_hf_in_both_precisions(llama, sequences, dtype)):
+        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+        error = float((exact[rows] - rounded[rows]).abs().max())
+        for token, row in zip(tokens, exact[rows]):
+            kth = row.topk(HALF_SAMPLE["top_k"]).values[-1]
+            assert float(kth - row[token]) <= 2 * error, (prompt[:4], token)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_qwen2_runs_the_fused_kernels(half_precision_runs, tiny_models, dtype):
+    qwen = tiny_models["tiny-qwen2"]
+    run = half_precision_runs[("qwen2", dtype)]["runs"][0]
+    _assert_fused_attention_only(run)
+    _assert_tracks_fp32_hf(qwen, prompt_token_ids(qwen, HALF_LENGTHS), run["tokens"], dtype)
+
+
+def test_head_dim_128_runs_the_fused_kernels(half_precision_runs, tiny_models):
+    model = tiny_models["tiny-llama-hd128"]
+    run = half_precision_runs[("llama-hd128", "bfloat16")]["runs"][0]
+    _assert_fused_attention_only(run)
+    _assert_tracks_fp32_hf(model, prompt_token_ids(model, HALF_LENGTHS), run["tokens"], "bfloat16")
 
 
 def test_seeded_sampling_repeats_and_respects_top_k_top_p_min_p(llama, prompts, tmp_path):

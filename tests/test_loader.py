@@ -10,7 +10,6 @@ import concurrent.futures
 import io
 import json
 import os
-import subprocess
 import textwrap
 import tokenize
 from pathlib import Path
@@ -330,23 +329,28 @@ print(json.dumps({
 """
 
 
-def _inject_and_report(patch, vllm_dir: Path, root: Path) -> tuple[str, subprocess.CompletedProcess]:
+def _inject(patch, vllm_dir: Path, root: Path) -> str:
+    """A copy of vLLM under ``root`` whose target gained a parameter; its new signature."""
     tree = SourceTree(vllm_dir)
     copy = _mirror(vllm_dir, root / "vllm", tree.module_path(patch.module))
     _add_parameter(copy, tree.lookup(patch.module, patch.qualname).lineno)
-    faulty = SourceTree(root / "vllm").lookup(patch.module, patch.qualname).signature
-    env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root))
-    return faulty, run_python(INERT_REPORT, env=env)
+    return SourceTree(root / "vllm").lookup(patch.module, patch.qualname).signature
 
 
 @pytest.fixture(scope="module")
 def injected(vllm_dir, tmp_path_factory):
     """Every injection's fresh interpreter, two at a time (each imports vLLM and all
-    target modules, about ten seconds)."""
+    target modules, about ten seconds). The copies are parsed here, one after another:
+    CPython 3.11's ast module keeps its recursion bookkeeping per interpreter, so
+    ast.parse in two threads at once can fail with "AST constructor recursion depth
+    mismatch"."""
     roots = {p.target: tmp_path_factory.mktemp("fault") for p in INJECTABLE}
+    faulty = {p.target: _inject(p, vllm_dir, roots[p.target]) for p in INJECTABLE}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {p.target: pool.submit(_inject_and_report, p, vllm_dir, roots[p.target]) for p in INJECTABLE}
-        return {target: (roots[target], future.result()) for target, future in futures.items()}
+        futures = {target: pool.submit(run_python, INERT_REPORT,
+                                       env=clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root)))
+                   for target, root in roots.items()}
+        return {target: (roots[target], (faulty[target], future.result())) for target, future in futures.items()}
 
 
 @pytest.mark.parametrize("patch", INJECTABLE, ids=[p.target for p in INJECTABLE])

@@ -3,13 +3,15 @@
 The server process, the EngineCore it spawns and the worker all get the overlay from
 the installed ``.pth`` (``ASCEND_PATCH=emulate`` in the environment); nothing in the
 launch command mentions ascend-patch. The ``openai`` client checks completions and
-chat completions, streamed and not, then a bounded load of 200 requests at
-concurrency 16, every greedy output against HF transformers.
+chat completions, streamed and not, tool calls (Hermes parser, a tool-aware chat
+template), that a rejected request leaves the server working, then a bounded load of
+200 requests at concurrency 16, every greedy output against HF transformers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT = 300
 SERVED_NAME = "tiny"
+TOOL_TEMPLATE = Path(__file__).with_name("tool_chat_template.jinja")
 
 
 def _group_alive(pgid: int) -> bool:
@@ -43,8 +46,9 @@ def server(tiny_models, tmp_path_factory):
     vllm_cli = str(Path(sys.executable).with_name("vllm"))
     command = [
         vllm_cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "512",
+        "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "1024",
         "--max-num-seqs", "16", "--gpu-memory-utilization", "0.9",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(TOOL_TEMPLATE),
     ]
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
     with open(log_path, "w") as log:
@@ -136,6 +140,103 @@ def test_chat_completions_streamed_and_unstreamed_equal_hf(server):
     streamed = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=12,
                                               temperature=0, stream=True, extra_body=extra)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+         "additionalProperties": False}
+# strict: the arguments must follow the schema (without it vLLM constrains only the call envelope)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER,
+                                           "strict": True}},
+         {"type": "function", "function": {"name": "get_time", "description": "Clock", "parameters": CLOCK,
+                                           "strict": True}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOL_MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def _whitespace_bias(model) -> dict[str, int]:
+    """Forbid the tokens that are only whitespace. The tool-call grammar lets JSON carry any
+    whitespace, which a random-weight model otherwise pads until max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return {str(t): -100 for t in range(len(tokenizer)) if tokenizer.decode([t]).isspace()}
+
+
+def _check_call(call, name: str | None = None) -> None:
+    import jsonschema
+
+    assert call.type == "function"
+    assert call.function.name in SCHEMAS and name in (None, call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_the_chat_template_renders_the_tools(server):
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    request = urllib.request.Request(
+        f"{server['base']}/tokenize",
+        data=json.dumps({"model": SERVED_NAME, "messages": TOOL_MESSAGES, "tools": TOOLS,
+                         "add_generation_prompt": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        tokens = json.load(response)["tokens"]
+    prompt = AutoTokenizer.from_pretrained(server["model"]).decode(tokens)
+    for tool in TOOLS:
+        assert json.dumps(tool["function"]["parameters"]) in prompt
+    assert prompt.endswith("<s>user: Weather in Oslo?</s><s>assistant: ")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+def test_a_named_tool_choice_returns_a_call_that_follows_the_schema(server, stream):
+    client = _client(server)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    response = client.chat.completions.create(
+        model=SERVED_NAME, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=120,
+        temperature=0, logit_bias=_whitespace_bias(server["model"]), stream=stream)
+    if not stream:
+        (call,) = response.choices[0].message.tool_calls
+        _check_call(call, "get_weather")
+        return
+    deltas = [c.choices[0].delta.tool_calls[0] for c in response if c.choices and c.choices[0].delta.tool_calls]
+    assert {d.index for d in deltas} == {0}
+    names = [d.function.name for d in deltas if d.function and d.function.name]
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert names == ["get_weather"]
+    import jsonschema
+
+    jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+def test_a_required_tool_choice_returns_one_of_the_tools(server):
+    response = _client(server).chat.completions.create(
+        model=SERVED_NAME, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=120, temperature=0,
+        logit_bias=_whitespace_bias(server["model"]))
+    (call,) = response.choices[0].message.tool_calls
+    _check_call(call)
+
+
+def test_a_rejected_request_leaves_the_server_working(server):
+    import openai
+
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "[a-c"}})
+    prompt = prompt_token_ids(server["model"], [20])[0]
+    response = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert response.choices[0].token_ids == hf_greedy(server["model"], [prompt], 8)[0]
 
 
 def test_load_200_requests_at_concurrency_16(server):
