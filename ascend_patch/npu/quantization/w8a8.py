@@ -19,8 +19,9 @@ Per step, dynamic: ``npu_dynamic_quant`` → ``npu_quant_matmul`` (2 launches); 
 ``npu_quantize`` → ``npu_quant_matmul`` (2 launches), plus one add where the op cannot take the
 float bias in the same call. fp16/bf16 activations dequantise inside the matmul. The op has no
 fp32 output, so an fp32 model takes its int32 accumulator and scales it in torch (3-4 more
-launches), and npu_dynamic_quant, which takes fp16/bf16 only, gets fp16 activations (11 bits,
-far below the int8 step; fp32 serving of quantised models is for verification).
+launches), and npu_dynamic_quant takes fp16/bf16 only, so fp32 activations get its formula
+from npu_quantize (4 more launches). fp32 serving of quantised models is a verification path:
+it is exact, not fast.
 """
 
 from __future__ import annotations
@@ -84,15 +85,15 @@ def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
                                axis=-1, div_mode=False)
         token_scale = None
     else:
-        x_q, token_scale = kernels.dynamic_quant(rows if x.dtype != torch.float32 else rows.half())
+        x_q, token_scale = _quantize_per_token(rows)
     if x.dtype == torch.float32:
         # npu_quant_matmul outputs fp16/bf16/int32 only: the exact int32 accumulator, scaled here.
-        out = kernels.quant_matmul(x_q, weight, scale, bias=int_bias, output_dtype=torch.int32)
-        out = out.float() * scale
+        out = kernels.quant_matmul(x_q, weight, scale, bias=int_bias,
+                                   output_dtype=torch.int32).float().mul_(scale)
         if token_scale is not None:
-            out = out * token_scale[:, None]
+            out.mul_(token_scale[:, None])
         if bias is not None:
-            out = out + bias
+            out.add_(bias)
     else:
         op_bias, later_bias = _split_bias(x.dtype, token_scale is not None, int_bias, bias)
         out = kernels.quant_matmul(x_q, weight, scale, pertoken_scale=token_scale, bias=op_bias,
@@ -100,6 +101,16 @@ def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
         if later_bias is not None:
             out = out + later_bias
     return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def _quantize_per_token(rows: torch.Tensor):
+    """npu_dynamic_quant's ``(round(x / s), s = rowmax|x| / 127)``. It takes fp16/bf16 only, so
+    fp32 rows (a verification path) get the same formula from npu_quantize, exactly in fp32."""
+    if rows.dtype != torch.float32:
+        return kernels.dynamic_quant(rows)
+    scale = rows.abs().amax(dim=-1) / 127
+    inverse = 1 / scale.clamp(min=torch.finfo(torch.float32).tiny)
+    return kernels.quantize(rows, inverse, None, torch.qint8, axis=-2, div_mode=False), scale
 
 
 def _split_bias(dtype, per_token, int_bias, bias):
