@@ -28,6 +28,16 @@ logger = logging.getLogger("vllm.ascend_patch")
 NAME = "ascend"
 DESCRIPTION_FILE = "quant_model_description.json"
 
+# What each method runs on the NPU (README: "Quantised checkpoints"); anything else fails at
+# load naming the layer.
+SUPPORTED = {
+    NAME: "msModelSlim AscendV1 (quant_model_description.json): W8A8 (static) and W8A8_DYNAMIC "
+          "linear layers, FLOAT layers, mixed per layer; W8A8_DYNAMIC experts",
+    "compressed-tensors": "W8A8 int8: channel or tensor weights with static per-tensor "
+                          "(symmetric or zero-point) or dynamic per-token symmetric activations; "
+                          "int8 experts (channel weights, dynamic per-token activations)",
+}
+
 _config_registered = False
 _kernels_registered = False
 
@@ -58,6 +68,19 @@ def register_kernels() -> None:
 
     register_linear_kernel(AscendInt8ScaledMMLinearKernel, PlatformEnum.OOT, "int8")
     _kernels_registered = True
+
+
+def registered() -> dict[str, object]:
+    """What vLLM's registries hold for the NPU in this process (after :func:`register_config`
+    and :func:`register_kernels`): is ``ascend`` a quantization method, which int8 kernels the
+    out-of-tree platform gets."""
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.platforms.interface import PlatformEnum
+
+    kernels = linear._POSSIBLE_INT8_KERNELS.get(PlatformEnum.OOT, [])
+    return {"methods": [m for m in (NAME, "compressed-tensors") if m in QUANTIZATION_METHODS],
+            "int8_kernels": [kernel.__name__ for kernel in kernels]}
 
 
 def detect(vllm_config) -> None:
