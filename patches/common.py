@@ -339,7 +339,6 @@ QUANT_CONTRACTS = [
           ("create_weights", "(self, layer, num_experts, hidden_size, "
                              "intermediate_size_per_partition, params_dtype, **extra_weight_attrs)"),
           ("get_fused_moe_quant_config", "(self, layer)"),
-          ("is_monolithic", None),
           ("apply_monolithic", "(self, layer, x, router_logits, input_ids=...)"))),
 ]
 
