@@ -33,8 +33,8 @@ def where(prefix: str) -> str:
 
 
 def checked_loader(load, prefix: str, name: str, dtypes: tuple[torch.dtype, ...], convert=None):
-    """``load`` behind a dtype check that records each shard (shard id, expert id) that arrived
-    on the parameter's ``ascend_loaded`` set; ``convert`` maps the tensor before loading."""
+    """``load`` behind a dtype check that records each part of the parameter that arrived
+    (its ``ascend_loaded`` set); ``convert`` maps the tensor before loading."""
 
     @functools.wraps(load)
     def weight_loader(param, loaded_weight, *args, **kwargs):
@@ -47,8 +47,10 @@ def checked_loader(load, prefix: str, name: str, dtypes: tuple[torch.dtype, ...]
             loaded_weight = convert(loaded_weight)
         result = load(param, loaded_weight, *args, **kwargs)
         if result is not False:  # MoE loaders return False for another rank's expert
-            shard = kwargs.get("shard_id", args[-1] if args else None)
-            param.ascend_loaded.add((kwargs.get("expert_id"), shard))
+            # The loader's other arguments name the part: (shard id) for a fused linear
+            # layer, (weight name, shard id, expert id) for experts, nothing for a whole one.
+            param.ascend_loaded.add(args + tuple(sorted(
+                (key, value) for key, value in kwargs.items() if key != "return_success")))
         return result
 
     return weight_loader
@@ -67,11 +69,11 @@ def register(layer: torch.nn.Module, name: str, data: torch.Tensor, load, prefix
 
 
 def require_loaded(layer: torch.nn.Module, prefix: str, names, shards: int) -> None:
-    """Every named parameter got ``shards`` shards (or one unsharded tensor) from the checkpoint."""
+    """Every named parameter got ``shards`` parts (or one whole tensor) from the checkpoint."""
     missing = []
     for name in names:
         loaded = getattr(layer, name).ascend_loaded
-        if len(loaded) < shards and (None, None) not in loaded:
+        if len(loaded) < shards and () not in loaded:
             missing.append(name)
     if missing:
         raise QuantizedCheckpointError(

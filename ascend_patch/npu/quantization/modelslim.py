@@ -41,7 +41,7 @@ _SUPPORTED = "W8A8 and W8A8_DYNAMIC linear layers, W8A8_DYNAMIC experts and FLOA
 def _moe_layer_types() -> tuple[type, ...]:
     from vllm.model_executor.layers import fused_moe
 
-    if hasattr(fused_moe, "RoutedExperts"):  # seam: vLLM 0.24+ (the expert layer class)
+    if hasattr(fused_moe, "RoutedExperts"):  # seam: vLLM 0.22+ (FusedMoE before)
         return (fused_moe.RoutedExperts,)
     return (fused_moe.FusedMoE,)
 
