@@ -180,6 +180,13 @@ def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated
     oracles = [hf_logits(model_dir, sequences)]
     if routed:
         oracles.append(hf_logits(model_dir, sequences, "bfloat16"))
+    assert_tracks_logits(oracles, prompts, generated, min_exact, routed)
+
+
+def assert_tracks_logits(oracles: list[list], prompts: list[list[int]], generated: list[list[int]],
+                         min_exact: float = 0.9, routed: bool = False) -> None:
+    """The check of :func:`assert_tracks_hf_logits` against given oracles: per oracle, the
+    next-token logits at every position of each prompt + generated sequence."""
     exact = total = 0
     misses = []
     for n, (prompt, tokens) in enumerate(zip(prompts, generated)):

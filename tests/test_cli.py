@@ -56,6 +56,11 @@ def test_doctor_apply_reports_applied_targets():
         if "emulate" in getattr(patch, "modes", ("emulate",)):
             assert states[patch.target] == ("verified" if patch.kind in ("contract", "seam") else "applied")
     assert data["import_failures"] == []
+    # Quantisation: the `ascend` method registered with vLLM and the NPU int8 kernel in vLLM's
+    # ScaledMM table for out-of-tree platforms.
+    assert data["quantization"]["registered"] == {
+        "methods": ["ascend", "compressed-tensors"],
+        "int8_kernels": ["AscendInt8ScaledMMLinearKernel"]}
 
 
 def test_doctor_table_and_exit_status():
@@ -63,6 +68,7 @@ def test_doctor_table_and_exit_status():
     assert ok.returncode == 0
     assert "verdict: would activate" in ok.stdout
     assert "vllm.platforms:resolve_current_platform_cls_qualname" in ok.stdout
+    assert "quantization (" in ok.stdout and "  ascend: msModelSlim AscendV1" in ok.stdout
 
     auto = _cli("doctor")
     assert auto.returncode == 0, "auto on a machine without an NPU is not a failure"

@@ -112,6 +112,20 @@ def test_activation_tracker_measures_the_transient_peak():
     assert stats["allocated_bytes.all.peak"] == 1000 + 256 * 1024 + 64 * 1024
 
 
+def test_a_reference_kernel_allocates_only_its_outputs_on_the_emulated_device():
+    """The plain torch inside a reference kernel (here npu_quant_matmul's float64 accumulator,
+    8x its bf16 output) is the op's workspace on an NPU, not a profiled activation."""
+    runtime = EmulatedRuntime(hbm_bytes=1 << 30)
+    x1 = torch.randint(-127, 128, (256, 512), dtype=torch.int8)
+    x2 = torch.randint(-127, 128, (512, 1024), dtype=torch.int8)
+    scale = torch.rand(1024)
+    with runtime.track_activations():
+        out = kernels.quant_matmul(x1, x2, scale, output_dtype=torch.bfloat16)
+    assert runtime._memory_stats()["allocated_bytes.all.peak"] == out.numel() * 2
+    torch.testing.assert_close(out, kernels.quant_matmul(x1, x2, scale,
+                                                         output_dtype=torch.bfloat16))
+
+
 # --- the sampler's top-k/top-p filter ---------------------------------------------------------
 
 # Device ops that make the host wait for the device: reading a value, or an output whose size

@@ -52,6 +52,22 @@ def _import_targets(act) -> list[str]:
     return failures
 
 
+def _quantization(act, apply: bool) -> dict:
+    """The quantised formats the NPU path runs, whether their declarations verified here, and
+    (with ``--apply``, once the overlay is active) what vLLM's registries then hold."""
+    from ascend_patch.npu import quantization
+
+    declared = [s for s in act.statuses
+                if s.patch.implementation.startswith("ascend_patch.npu.quantization")]
+    found = {"supported": quantization.SUPPORTED,
+             "declarations": f"{sum(s.ok for s in declared)}/{len(declared)} verified"}
+    if apply and act.state == "active":
+        quantization.register_config()
+        quantization.register_kernels()
+        found["registered"] = quantization.registered()
+    return found
+
+
 def report(apply: bool = False) -> dict:
     try:
         requested = env.mode()
@@ -78,6 +94,7 @@ def report(apply: bool = False) -> dict:
         return {"ok": False, "requested_mode": requested, "settings": env.settings(),
                 "error": f"the loader failed ({type(exc).__name__}: {exc}); reinstall ascend-patch"}
 
+    quantization = _quantization(act, apply)
     vllm = act.vllm
     selection = act.selection
     applied = set(loader.REGISTRY.applied_targets())
@@ -125,6 +142,7 @@ def report(apply: bool = False) -> dict:
         "patch_set_reason": selection.reason if selection else None,
         "matrix_status": entry.status if entry else None,
         "targets": targets,
+        "quantization": quantization,
         "import_failures": import_failures,
         "settings": env.settings(),
         "pth": pth_files(),
@@ -162,6 +180,15 @@ def render(data: dict) -> str:
         lines.append(f"{'target'.ljust(tw)}  {'kind':8}  {'state':9}  found")
         for t in data["targets"]:
             lines.append(f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:9}  {t['found']}")
+    quantization = data["quantization"]
+    lines.append("")
+    lines.append(f"quantization ({quantization['declarations']}):")
+    for method, schemes in quantization["supported"].items():
+        lines.append(f"  {method}: {schemes}")
+    if "registered" in quantization:
+        found = quantization["registered"]
+        lines.append(f"  registered: methods {', '.join(found['methods']) or 'none'}; int8 kernels "
+                     f"for PlatformEnum.OOT: {', '.join(found['int8_kernels']) or 'none'}")
     for failure in data["import_failures"]:
         lines.append(f"import failed: {failure}")
     lines.append("")

@@ -67,6 +67,13 @@ class NPUPlatform(Platform):
         return ATTENTION_BACKEND
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        # Before vLLM builds its config or parses --quantization: `ascend` must be known.
+        from ascend_patch.npu import quantization
+
+        quantization.register_config()
+
+    @classmethod
     def apply_config_platform_defaults(cls, vllm_config) -> None:
         # Runs before vLLM settles the compilation mode and the custom-op default:
         # eager mode makes every custom op ("all") dispatch to forward_oot.
@@ -79,6 +86,7 @@ class NPUPlatform(Platform):
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
+        from ascend_patch.npu import quantization
         from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
 
         unsupported = {
@@ -90,6 +98,9 @@ class NPUPlatform(Platform):
         for feature, requested in unsupported.items():
             if requested:
                 raise NotImplementedError(f"{feature} is not supported by ascend-patch yet")
+
+        quantization.register_config()  # a VllmConfig built without EngineArgs skips the hook
+        quantization.detect(vllm_config)
 
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":

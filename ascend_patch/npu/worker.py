@@ -29,7 +29,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.utils import request_memory
 
 from ascend_patch import env
-from ascend_patch.npu import ops
+from ascend_patch.npu import ops, quantization
 from ascend_patch.npu.model_runner import NPUModelRunner
 from ascend_patch.npu.platform import NPUPlatform
 
@@ -53,6 +53,8 @@ class NPUWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
         require_npu_platform()
         ops.register()
+        quantization.register_config()
+        quantization.register_kernels()
         super().__init__(*args, **kwargs)
 
     def init_device(self) -> None:

@@ -104,6 +104,21 @@ PUBLISHED_SCHEMAS = {
         'Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? '
         'export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor'
     )),
+    "npu_dynamic_quant": (f"{_FUNCTIONS_YAML}:6128", (
+        'npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, '
+        'int? dst_type=None, str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, '
+        'Tensor)'
+    )),
+    "npu_quantize": (f"{_FUNCTIONS_YAML}:6827", (
+        'npu_quantize(Tensor self, Tensor scales, Tensor? zero_points, int dtype, int axis=1, '
+        'bool div_mode=True) -> Tensor'
+    )),
+    "npu_quant_matmul": (f"{_FUNCTIONS_YAML}:6787", (
+        'npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, Tensor? '
+        'pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, int? x1_dtype=None, '
+        'int? x2_dtype=None, int? pertoken_scale_dtype=None, int? scale_dtype=None, int[]? '
+        'group_sizes=None, Tensor? y_scale=None) -> Tensor'
+    )),
     "_npu_paged_attention": ("op_plugin/ops/atb/PagedAttentionAtb.cpp:106", (
         '_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, '
         'int num_kv_heads, int num_heads, float scale_value, Tensor block_table, '
@@ -120,6 +135,10 @@ PUBLISHED_SCHEMAS = {
 #   `_patch_atb_ops`), which bind by the schema's own argument names.
 _PYTHON_TYPES = {"Tensor": torch.Tensor, "int": int, "SymInt": int, "float": (int, float),
                  "bool": bool, "str": str}
+# An `int` that names a dtype takes a torch.dtype: the torch_npu docs call these ops so, e.g.
+# `npu_quant_matmul(..., output_dtype=torch.bfloat16)` and `npu_quantize(x, scale, None,
+# torch.qint8, -1, False)` (torch_npu-npu_quant_matmul.md, torch_npu-npu_quantize.md).
+_DTYPE_ARGUMENT = re.compile(r"(\w+_)?dtype|dst_type")
 
 
 def _split_arguments(text: str) -> list[str]:
@@ -161,13 +180,15 @@ def parse_schema(schema: str, *, python_binding: bool) -> tuple[str, inspect.Sig
     return name, inspect.Signature(parameters)
 
 
-def accepts(schema_type: str, value) -> bool:
-    """Whether the binding takes ``value`` for an argument of ``schema_type``."""
+def accepts(schema_type: str, value, name: str = "") -> bool:
+    """Whether the binding takes ``value`` for an argument ``name`` of ``schema_type``."""
     base = re.sub(r"\(.*?\)", "", schema_type)  # alias annotations: Tensor(a!) is a Tensor
     if base.endswith("?"):
         if value is None:
             return True
         base = base[:-1]
+    if base == "int" and isinstance(value, torch.dtype):
+        return bool(_DTYPE_ARGUMENT.fullmatch(name))
     listed = re.fullmatch(r"(.+)\[(\d*)\]", base)  # int[] or a fixed size: int[2]
     if listed:
         item, size = listed.groups()
@@ -209,7 +230,7 @@ class PublishedTorchNpu(types.ModuleType):
             arguments = signature.bind(*args, **kwargs).arguments
             for arg, value in arguments.items():
                 schema_type = signature.parameters[arg].annotation
-                if not accepts(schema_type, value):
+                if not accepts(schema_type, value, arg):
                     raise TypeError(f"{name}(): argument '{arg}' must be {schema_type}, "
                                     f"not {type(value).__name__}")
             self.calls.append((name, arguments))
@@ -270,6 +291,7 @@ SLOTS = torch.tensor([0, 1, 2], dtype=torch.int32)
      "unexpected keyword argument 'block_size'"),
     (lambda t: t.npu_top_k_top_p(X, 0.9), "argument 'p' must be Tensor?, not float"),
     (lambda t: t.npu_swiglu(X, dim=True), "argument 'dim' must be int, not bool"),
+    (lambda t: t.npu_swiglu(X, dim=torch.int8), "argument 'dim' must be int, not dtype"),
     (lambda t: t.npu_fused_infer_attention_score(X, X, X, actual_seq_lengths=SLOTS),
      "argument 'actual_seq_lengths' must be SymInt[]?, not Tensor"),
     (lambda t: t._npu_paged_attention(X, X, X, 2, 8, 0.125, X, SLOTS), "missing a required "
@@ -285,7 +307,8 @@ def test_a_call_the_real_binding_rejects_fails(call, error):
 
 def test_use_rebinds_every_op_and_reports_the_backend():
     assert kernels.active_backend() == "reference"
-    assert all(getattr(kernels, name) is getattr(reference, name) for name in kernels.OPS)
+    assert all(getattr(kernels, name).__wrapped__ is getattr(reference, name)
+               for name in kernels.OPS)
     kernels.use("npu")
     assert kernels.active_backend() == "npu"
     assert all(getattr(kernels, name) is getattr(npu, name) for name in kernels.OPS)
@@ -387,6 +410,33 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
         "expanded_permuted_rows": rows, "skip1": None, "skip2": None, "bias": None,
         "scales": probs, "expanded_src_to_dst_row": order, "export_for_source_row": ids,
         "drop_pad_mode": 2})
+
+    # The W8A8 ops: dtypes go as torch dtypes (the docs' own calls), tensors as the doc names.
+    x, x_q, token_scale = X, torch.zeros(3, 64, dtype=torch.int8), torch.ones(3)
+    kernels.dynamic_quant(x)
+    assert_arguments(torch_npu.only_call("npu_dynamic_quant"), {
+        "input": x, "smooth_scales": None, "group_index": None, "dst_type": None})
+    scales, offsets = torch.ones(1, dtype=bf16), torch.zeros(1, dtype=bf16)
+    kernels.quantize(x, scales, offsets, torch.qint8, axis=-1, div_mode=False)
+    assert_arguments(torch_npu.only_call("npu_quantize"), {
+        "input": x, "scales": scales, "zero_points": offsets, "dtype": torch.qint8, "axis": -1,
+        "div_mode": False})
+    weight, channel_scale = torch.zeros(64, 32, dtype=torch.int8), torch.ones(32)
+    bias32 = torch.zeros(32, dtype=int32)
+    kernels.quant_matmul(x_q, weight, channel_scale, pertoken_scale=token_scale, bias=bias32,
+                         output_dtype=bf16)
+    assert_arguments(torch_npu.only_call("npu_quant_matmul"), {
+        "x1": x_q, "x2": weight, "scale": channel_scale, "offset": None,
+        "pertoken_scale": token_scale, "bias": bias32, "output_dtype": bf16,
+        "group_sizes": None})
+    experts_int8 = torch.zeros(2, 16, 6, dtype=torch.int8)
+    expert_scale, row_scale = torch.ones(2, 6, dtype=bf16), torch.ones(8)
+    kernels.grouped_matmul([rows.to(torch.int8)], [experts_int8], scale=[expert_scale],
+                           per_token_scale=[row_scale], group_list=counts, split_item=2,
+                           group_type=0, group_list_type=1, output_dtype=bf16)
+    call = torch_npu.only_call("npu_grouped_matmul")
+    assert call["scale"][0] is expert_scale and call["per_token_scale"][0] is row_scale
+    assert call["output_dtype"] is bf16
 
     logits, p, k = torch.zeros(2, 50), torch.tensor([0.5, 0.9]), torch.tensor([5, 9], dtype=int32)
     kernels.top_k_top_p(logits, p=p, k=k)

@@ -155,6 +155,27 @@ def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
         expert_for_source_row, drop_pad_mode=drop_pad_mode,
     )
 
+
+# --- int8 quantisation (references and call order: kernels/quant.py) -----------------------------
+
+
+def dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None):
+    return _torch_npu().npu_dynamic_quant(input, smooth_scales=smooth_scales,
+                                          group_index=group_index, dst_type=dst_type)
+
+
+def quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
+    return _torch_npu().npu_quantize(input, scales, zero_points, dtype, axis=axis,
+                                     div_mode=div_mode)
+
+
+def quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
+                 group_sizes=None):
+    return _torch_npu().npu_quant_matmul(
+        x1, x2, scale, offset=offset, pertoken_scale=pertoken_scale, bias=bias,
+        output_dtype=output_dtype, group_sizes=group_sizes,
+    )
+
 # --- device runtime -------------------------------------------------------------------------------
 
 

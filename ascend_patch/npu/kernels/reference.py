@@ -26,7 +26,8 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 - [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
   [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
 - [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
-- The Mixture-of-Experts ops and their sources: :mod:`.moe`.
+- The Mixture-of-Experts ops and their sources: :mod:`.moe`; the int8 quantisation ops:
+  :mod:`.quant`.
 - [TOPKP] ``torch_npu-npu_top_k_top_p.md`` and the ``npu_top_k_top_p`` docstring in
   ``codegen/templates/_op_plugin_docs.py`` (algorithm; p and k may not both be None).
 """
@@ -57,6 +58,7 @@ from .moe import (  # noqa: F401 - re-exported: the reference backend is this mo
     moe_token_unpermute,
 )
 from .paged import attend, decode_batch, gather_sequence
+from .quant import dynamic_quant, quant_matmul, quantize  # noqa: F401 - re-exported likewise
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -111,6 +111,21 @@ class Routing:
         return weights, ids
 
 
+def prepare_layer(layer, has_bias: bool) -> None:
+    """Refuse what the NPU expert path cannot run, and resolve the layer's routing once."""
+    activation = getattr(layer.activation, "value", layer.activation)
+    problems = {
+        f"activation {activation!r} (the NPU path is SwiGLU: npu_swiglu)": activation != "silu",
+        "expert biases": bool(has_bias),
+        "router weights applied to the input": bool(layer.apply_router_weight_on_input),
+    }
+    unsupported = [name for name, used in problems.items() if used]
+    if unsupported:
+        raise UnsupportedMoEError(f"{_where(layer)} uses {', '.join(unsupported)}; not "
+                                  "supported on the NPU yet")
+    layer.ascend_routing = Routing(layer)
+
+
 class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     """``UnquantizedFusedMoEMethod`` on the NPU: routing and experts through the kernel seam."""
 
@@ -120,17 +135,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         super().process_weights_after_loading(layer)  # vLLM does nothing more for OOT
-        activation = getattr(layer.activation, "value", layer.activation)
-        problems = {
-            f"activation {activation!r} (the NPU path is SwiGLU: npu_swiglu)": activation != "silu",
-            "expert biases": bool(getattr(self.moe, "has_bias", False)),
-            "router weights applied to the input": bool(layer.apply_router_weight_on_input),
-        }
-        unsupported = [name for name, used in problems.items() if used]
-        if unsupported:
-            raise UnsupportedMoEError(f"{_where(layer)} uses {', '.join(unsupported)}; not "
-                                      "supported on the NPU yet")
-        layer.ascend_routing = Routing(layer)
+        prepare_layer(layer, getattr(self.moe, "has_bias", False))
         # npu_grouped_matmul takes the weight as [experts, in, out]: transpose once, here,
         # never per step. vLLM keeps [experts, out, in].
         for name in ("w13_weight", "w2_weight"):
@@ -142,7 +147,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.expert_map)
 
 
-def fused_experts(x, w13, w2, weights, ids, expert_map=None):
+def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
     """Routed experts for tokens ``x`` [T, H]: dispatch, SwiGLU MLP per expert, combine.
 
     ``w13`` is [E_local, H, 2I] and ``w2`` [E_local, I, H]. Under expert parallelism
@@ -151,6 +156,12 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None):
     documented contract (the counts sum to the dispatched rows, the combine index is a
     permutation) with no host sync, at the price of computing those copies; in decode the
     grouped matmul is bound by reading the weights, which parking adds none of.
+
+    ``scales`` = ``(w13_scale [E, 2I], w2_scale [E, H])`` makes it dynamic W8A8: int8 weights,
+    the dispatch quantises each row per token (init_routing quant_mode=1), npu_dynamic_quant
+    requantises the SwiGLU output, and both grouped matmuls dequantise with the per-channel and
+    per-token scales into bf16 (bf16 scales) or fp16 (fp32 scales; the op has no fp32 output,
+    so an fp32 model's experts compute in fp16).
     """
     tokens, top_k = ids.shape
     if expert_map is not None:
@@ -158,14 +169,25 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None):
         weights = torch.where(local >= 0, weights, 0.0)
         ids = local.clamp_(min=0).to(torch.int32)
     experts = w13.shape[0]
-    expanded, expanded_row_idx, counts, _ = kernels.moe_init_routing_v2(
+    expanded, expanded_row_idx, counts, row_scale = kernels.moe_init_routing_v2(
         x, ids, active_num=tokens * top_k, expert_num=experts,
         expert_tokens_num_type=1, expert_tokens_num_flag=True,
-        active_expert_range=[0, experts],
+        active_expert_range=[0, experts], quant_mode=-1 if scales is None else 1,
     )
-    gate_up = kernels.grouped_matmul([expanded], [w13], group_list=counts, split_item=2,
-                                     group_type=0, group_list_type=1)[0]
-    hidden = kernels.swiglu(gate_up, dim=-1)
-    down = kernels.grouped_matmul([hidden], [w2], group_list=counts, split_item=2,
-                                  group_type=0, group_list_type=1)[0]
-    return kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights.to(down.dtype))
+    groups = {"group_list": counts, "split_item": 2, "group_type": 0, "group_list_type": 1}
+    if scales is None:
+        gate_up = kernels.grouped_matmul([expanded], [w13], **groups)[0]
+        hidden = kernels.swiglu(gate_up, dim=-1)
+        down = kernels.grouped_matmul([hidden], [w2], **groups)[0]
+    else:
+        w13_scale, w2_scale = scales
+        out_dtype = torch.bfloat16 if w13_scale.dtype == torch.bfloat16 else torch.float16
+        gate_up = kernels.grouped_matmul([expanded], [w13], scale=[w13_scale],
+                                         per_token_scale=[row_scale], output_dtype=out_dtype,
+                                         **groups)[0]
+        hidden, hidden_scale = kernels.dynamic_quant(kernels.swiglu(gate_up, dim=-1))
+        down = kernels.grouped_matmul([hidden], [w2], scale=[w2_scale],
+                                      per_token_scale=[hidden_scale], output_dtype=out_dtype,
+                                      **groups)[0]
+    out = kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights.to(down.dtype))
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -1,0 +1,313 @@
+"""W8A8 int8 checkpoints on the emulated NPU: msModelSlim's AscendV1 and compressed-tensors.
+
+The checkpoints are built here from the tiny models (scripts/make_quantized_models.py); every
+engine runs in ONE driver process. The oracle is HF transformers running the dequantised
+weights read back from each checkpoint, with each quantised layer's activation quantisation
+simulated in plain torch in front of it: per-token symmetric int8 for dynamic layers, the
+stored input scale and offset for static ones. fp32 and bf16 engines must track it token by
+token within the logit tolerance of tests/conftest.py. In bf16 fewer tokens are the oracle's
+exact argmax than for a float model (three in four rather than nine in ten), every one still
+within rounding: a bf16 rounding of an activation can move its int8 value by a whole step, and
+the tiny random models are full of near-ties (the bf16 oracle itself picks the fp32 oracle's
+token on about nine in ten).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import ROOT, assert_tracks_logits, prompt_token_ids, run_engine
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_quantized_models as quantize  # noqa: E402
+
+sys.path.pop(0)
+
+PROMPT_LENGTHS = [3, 17, 40]
+MAX_TOKENS = 10
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+# 64-token steps: the profiling pass (what vLLM sizes activations by) stays far below a KV
+# block, so the KV cache of a quantised model differs from the float one's by the weights alone.
+ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "gpu_memory_utilization": 0.9,
+          "enable_prefix_caching": False, "enable_chunked_prefill": True,
+          "max_num_batched_tokens": 64}
+
+
+def mixed_types(module: str) -> str:
+    """Layer 0: static attention, dynamic MLP; layer 1: float attention, static MLP."""
+    layer = int(module.split(".")[2])
+    if "self_attn" in module:
+        return "W8A8" if layer == 0 else "FLOAT"
+    return "W8A8_DYNAMIC" if layer == 0 else "W8A8"
+
+
+# name -> (how to build it from (float models, calibration prompts, out dir), engine kwargs)
+GOOD = {
+    "float-qwen2": (None, {"dtype": "float32"}),
+    "ascend-mixed-fp32": ("ascend-mixed", {"dtype": "float32"}),  # found by its description
+    "ascend-mixed-bf16": ("ascend-mixed", {"dtype": "bfloat16", "quantization": "ascend"}),
+    "ct-dynamic-bf16": ("ct-dynamic", {"dtype": "bfloat16"}),
+    "ct-static-asym-fp32": ("ct-static-asym", {"dtype": "float32"}),
+    "ascend-moe-bf16": ("ascend-moe", {"dtype": "bfloat16"}),
+    "ct-moe-fp32": ("ct-moe", {"dtype": "float32"}),
+}
+# name -> the one-line error a user gets at start-up
+BROKEN = {
+    "missing-scale": "layer 'model.layers.0.mlp.down_proj': the checkpoint has no weight_scale",
+    "wrong-dtype": "layer 'model.layers.1.mlp.down_proj': the checkpoint stores weight as float32,"
+                   " expected int8",
+    "described-not-there": "layer 'model.layers.0.self_attn.qkv_proj': the checkpoint has no "
+                           "weight for it",
+    "w4a8-layer": "layer 'model.layers.1.mlp.gate_up_proj' is quantised as W4A8_DYNAMIC "
+                  "(quant_model_description.json)",
+    "ct-fp8": "layer 'model.layers.0.self_attn.qkv_proj' is quantised with compressed-tensors "
+              "scheme CompressedTensorsW8A8Fp8",
+}
+
+
+def _build(models: dict[str, Path], root: Path) -> dict[str, Path]:
+    qwen2, moe = models["tiny-qwen2"], models["tiny-qwen3-moe"]
+    calibration = prompt_token_ids(qwen2, [64, 64])
+    built = {
+        "ascend-mixed": quantize.ascend_v1(qwen2, root / "ascend-mixed", mixed_types, calibration),
+        "ct-dynamic": quantize.compressed_tensors(qwen2, root / "ct-dynamic"),
+        "ct-static-asym": quantize.compressed_tensors(
+            qwen2, root / "ct-static-asym", weights="tensor", activations="static",
+            symmetric=False, calibration=calibration),
+        "ascend-moe": quantize.ascend_v1(moe, root / "ascend-moe", lambda m: "W8A8_DYNAMIC"),
+        "ct-moe": quantize.compressed_tensors(moe, root / "ct-moe"),
+    }
+    base = built["ascend-mixed"]
+
+    def variant(name, edit_tensors=None, edit_description=None):
+        out = root / name
+        shutil.copytree(base, out)
+        tensors = load_file(out / "quant_model_weights.safetensors")
+        description = json.loads((out / "quant_model_description.json").read_text())
+        if edit_tensors:
+            edit_tensors(tensors)
+            save_file(tensors, out / "quant_model_weights.safetensors")
+        if edit_description:
+            edit_description(description)
+            (out / "quant_model_description.json").write_text(json.dumps(description))
+        built[name] = out
+
+    variant("missing-scale", lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale"))
+    variant("wrong-dtype", lambda t: t.update({"model.layers.1.mlp.down_proj.weight": t[
+        "model.layers.1.mlp.down_proj.weight"].float()}))
+    variant("described-not-there", lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    variant("w4a8-layer", edit_description=lambda d: d.update(
+        {f"model.layers.1.mlp.{p}.weight": "W4A8_DYNAMIC" for p in ("gate_proj", "up_proj")}))
+    fp8 = root / "ct-fp8"
+    shutil.copytree(built["ct-dynamic"], fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    for part in ("weights", "input_activations"):
+        config["quantization_config"]["config_groups"]["group_0"][part]["type"] = "float"
+    (fp8 / "config.json").write_text(json.dumps(config))
+    built["ct-fp8"] = fp8
+    return built
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_models, tmp_path_factory):
+    return _build(tiny_models, tmp_path_factory.mktemp("quantized"))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_models):
+    return prompt_token_ids(tiny_models["tiny-qwen2"], PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, checkpoints, prompts, tmp_path_factory):
+    def model(source):
+        return str(tiny_models["tiny-qwen2"] if source is None else checkpoints[source])
+
+    engines = [{"model": model(source), "kwargs": {**ENGINE, **kwargs},
+                "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}
+               for source, kwargs in GOOD.values()]
+    engines += [{"model": str(checkpoints[name]), "kwargs": {**ENGINE, "dtype": "float32"},
+                 "runs": []} for name in BROKEN]
+    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("quant-engines"),
+                        timeout=1200)
+    assert result["platform"] == "EmulatedNPUPlatform"
+    return dict(zip([*GOOD, *BROKEN], result["engines"]))
+
+
+# -- the oracle: HF on the dequantised weights, activation quantisation simulated -------------
+
+
+def _dynamic(x):
+    """Per-token symmetric int8, round trip."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x / safe).round().clamp(-127, 127) * scale
+
+
+def _static(scale, zero_point):
+    return lambda x: ((x / scale + zero_point).round().clamp(-128, 127) - zero_point) * scale
+
+
+def _read_layers(checkpoint: Path) -> dict[str, tuple[torch.Tensor, object]]:
+    """module -> (dequantised float weight [N, K], activation round trip), read independently
+    of the engine from the format as written."""
+    layers = {}
+    description = checkpoint / "quant_model_description.json"
+    if description.exists():
+        tensors = load_file(checkpoint / "quant_model_weights.safetensors")
+        for name, kind in json.loads(description.read_text()).items():
+            module = name.removesuffix(".weight")
+            if not name.endswith(".weight") or kind == "FLOAT":
+                continue
+            weight = tensors[name].double()
+            if kind == "W8A8_DYNAMIC":
+                layers[module] = (weight * tensors[f"{module}.weight_scale"].double(), _dynamic)
+                continue
+            deq = tensors[f"{module}.deq_scale"]
+            deq = (deq.to(torch.int32).view(torch.float32) if deq.dtype == torch.int64 else deq)
+            input_scale = float(tensors[f"{module}.input_scale"])
+            offset = float(tensors[f"{module}.input_offset"])
+            layers[module] = (weight * (deq.double() / input_scale)[:, None],
+                              _static(input_scale, offset))
+        return layers
+    tensors = load_file(checkpoint / "model.safetensors")
+    for name in tensors:
+        if not name.endswith(".weight_scale"):
+            continue
+        module = name.removesuffix(".weight_scale")
+        weight = tensors[f"{module}.weight"].double() * tensors[name].double().reshape(-1, 1)
+        if f"{module}.input_scale" in tensors:
+            zero = tensors.get(f"{module}.input_zero_point", torch.zeros(1))
+            layers[module] = (weight, _static(float(tensors[f"{module}.input_scale"]), float(zero)))
+        else:
+            layers[module] = (weight, _dynamic)
+    return layers
+
+
+def _experts_forward(layers, prefix):
+    """A Qwen3-MoE expert block whose experts see their inputs round-tripped like the layers'."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, j])
+                x = hidden_states[t]
+                weights = {p: layers[f"{prefix}.{e}.{p}"] for p in ("gate_proj", "up_proj",
+                                                                    "down_proj")}
+                gate = F.linear(weights["gate_proj"][1](x), weights["gate_proj"][0].to(x.dtype))
+                up = F.linear(weights["up_proj"][1](x), weights["up_proj"][0].to(x.dtype))
+                h = self.act_fn(gate) * up
+                down = F.linear(weights["down_proj"][1](h), weights["down_proj"][0].to(x.dtype))
+                out[t] += top_k_weights[t, j] * down
+        return out
+    return forward
+
+
+def oracle_logits(float_dir: Path, checkpoint: Path, sequences, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype)
+    layers = _read_layers(checkpoint)
+    experts = set()
+    for module, (weight, round_trip) in layers.items():
+        if ".experts." in module:
+            experts.add(module.split(".experts.")[0] + ".experts")
+            continue
+        linear = model.get_submodule(module)
+        linear.weight.data = weight.to(dtype)
+        linear.forward = (lambda self, x, rt=round_trip: F.linear(
+            rt(x.double()).to(x.dtype), self.weight, self.bias)).__get__(linear)
+    for prefix in experts:
+        block = model.get_submodule(prefix)
+        block.forward = types.MethodType(_experts_forward(
+            {m: (w, (lambda x, rt=rt: rt(x.double()).to(x.dtype))) for m, (w, rt) in
+             layers.items()}, prefix), block)
+    with torch.no_grad():
+        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+
+
+def _float_model(name, tiny_models):
+    return tiny_models["tiny-qwen3-moe" if "moe" in name else "tiny-qwen2"]
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in GOOD if n != "float-qwen2"])
+def test_quantised_engine_tracks_the_dequantised_oracle(name, runs, tiny_models, checkpoints,
+                                                       prompts):
+    engine = runs[name]
+    assert "error" not in engine, engine.get("error")
+    generated = engine["runs"][0]["tokens"]
+    sequences = [p + t for p, t in zip(prompts, generated)]
+    float_dir, checkpoint = _float_model(name, tiny_models), checkpoints[GOOD[name][0]]
+    oracles = [oracle_logits(float_dir, checkpoint, sequences)]
+    bf16 = "bf16" in name
+    if bf16:
+        oracles.append(oracle_logits(float_dir, checkpoint, sequences, torch.bfloat16))
+    assert_tracks_logits(oracles, prompts, generated, routed="moe" in name,
+                         min_exact=0.75 if bf16 else 0.9)
+
+
+def test_quantisation_changes_the_output(runs):
+    """The oracle tolerance would not hide running float weights: int8 changes the tokens."""
+    assert runs["ascend-mixed-fp32"]["runs"][0]["tokens"] != runs["float-qwen2"]["runs"][0]["tokens"]
+
+
+def test_layers_run_on_the_int8_ops(runs):
+    """Per forward pass of the mixed checkpoint: four static layers (layer 0 qkv and o, layer 1
+    gate_up and down), two dynamic (layer 0 gate_up and down), none for layer 1's attention.
+    In fp32 the dynamic layers quantise through npu_quantize (npu_dynamic_quant is fp16/bf16)."""
+    launches = runs["ascend-mixed-bf16"]["runs"][0]["launches"]
+    passes = launches["rms_norm"]  # one final norm per forward pass
+    assert launches["quantize"] == 4 * passes
+    assert launches["dynamic_quant"] == 2 * passes
+    assert launches["quant_matmul"] == 6 * passes
+    fp32 = runs["ascend-mixed-fp32"]["runs"][0]["launches"]
+    assert fp32["quantize"] == fp32["quant_matmul"] == 6 * fp32["rms_norm"]
+    assert "dynamic_quant" not in fp32
+    dynamic = runs["ct-dynamic-bf16"]["runs"][0]["launches"]
+    assert dynamic["dynamic_quant"] == dynamic["quant_matmul"] == 8 * dynamic["rms_norm"]
+    for name in ("ascend-moe-bf16", "ct-moe-fp32"):
+        moe = runs[name]["runs"][0]["launches"]
+        # per MoE layer: int8 dispatch, two grouped matmuls, the SwiGLU output (fp16 or bf16
+        # from the first) requantised; the attention layers' activations as above.
+        assert moe["grouped_matmul"] == 2 * moe["moe_init_routing_v2"]
+        per_token = moe.get("dynamic_quant", 0) - moe["moe_init_routing_v2"]
+        assert per_token + moe.get("quantize", 0) == moe["quant_matmul"] > 0
+
+
+def test_the_hbm_is_charged_the_int8_weights(runs, checkpoints):
+    """The KV cache gets what the int8 weights save over fp32, less the int8 copy of a layer's
+    input that quantised layers add to the profiled activations (64 tokens × at most 512
+    features), to within one block."""
+    layers = _read_layers(checkpoints["ascend-mixed"])
+    saved = 0
+    for module, (weight, round_trip) in layers.items():
+        rows, cols = weight.shape
+        static = round_trip is not _dynamic
+        # fp32 -> int8 weight; plus the NPU form: fp32 scale per channel, for static layers an
+        # int32 bias per channel and the input scale/offset.
+        saved += rows * cols * 3 - rows * 4 - (rows * 4 + 2 * 4 if static else 0)
+    # K and V, 2 layers, 2 KV heads of 64, fp32, per token of a block
+    block_bytes = runs["float-qwen2"]["block_size"] * 2 * 2 * 2 * 64 * 4
+    gained = runs["ascend-mixed-fp32"]["num_gpu_blocks"] - runs["float-qwen2"]["num_gpu_blocks"]
+    int8_inputs = ENGINE["max_num_batched_tokens"] * 512
+    expected = (saved - int8_inputs) / block_bytes
+    assert abs(gained - expected) <= 1, (gained, expected)
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_a_bad_or_unsupported_checkpoint_fails_at_load_naming_the_layer(name, runs):
+    error = runs[name].get("error", "")
+    assert BROKEN[name] in error, error
+    assert "\n" not in error.strip(), error
