@@ -4,8 +4,8 @@ Two backends implement the same signatures:
 
 - ``"reference"`` (default, :mod:`.reference`): plain torch that enforces each op's documented input
   contract and computes its documented output. It runs the emulated engine on CPU and makes contract
-  violations fail loudly off-hardware. The Mixture-of-Experts references live in :mod:`.moe`
-  (re-exported by :mod:`.reference`).
+  violations fail loudly off-hardware. The Mixture-of-Experts references live in :mod:`.moe` and
+  the multi-head latent attention ones in :mod:`.mla` (both re-exported by :mod:`.reference`).
 - ``"npu"`` (:mod:`.npu`): direct calls of the documented torch_npu ops, imported lazily.
 
 :func:`use` rebinds the module-level functions, so a call is a plain attribute lookup with no
@@ -35,6 +35,8 @@ OPS = (
     "grouped_matmul",
     "moe_token_unpermute",
     "moe_finalize_routing",
+    "fused_infer_attention_score_mla",
+    "multi_head_latent_attention",
 )
 
 _BACKENDS = {"reference": reference, "npu": npu}
@@ -54,6 +56,8 @@ moe_init_routing_v2 = reference.moe_init_routing_v2
 grouped_matmul = reference.grouped_matmul
 moe_token_unpermute = reference.moe_token_unpermute
 moe_finalize_routing = reference.moe_finalize_routing
+fused_infer_attention_score_mla = reference.fused_infer_attention_score_mla
+multi_head_latent_attention = reference.multi_head_latent_attention
 
 _active = "reference"
 
