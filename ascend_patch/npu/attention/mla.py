@@ -37,13 +37,13 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
-    AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
 from ascend_patch.npu.kernels import mla as latent
 
 logger = logging.getLogger("vllm.ascend_patch")
@@ -79,14 +79,8 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
     return _masks[device]
 
 
-class AscendMLABackend(AttentionBackend):
-    accept_output_buffer = True
-    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"
+class AscendMLABackend(AscendAttentionBackend):
+    """The Ascend backend's cache policy (LBNHC, dtypes, decoder only) with the MLA impl."""
 
     @staticmethod
     def get_impl_cls() -> type[AscendMLAImpl]:
@@ -103,17 +97,6 @@ class AscendMLABackend(AttentionBackend):
     @classmethod
     def is_mla(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supported_kv_cache_layouts(cls):
-        # vLLM 0.29+. Layer-outermost: each layer owns one dense region (latent_planes).
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
-        return (KVCacheLayout.LBNHC,)
 
     if hasattr(AttentionBackend, "get_kv_cache_shape"):  # seam: until vLLM 0.29
 
@@ -160,13 +143,11 @@ class AscendMLAMetadata:
     prefill: AscendMLAPrefillMetadata | None
 
 
-class AscendMLAMetadataBuilder(AttentionMetadataBuilder[AscendMLAMetadata]):
+class AscendMLAMetadataBuilder(AscendMetadataBuilder):
+    """The standard backend's host-side batch description, split decode-first."""
+
     # The runner orders each batch decode-first: single-token requests, then the rest.
     reorder_batch_threshold: int = 1
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.device = device
 
     def build(
         self,
@@ -174,20 +155,10 @@ class AscendMLAMetadataBuilder(AttentionMetadataBuilder[AscendMLAMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AscendMLAMetadata:
-        meta = common_attn_metadata
-        num_reqs = meta.num_reqs
-        query_ends = meta.query_start_loc_cpu[1 : num_reqs + 1].tolist()
-        # A host copy of the KV lengths (exact without speculative decoding, which the platform
-        # refuses); otherwise one device-to-host copy.
-        host_seq_lens = meta.seq_lens_cpu_upper_bound
-        if host_seq_lens is None:
-            host_seq_lens = meta.seq_lens.cpu()
-        seq_lens = host_seq_lens[:num_reqs].tolist()
-        num_tokens = query_ends[-1] if query_ends else 0
-        block_table = meta.block_table_tensor[:num_reqs]
-        if block_table.dtype != torch.int32:
-            block_table = block_table.to(torch.int32)
+        batch = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        query_ends, seq_lens, block_table = batch.query_ends, batch.seq_lens, batch.block_table
         q_lens = [end - start for start, end in zip([0, *query_ends[:-1]], query_ends)]
+        num_reqs = len(q_lens)
         num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), num_reqs)
         decode = prefill = None
         if num_decodes:
@@ -200,11 +171,11 @@ class AscendMLAMetadataBuilder(AttentionMetadataBuilder[AscendMLAMetadata]):
                 has_context=any(s > q for s, q in zip(seq_lens[num_decodes:], q_lens[num_decodes:])),
             )
         return AscendMLAMetadata(
-            num_actual_tokens=num_tokens,
+            num_actual_tokens=batch.num_tokens,
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             num_prefills=num_reqs - num_decodes,
-            slot_mapping=meta.slot_mapping[:num_tokens],
+            slot_mapping=batch.slot_mapping,
             decode=decode,
             prefill=prefill,
         )
