@@ -34,11 +34,11 @@ def _platform_hook(name: str, signature: str, reason: str) -> Patch:
 
 
 def _contract(target: str, signature: str | tuple[str, ...] | None, reason: str, *, by: str,
-              upstream: str, remove_when: str = _KEEP) -> Patch:
+              upstream: str, remove_when: str = _KEEP, vllm: str | None = None) -> Patch:
     if isinstance(signature, str):
         signature = (signature,)
     return Patch(target, reason=reason, signature=signature, upstream=upstream,
-                 remove_when=remove_when, by=by)
+                 remove_when=remove_when, by=by, vllm=vllm)
 
 
 DEVICE_SELECTION = [
@@ -74,7 +74,7 @@ _GPU_RUNNER = "vllm/v1/worker/gpu_model_runner.py: the V1 runner NPUModelRunner 
 # custom ops, the sampler) override or call; verified, never patched.
 ENGINE_CONTRACTS = [
     _platform_hook("get_attn_backend_cls", "(cls, selected_backend, attn_selector_config, num_heads=...)",
-                   "attention backend selection"),
+                   "attention backend selection (AscendMLABackend for use_mla)"),
     _platform_hook("check_and_update_config", "(cls, vllm_config)", "worker class, block size, eager mode"),
     _platform_hook("apply_config_platform_defaults", "(cls, vllm_config)", "eager mode before custom-op defaults"),
     _platform_hook("import_ir_kernels", "(cls)", "register the ascend vLLM-IR implementations"),
@@ -340,6 +340,76 @@ QUANT_CONTRACTS = [
                              "intermediate_size_per_partition, params_dtype, **extra_weight_attrs)"),
           ("get_fused_moe_quant_config", "(self, layer)"),
           ("apply_monolithic", "(self, layer, x, router_logits, input_ids=...)"))),
+]
+
+_MLA_LAYER = "vllm.model_executor.layers.attention.mla_attention"
+_MLA_IMPL = "ascend_patch.npu.attention.mla:AscendMLAImpl"
+_MLA_INTERFACE = ("vllm/v1/attention/backend.py: MLAAttentionImpl, the interface vLLM's MLAAttention "
+                  "layer (model_executor/layers/attention/mla_attention.py) drives")
+_MLA_PREFILL = ("vllm/v1/attention/backends/mla/prefill/selector.py (0.21+): MLAAttention.__init__ "
+                "builds a prefill backend whatever its impl, FLASH_ATTN when the platform has no "
+                "device capability, and that constructor asserts flash_attn_varlen_func imports")
+
+# Multi-head latent attention (DeepSeek): vLLM's MLAAttention layer keeps projections, rotary,
+# the decode-first split and the W_UK/W_UV absorption; AscendMLABackend (chosen by
+# NPUPlatform.get_attn_backend_cls for use_mla) supplies the cache and the attention.
+MLA_CONTRACTS = [
+    _contract("vllm.v1.attention.backend:MLAAttentionImpl.__init__",
+              "(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, "
+              "kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, "
+              "q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, qk_head_dim, "
+              "v_head_dim, kv_b_proj, indexer=..., q_pad_num_heads=...)",
+              "MLAAttention builds the Ascend MLA impl with these keywords", by=_MLA_IMPL,
+              upstream=_MLA_INTERFACE),
+    _contract("vllm.v1.attention.backend:MLAAttentionImpl.do_kv_cache_update",
+              ("(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)",
+               "(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, "
+               "skip_scale=...)"),  # skip_scale: 0.33
+              "the MLA cache write: npu_scatter_pa_kv_cache into the latent and rope planes "
+              "(vLLM's default calls CUDA concat_and_cache_mla)", by=_MLA_IMPL,
+              upstream=_MLA_INTERFACE),
+    _contract("vllm.v1.attention.backend:MLAAttentionImpl.forward_mqa",
+              "(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)",
+              "decodes (queries absorbed by the layer): npu_multi_head_latent_attention",
+              by=_MLA_IMPL, upstream=_MLA_INTERFACE),
+    _contract("vllm.v1.attention.backend:MLAAttentionImpl.forward_mha",
+              ("(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output)",
+               "(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, "
+               "output_scale=...)"),  # output_scale: 0.24+
+              "prefills: npu_fused_infer_attention_score in its MLA form (up-projected, or "
+              "absorbed over the latent cache behind cached context)", by=_MLA_IMPL,
+              upstream=_MLA_INTERFACE),
+    _contract(f"{_MLA_LAYER}:MLAAttention.forward_impl", None,
+              "splits the decode-first batch by the counts AscendMLAMetadata carries "
+              "(num_actual_tokens, num_decodes, num_decode_tokens, num_prefills, decode)",
+              by="ascend_patch.npu.attention.mla:AscendMLAMetadata",
+              upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
+    _contract(f"{_MLA_LAYER}:MLAAttention._v_up_proj", "(self, x, out)",
+              "absorbed prefills go through the layer's W_UK_T and back through its W_UV, as "
+              "its decodes do", by=_MLA_IMPL, upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
+    _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.reorder_batch_threshold", None,
+              "AscendMLAMetadataBuilder sets 1: the runner orders each batch decode-first",
+              by="ascend_patch.npu.attention.mla:AscendMLAMetadataBuilder",
+              upstream="vllm/v1/worker/gpu_model_runner.py reorders by the builders' threshold"),
+    _contract("vllm.forward_context:get_forward_context", "()",
+              "the MLA impl finds its layer (no_compile_layers) and the step's metadata "
+              "(attn_metadata) there: forward_mha and do_kv_cache_update are not given them",
+              by=_MLA_IMPL, upstream="vllm/forward_context.py"),
+    Patch(
+        "vllm.v1.attention.backends.mla.prefill.selector:get_mla_prefill_backend",
+        reason="MLAAttention gets a prefill backend that constructs on Ascend (and is never run: "
+               "AscendMLAImpl runs prefills)",
+        vllm=">=0.21,<0.32",
+        signature=("(vllm_config)",),
+        replacement="ascend_patch.npu.attention.mla_prefill:select_prefill_backend",
+        upstream=_MLA_PREFILL,
+        remove_when="every supported release has Platform.get_mla_prefill_backend_cls (0.32+)",
+    ),
+    _contract("vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend.__init__",
+              "(self, num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+              "v_head_dim, vllm_config)", "AscendMLAPrefillBackend constructs like vLLM's",
+              by="ascend_patch.npu.attention.mla_prefill:AscendMLAPrefillBackend",
+              upstream=_MLA_PREFILL, vllm=">=0.21"),
 ]
 
 _TORCH_DEVICE_API = ("vLLM's GPU worker and V1 model runner call torch.cuda streams/events and the "

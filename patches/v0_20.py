@@ -28,9 +28,11 @@ PATCHES = [
     *common.RUNNER_GLUE,
     *common.MOE_CONTRACTS,
     *common.QUANT_CONTRACTS,
+    *common.MLA_CONTRACTS,
     Patch(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
-        reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout",
+        reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "
+               "(AscendMLABackend: [blocks, block, latent + rope], read as two planes)",
         signature=("(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=...)",),
         upstream=_KV_SHAPE,
         remove_when="this set is retired (0.29 removed the hook)",

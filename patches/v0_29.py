@@ -17,6 +17,19 @@ PATCHES = [
     *common.RUNNER_GLUE,
     *common.MOE_CONTRACTS,
     *common.QUANT_CONTRACTS,
+    *common.MLA_CONTRACTS,
+    Patch(
+        "vllm.platforms.interface:Platform.get_mla_prefill_backend_cls",
+        reason="the MLA prefill backend MLAAttention builds: one that constructs on Ascend (and "
+               "is never run: AscendMLAImpl runs prefills)",
+        vllm=">=0.32",
+        signature=("(cls, mla_selector_config)",),
+        upstream="vllm/platforms/interface.py (0.32+): the default returns FLASH_ATTN for a "
+                 "platform without a device capability, whose constructor asserts "
+                 "flash_attn_varlen_func imports",
+        remove_when="never: vLLM's own extension point; the contract only guards its signature",
+        by="ascend_patch.npu.platform:NPUPlatform",
+    ),
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",
@@ -26,6 +39,13 @@ PATCHES = [
                  "with strided [blocks, heads, tokens, K|V] layer views",
         remove_when="vLLM lets the attention backend name its per-layer layout again",
     ),
+    *(Patch(f"vllm.v1.kv_cache_interface:{spec}",
+            reason="allocate_kv_cache's wrapper tells MLA layers (one latent per token, no K|V "
+                   "split: vLLM's view kept) by their spec",
+            upstream="vllm/v1/kv_cache_interface.py: the KV cache specs of a kv_cache_config",
+            remove_when="never: vLLM's spec classes; the contract only guards their presence",
+            by="ascend_patch.npu.kv_cache:allocate_kv_cache")
+      for spec in ("MLAAttentionSpec", "UniformTypeKVCacheSpecs")),
 ]
 
 MANIFEST = [

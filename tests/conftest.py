@@ -162,7 +162,8 @@ def hf_logits(model_dir: Path, sequences: list[list[int]], dtype: str = "float32
 
 
 def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
-                            min_exact: float = 0.9, routed: bool = False) -> None:
+                            min_exact: float = 0.9, routed: bool = False,
+                            bf16_oracle: bool = False) -> None:
     """Reduced-precision greedy output against the fp32 HF oracle: exact equality is
     meaningless (a bf16 rounding can flip a near-tie and the sequences part), so every
     token the engine chose, on the engine's own sequence, must be HF's argmax or within
@@ -175,10 +176,14 @@ def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated
     20 tokens may match neither; a wrong expert path (weights, scaling, shared expert,
     combine) misses on most tokens. The expert path's own bf16 numerics, routing held
     fixed, are checked tightly in tests/kernels/test_moe_ops.py.
+
+    ``bf16_oracle``: a token may also match the independent bf16 run, but none may miss
+    both oracles; for models whose bf16 rounding alone (HF's as much as ours) moves some
+    logits further than the tolerance, e.g. MLA's 512-wide latent products.
     """
     sequences = [p + t for p, t in zip(prompts, generated)]
     oracles = [hf_logits(model_dir, sequences)]
-    if routed:
+    if routed or bf16_oracle:
         oracles.append(hf_logits(model_dir, sequences, "bfloat16"))
     assert_tracks_logits(oracles, prompts, generated, min_exact, routed)
 

@@ -11,7 +11,8 @@ K and V planes ``[blocks, block_tokens, kv_heads, head_size]``. The backend asks
 for a layer-outermost layout, so each layer owns one dense byte region; this
 module re-views that same region as ``[2, blocks, block_tokens, kv_heads,
 head_size]``. vLLM still decides sizes, placement and sharing; only the
-interpretation of a layer's bytes changes (the cache is empty at this point).
+interpretation of a layer's bytes changes (the cache is empty at this point). MLA
+layers keep vLLM's view: their one latent vector per token has no K/V split.
 On the emulated NPU the buffer is also charged against the emulated HBM.
 """
 
@@ -22,6 +23,10 @@ import math
 import torch
 
 
+_NOT_DENSE = ("Ascend KV cache: the layer's cache is not one dense region (strides {strides} for "
+              "shape {shape}); set VLLM_KV_CACHE_LAYOUT to a layer-outermost layout such as LBNHC")
+
+
 def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
     """vLLM's per-layer ``[B, H, N, C]`` view → ``[2, B, N, H, C // 2]`` over the same bytes."""
     if view.dim() != 4 or view.shape[-1] % 2:
@@ -30,6 +35,20 @@ def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
             f"K and V widths, got shape {tuple(view.shape)}"
         )
     blocks, heads, tokens, content = view.shape
+    return _dense_region(view).view(2, blocks, tokens, heads, content // 2)
+
+
+def latent_layer_view(view: torch.Tensor) -> torch.Tensor:
+    """An MLA layer's ``[B, 1, N, kv_lora_rank + rope]`` view, unchanged once it is known to be
+    contiguous: ``MLAAttention`` binds it itself, and the MLA backend reads its bytes as two
+    planes (``ascend_patch.npu.attention.mla.latent_planes``)."""
+    if not view.is_contiguous():
+        raise ValueError(_NOT_DENSE.format(strides=view.stride(), shape=tuple(view.shape)))
+    return view
+
+
+def _dense_region(view: torch.Tensor) -> torch.Tensor:
+    """The layer's bytes as one flat tensor, or a ValueError naming the layout to use."""
     numel = view.numel()
     # Dense: some order of the non-trivial dims has the strides of a contiguous tensor
     # (a dim of size 1 never moves, so its stride says nothing).
@@ -39,13 +58,8 @@ def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
         for i, d in enumerate(order)
     )
     if not dense:
-        raise ValueError(
-            "Ascend KV cache: the layer's cache is not one dense region (strides "
-            f"{view.stride()} for shape {tuple(view.shape)}); set VLLM_KV_CACHE_LAYOUT to a "
-            "layer-outermost layout such as LBNHC"
-        )
-    region = view.as_strided((numel,), (1,), view.storage_offset())
-    return region.view(2, blocks, tokens, heads, content // 2)
+        raise ValueError(_NOT_DENSE.format(strides=view.stride(), shape=tuple(view.shape)))
+    return view.as_strided((numel,), (1,), view.storage_offset())
 
 
 def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
@@ -60,9 +74,25 @@ def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
 
 def allocate_kv_cache(wrapped, instance, args, kwargs):
     """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache`` (vLLM 0.29+)."""
-    views = {name: ascend_layer_view(view) for name, view in wrapped(*args, **kwargs).items()}
+    latent = _latent_layers(args[0] if args else kwargs["kv_cache_config"])
+    views = {name: latent_layer_view(view) if name in latent else ascend_layer_view(view)
+             for name, view in wrapped(*args, **kwargs).items()}
     _charge(views)
     return views
+
+
+def _latent_layers(kv_cache_config) -> set[str]:
+    """The names of the MLA layers (one latent vector per token, no separate V)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    names = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = (spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs)
+                 else dict.fromkeys(group.layer_names, spec))
+        names.update(name for name, layer_spec in specs.items()
+                     if isinstance(layer_spec, MLAAttentionSpec))
+    return names
 
 
 def reshape_kv_cache_tensors(wrapped, instance, args, kwargs):

@@ -3,7 +3,8 @@
 It overrides only what is device-specific: loaded weights are charged to the emulated
 HBM and the profiling pass's activations are measured, so vLLM's unmodified
 ``determine_available_memory`` sizes the KV cache from real numbers; new KV blocks are
-zeroed in the Ascend ``[2, blocks, ...]`` layout instead of by vLLM's Triton kernel.
+zeroed in the Ascend layouts (K/V planes, MLA latent/rope planes) instead of by vLLM's
+Triton kernel.
 """
 
 from __future__ import annotations
@@ -32,24 +33,33 @@ class NPUModelRunner(GPUModelRunner):
 
     def _init_kv_zero_meta(self) -> None:
         # vLLM's KVBlockZeroer is a Triton kernel over [blocks, ...] caches; the
-        # Ascend layout is [2, blocks, ...], zeroed with one index_fill per layer.
+        # Ascend caches are planes of [blocks, ...]: K and V ([2, blocks, ...]),
+        # or the MLA latent and rope planes, each zeroed with one index_fill.
+        from ascend_patch.npu.attention.mla import AscendMLAImpl, latent_planes
+
         context = self.compilation_config.static_forward_context
-        caches = {}
+        planes = {}
         for group in self.kv_cache_config.kv_cache_groups:
             for name in group.layer_names:
-                kv = getattr(context.get(name), "kv_cache", None)
-                if isinstance(kv, torch.Tensor):
-                    caches[kv.data_ptr()] = kv
-        self._ascend_kv_caches = list(caches.values())
+                layer = context.get(name)
+                kv = getattr(layer, "kv_cache", None)
+                if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+                    continue
+                if isinstance(getattr(layer, "impl", None), AscendMLAImpl):
+                    layer_planes = latent_planes(kv, layer.impl.kv_lora_rank)
+                else:
+                    layer_planes = kv.unbind(0)
+                planes.update((plane.data_ptr(), plane) for plane in layer_planes)
+        self._ascend_kv_planes = list(planes.values())
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
-        if not block_ids or not getattr(self, "_ascend_kv_caches", None):
+        if not block_ids or not getattr(self, "_ascend_kv_planes", None):
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for kv in self._ascend_kv_caches:
-            ratio = kv.shape[1] // self.kv_cache_config.num_blocks  # kernel blocks per block
+        for plane in self._ascend_kv_planes:
+            ratio = plane.shape[0] // self.kv_cache_config.num_blocks  # kernel blocks per block
             kernel_ids = (ids[:, None] * ratio + torch.arange(ratio, device=self.device)).flatten()
-            kv.index_fill_(1, kernel_ids, 0)
+            plane.index_fill_(0, kernel_ids, 0)
 
 
 def no_kernel_warmup(original):

@@ -25,6 +25,7 @@ from ascend_patch.npu import device
 logger = logging.getLogger("vllm.ascend_patch")
 
 ATTENTION_BACKEND = "ascend_patch.npu.attention.backend.AscendAttentionBackend"
+MLA_BACKEND = "ascend_patch.npu.attention.mla.AscendMLABackend"
 WORKER = "ascend_patch.npu.worker.NPUWorker"
 COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
 
@@ -58,13 +59,20 @@ class NPUPlatform(Platform):
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         config = attn_selector_config
-        for feature in ("use_mla", "use_sparse", "has_sink"):
+        for feature in ("use_sparse", "has_sink"):
             if getattr(config, feature, False):
                 raise NotImplementedError(
                     f"the Ascend attention backend does not support models that need "
                     f"{feature.removeprefix('use_').removeprefix('has_')} attention"
                 )
-        return ATTENTION_BACKEND
+        return MLA_BACKEND if config.use_mla else ATTENTION_BACKEND
+
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        # vLLM 0.32+ asks the platform (0.21–0.31: the selector replacement in the manifest).
+        from ascend_patch.npu.attention.mla_prefill import AscendMLAPrefillBackend
+
+        return AscendMLAPrefillBackend
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:

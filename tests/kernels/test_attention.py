@@ -73,9 +73,10 @@ def paged_cache(keys, values, block_size, generator, spare_blocks=3):
     per_seq = [math.ceil(k.shape[0] / block_size) for k in keys]
     num_blocks = sum(per_seq) + spare_blocks
     width = max(per_seq) + 2
-    shape = (num_blocks, block_size, *keys[0].shape[1:])
-    key_cache = torch.randn(shape, generator=generator).to(keys[0].dtype)
-    value_cache = torch.randn(shape, generator=generator).to(keys[0].dtype)
+    key_cache = torch.randn(num_blocks, block_size, *keys[0].shape[1:],
+                            generator=generator).to(keys[0].dtype)
+    value_cache = torch.randn(num_blocks, block_size, *values[0].shape[1:],  # may differ (MLA)
+                              generator=generator).to(values[0].dtype)
     block_table = torch.randint(0, num_blocks, (len(keys), width), generator=generator,
                                 dtype=torch.int32)
     free = torch.randperm(num_blocks, generator=generator)

@@ -124,6 +124,15 @@ PUBLISHED_SCHEMAS = {
         'int num_kv_heads, int num_heads, float scale_value, Tensor block_table, '
         'Tensor context_lens, Tensor(a!) out, *,Tensor? workspace=None) -> ()'
     )),
+    # torch_npu.atb.<name> (ATB_API_LIST in op_plugin/python/atb/_atb_ops.py): the two string
+    # pieces of the m.def at lines 372-373, joined.
+    "atb.npu_multi_head_latent_attention": ("op_plugin/ops/atb/MultiHeadLatentAttentionAtb.cpp:372", (
+        'npu_multi_head_latent_attention(Tensor q_nope, Tensor q_rope, Tensor ctkv, '
+        'Tensor k_rope, Tensor block_tables, SymInt[] context_lens, int q_headnum, '
+        'float qk_scale, int kv_headnum, *, Tensor? mask=None, SymInt[]? qseqlen=None, '
+        'Tensor? qk_descale=None, Tensor? pv_descale=None, str? mask_type=None, '
+        'str? calc_type=None, str? cache_mode=None) -> Tensor'
+    )),
 }
 
 # How each family reaches Python (which decides the keyword names a call may use):
@@ -203,7 +212,7 @@ def _signatures() -> dict[str, inspect.Signature]:
     signatures = {}
     for op, (source, schema) in PUBLISHED_SCHEMAS.items():
         name, signature = parse_schema(schema, python_binding=source.startswith(_FUNCTIONS_YAML))
-        assert name == op, source
+        assert name == op.rpartition(".")[2], source
         signatures[op] = signature
     return signatures
 
@@ -222,6 +231,12 @@ class PublishedTorchNpu(types.ModuleType):
         self.results = {}
 
     def __getattr__(self, name):
+        if name == "atb":  # the torch_npu.atb module of ATB ops
+            return types.SimpleNamespace(**{op.partition(".")[2]: self._op(op)
+                                            for op in SIGNATURES if op.startswith("atb.")})
+        return self._op(name)
+
+    def _op(self, name):
         if name not in SIGNATURES:
             raise AttributeError(f"torch_npu has no published schema for {name!r} here")
         signature = SIGNATURES[name]
@@ -297,6 +312,8 @@ SLOTS = torch.tensor([0, 1, 2], dtype=torch.int32)
     (lambda t: t._npu_paged_attention(X, X, X, 2, 8, 0.125, X, SLOTS), "missing a required "
      "argument: 'out'"),
     (lambda t: t._npu_rotary_embedding(X, X, X, 64, X, True), "no published schema"),
+    (lambda t: t.atb.npu_multi_head_latent_attention(X, X, X, X, SLOTS, SLOTS, 8, 0.1, 1),
+     "argument 'context_lens' must be SymInt[], not Tensor"),
 ])
 def test_a_call_the_real_binding_rejects_fails(call, error):
     fake = PublishedTorchNpu()
@@ -441,6 +458,28 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     logits, p, k = torch.zeros(2, 50), torch.tensor([0.5, 0.9]), torch.tensor([5, 9], dtype=int32)
     kernels.top_k_top_p(logits, p=p, k=k)
     assert_arguments(torch_npu.only_call("npu_top_k_top_p"), {"logits": logits, "p": p, "k": k})
+
+    # MLA: the fused-attention op in its rope form over the latent planes, and the ATB decode.
+    latent, rope = torch.zeros(4, 128, 512, dtype=bf16), torch.zeros(4, 128, 64, dtype=bf16)
+    q_nope, q_rope = torch.zeros(5, 8, 512, dtype=bf16), torch.zeros(5, 8, 64, dtype=bf16)
+    torch_npu.results["npu_fused_infer_attention_score"] = expected
+    result = kernels.fused_infer_attention_score_mla(
+        q_nope, latent, latent, query_rope=q_rope, key_rope=rope, atten_mask=mask,
+        block_table=table, actual_seq_lengths=[1, 5], actual_seq_lengths_kv=[200, 140],
+        num_heads=8, num_key_value_heads=1, scale=0.04, input_layout="TND", block_size=128,
+        sparse_mode=3)
+    assert result is expected
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score"), {
+        "query": q_nope, "key": latent, "value": latent, "query_rope": q_rope, "key_rope": rope,
+        "atten_mask": mask, "block_table": table, "actual_seq_lengths": [1, 5],
+        "actual_seq_lengths_kv": [200, 140], "num_heads": 8, "num_key_value_heads": 1,
+        "scale": 0.04, "input_layout": "TND", "block_size": 128, "sparse_mode": 3})
+    ctkv, k_rope = latent.view(4, 128, 1, 512), rope.view(4, 128, 1, 64)
+    kernels.multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, table, [200, 140], 8, 0.04, 1)
+    assert_arguments(torch_npu.only_call("atb.npu_multi_head_latent_attention"), {
+        "q_nope": q_nope, "q_rope": q_rope, "ctkv": ctkv, "k_rope": k_rope,
+        "block_tables": table, "context_lens": [200, 140], "q_headnum": 8, "qk_scale": 0.04,
+        "kv_headnum": 1})
 
 
 def test_count_launches_counts_per_op_and_restores_the_originals():

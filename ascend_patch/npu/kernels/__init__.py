@@ -5,7 +5,8 @@ Two backends implement the same signatures:
 - ``"reference"`` (default, :mod:`.reference`): plain torch that enforces each op's documented input
   contract and computes its documented output. It runs the emulated engine on CPU and makes contract
   violations fail loudly off-hardware. The Mixture-of-Experts references live in :mod:`.moe`, the
-  int8 quantisation ones in :mod:`.quant` (both re-exported by :mod:`.reference`).
+  int8 quantisation ones in :mod:`.quant` and the multi-head latent attention ones in :mod:`.mla`
+  (all re-exported by :mod:`.reference`).
 - ``"npu"`` (:mod:`.npu`): direct calls of the documented torch_npu ops, imported lazily.
 
 :func:`use` rebinds the module-level functions, so a call is a plain attribute lookup with no
@@ -42,6 +43,8 @@ OPS = (
     "dynamic_quant",
     "quantize",
     "quant_matmul",
+    "fused_infer_attention_score_mla",
+    "multi_head_latent_attention",
 )
 
 
@@ -90,6 +93,8 @@ moe_finalize_routing = reference.moe_finalize_routing
 dynamic_quant = reference.dynamic_quant
 quantize = reference.quantize
 quant_matmul = reference.quant_matmul
+fused_infer_attention_score_mla = reference.fused_infer_attention_score_mla
+multi_head_latent_attention = reference.multi_head_latent_attention
 
 _active = "reference"
 

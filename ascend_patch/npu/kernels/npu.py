@@ -176,6 +176,32 @@ def quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, 
         output_dtype=output_dtype, group_sizes=group_sizes,
     )
 
+
+# --- multi-head latent attention (references and call order: kernels/mla.py) ---------------------
+
+
+def fused_infer_attention_score_mla(query, key, value, *, query_rope, key_rope, atten_mask=None,
+                                    block_table=None, actual_seq_lengths=None,
+                                    actual_seq_lengths_kv=None, num_heads, num_key_value_heads,
+                                    scale, input_layout="TND", block_size=0, sparse_mode=0):
+    # The same op as fused_infer_attention_score; query_rope/key_rope select its MLA branch.
+    return _torch_npu().npu_fused_infer_attention_score(
+        query, key, value,
+        query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
+        input_layout=input_layout, block_size=block_size, sparse_mode=sparse_mode,
+    )
+
+
+def multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, block_tables, context_lens,
+                                q_headnum, qk_scale, kv_headnum):
+    # An ATB op: torch_npu.atb.<name> is torch.ops.atb.<name>, bound by its schema's names.
+    return _torch_npu().atb.npu_multi_head_latent_attention(
+        q_nope=q_nope, q_rope=q_rope, ctkv=ctkv, k_rope=k_rope, block_tables=block_tables,
+        context_lens=context_lens, q_headnum=q_headnum, qk_scale=qk_scale, kv_headnum=kv_headnum,
+    )
+
 # --- device runtime -------------------------------------------------------------------------------
 
 

@@ -562,3 +562,11 @@ def top_k_top_p(logits, p=None, k=None):
         drop[:, -1] = False
         values = values.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, values)
+
+
+# --- multi-head latent attention ------------------------------------------------------------------
+# Imported last: the MLA references (kernels/mla.py) reuse this module's paged-cache checks.
+from .mla import (  # noqa: E402,F401 - re-exported like the MoE references
+    fused_infer_attention_score_mla,
+    multi_head_latent_attention,
+)
