@@ -16,6 +16,7 @@ PATCHES = [
     *common.ENGINE_CONTRACTS,
     *common.RUNNER_GLUE,
     *common.MOE_CONTRACTS,
+    *common.GRAPH_MODE,
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",
