@@ -9,7 +9,10 @@ for a user's script, and nothing here imports ``ascend_patch`` before vLLM.
 SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [
           {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}]}]}
 Each run reports per prompt the generated token ids and the number of prompt tokens
-served from the prefix cache, plus the kernel-seam launch counts for the whole run.
+served from the prefix cache, plus the kernel-seam launch counts and the graph replays
+for the whole run; each engine, the graphs it captured. An engine spec with
+``"stale_host_params": true`` runs with the graphs' host-parameter updates left out
+(the negative control of the graph tests).
 """
 
 from __future__ import annotations
@@ -23,11 +26,24 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _run_engine(spec: dict) -> dict:
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    reissue = NPUGraphWrapper._reissue
+    if spec.get("stale_host_params"):
+        NPUGraphWrapper._reissue = lambda self, update, params, buffer: None
+    try:
+        return _generate(spec, NPUGraphWrapper)
+    finally:
+        NPUGraphWrapper._reissue = reissue
+
+
+def _generate(spec: dict, wrapper) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from ascend_patch.npu import kernels
 
+    captures = wrapper.captures
     kwargs = {"distributed_executor_backend": "uni", "seed": 0, **spec.get("kwargs", {})}
     try:
         llm = LLM(model=spec["model"], **kwargs)
@@ -37,6 +53,9 @@ def _run_engine(spec: dict) -> dict:
     result = {
         "num_gpu_blocks": config.cache_config.num_gpu_blocks,
         "block_size": config.cache_config.block_size,
+        "cudagraph_mode": config.compilation_config.cudagraph_mode.name,
+        "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
+        "graph_captures": wrapper.captures - captures,
         "runs": [],
     }
     for run in spec["runs"]:
@@ -44,6 +63,7 @@ def _run_engine(spec: dict) -> dict:
         if len(params) == 1:
             params = params * len(run["prompts"])
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
+        replays = wrapper.replays
         with kernels.count_launches() as launches:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         result["runs"].append(
@@ -51,6 +71,7 @@ def _run_engine(spec: dict) -> dict:
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                 "cached": [o.num_cached_tokens or 0 for o in outputs],
                 "launches": dict(launches),
+                "graph_replays": wrapper.replays - replays,
             }
         )
     del llm

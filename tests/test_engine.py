@@ -92,6 +92,8 @@ def test_chunked_prefill_changes_nothing(llama_fp32_runs, llama_oracle):
 
 def test_fp32_runs_composed_attention_and_the_npu_custom_ops(llama_fp32_runs):
     result, _ = llama_fp32_runs
+    # Composed attention turns host lengths into new tensors every step: no graphs.
+    assert result["engines"][0]["cudagraph_mode"] == "NONE"
     launches = result["engines"][0]["runs"][0]["launches"]
     assert launches["scatter_pa_kv_cache"] > 0
     assert "fused_infer_attention_score" not in launches and "paged_attention" not in launches
@@ -109,16 +111,22 @@ def test_qwen2_greedy_equals_hf(tiny_models, tmp_path):
     assert result["engines"][0]["runs"][0]["tokens"] == hf_greedy(qwen, prompts, MAX_TOKENS)
 
 
-def test_bf16_runs_the_fused_kernels_and_tracks_fp32_hf(llama, prompts, tmp_path):
-    """bf16 exercises the fused NPU kernels (FIA for prefill, paged attention for decode).
-    bf16 rounding makes exact equality with an fp32 oracle meaningless, so every token the
-    engine chose is checked against HF fp32 logits of the engine's own sequence: it must be
-    HF's argmax, or within bf16 rounding of it."""
-    spec = {"engines": [{"model": str(llama), "kwargs": {**ENGINE, "dtype": "bfloat16"},
+def test_bf16_runs_the_fused_kernels_in_graphs_and_tracks_fp32_hf(llama, prompts, tmp_path):
+    """bf16 exercises the fused NPU kernels (FIA for prefill, paged attention for decode), decode
+    in FULL ACL graphs (asked for explicitly: by default graph mode is on only for releases this
+    suite has passed on). bf16 rounding makes exact equality with an fp32 oracle meaningless,
+    so every token the engine chose is checked against HF fp32 logits of the engine's own
+    sequence: it must be HF's argmax, or within bf16 rounding of it."""
+    kwargs = {**ENGINE, "dtype": "bfloat16", "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
+    spec = {"engines": [{"model": str(llama), "kwargs": kwargs,
                          "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}]}
-    run = run_engine(spec, tmp_path)["engines"][0]["runs"][0]
+    engine = run_engine(spec, tmp_path)["engines"][0]
+    run = engine["runs"][0]
+    assert engine["cudagraph_mode"] == "FULL_DECODE_ONLY" and engine["graph_captures"] > 0
     assert run["launches"]["fused_infer_attention_score"] > 0
-    assert run["launches"]["paged_attention"] > 0
+    # Every replay re-issues each layer's paged attention with the step's context lengths.
+    assert run["graph_replays"] > 0
+    assert run["launches"]["paged_attention_workspace"] == 2 * run["graph_replays"]
     assert_tracks_hf_logits(llama, prompts, run["tokens"])
 
 

@@ -24,11 +24,12 @@ from tests.conftest import ascend_patch_lines, clean_env, run_json, run_python
 # Imports every target module and reports, per target, whether the live object is
 # still vLLM's own (defined in a vLLM file, not wrapped).
 STOCK_REPORT = """
-import importlib, json, os, sys
+import contextlib, importlib, inspect, json, os, sys
 bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
 from ascend_patch.overlay import loader
 from ascend_patch.patches import v0_29
+context_manager = contextlib.contextmanager(lambda: iter(())).__code__
 targets = {}
 for p in v0_29.PATCHES:
     owner = importlib.import_module(p.module)
@@ -36,11 +37,14 @@ for p in v0_29.PATCHES:
     for name in path:
         owner = getattr(owner, name)
     raw = vars(owner)[attr]
-    func = getattr(raw, "__func__", raw)
-    code = getattr(func, "__code__", None)
+    func = raw.fget if isinstance(raw, property) else getattr(raw, "__func__", raw)
+    if getattr(func, "__code__", None) is context_manager:
+        func = func.__wrapped__  # vLLM's own @contextmanager
+    if not (inspect.isfunction(func) or inspect.isclass(func)):
+        continue  # a value (a dataclass field's default): nothing to wrap
     targets[p.target] = {
         "wrapped": hasattr(func, "__wrapped__"),
-        "file": os.path.realpath(code.co_filename) if code else None,
+        "file": os.path.realpath(inspect.getsourcefile(func)),
         "qualname": getattr(func, "__qualname__", None),
     }
 from vllm.platforms import current_platform

@@ -85,6 +85,12 @@ class _ActivationTracker(TorchDispatchMode):
     alias an input (views, in-place ops) allocate nothing.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile (PIECEWISE graphs) compiles in vLLM's profiling run: dynamo refuses to
+        # trace under a dispatch mode that does not step aside while it compiles.
+        return True
+
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, tuple[int, int]] = {}  # data_ptr -> (weak ref handle, bytes)

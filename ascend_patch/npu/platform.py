@@ -20,7 +20,7 @@ import os
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from ascend_patch import env
+from ascend_patch import env, release
 from ascend_patch.npu import device
 
 logger = logging.getLogger("vllm.ascend_patch")
@@ -78,6 +78,11 @@ class NPUPlatform(Platform):
         compilation = vllm_config.compilation_config
         if compilation.mode is None:
             compilation.mode = CompilationMode.NONE
+        if (compilation.mode == CompilationMode.VLLM_COMPILE
+                and not {"all", "none"} & set(compilation.custom_ops)):
+            # torch.compile traces vLLM's native RMSNorm/SiluAndMul/rotary: the NPU custom ops
+            # run their kernel-seam contract checks in Python, which dynamo cannot trace.
+            compilation.custom_ops.append("none")
         if compilation.cudagraph_mode is None:
             on = vllm_config.optimization_level > 0 and graphs_by_default(vllm_config.model_config)
             compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY if on else CUDAGraphMode.NONE
@@ -247,12 +252,9 @@ def graphs_by_default(model_config) -> bool:
     whose decode runs the fused paged-attention kernel (fp16/bf16, head size 64 or 128); the fp32
     composed attention reads host data into new tensors every step and cannot be captured."""
     from ascend_patch.npu.attention.backend import FUSED_DTYPES, FUSED_HEAD_SIZES
-    from ascend_patch.overlay import loader
 
-    activation = loader.current()
-    entry = activation.selection.entry if activation and activation.selection else None
-    proven = entry is not None and entry.status in ("emulated-e2e", "npu-verified")
-    return (proven and model_config is not None and model_config.dtype in FUSED_DTYPES
+    return (release.proven_end_to_end and model_config is not None
+            and model_config.dtype in FUSED_DTYPES
             and model_config.get_head_size() in FUSED_HEAD_SIZES)
 
 
@@ -284,7 +286,8 @@ def settle_graph_mode(vllm_config) -> None:
     kept, reasons = sizes, []
     full, piecewise = mode.has_full_cudagraphs(), mode.has_piecewise_cudagraphs()
     if full:
-        null_slots = vllm_config.cache_config.block_size or KERNEL_BLOCK_SIZE
+        cache = vllm_config.cache_config  # its block size is the backend's unless given
+        null_slots = cache.block_size if cache.user_specified_block_size else KERNEL_BLOCK_SIZE
         kept = [size for size in kept if size <= null_slots]
         if len(kept) < len(sizes):
             reasons.append(f"FULL graphs pad at most {null_slots} tokens (one null-block slot each)")

@@ -148,6 +148,12 @@ class NPUGraph:
             raise GraphCaptureError("graph_task_group_begin without graph_task_group_end")
         self._pool.hold(self.nbytes)
 
+    def _abandon_capture(self) -> None:
+        global _capture
+        capture, _capture = _capture, None
+        capture.stop()
+        self.reset()
+
     def replay(self) -> None:
         NPUGraph.replays += 1
         for fn, args, kwargs, fresh, _ in self._launches:
@@ -202,8 +208,11 @@ class graph:
         self.npu_graph.capture_begin(pool=self.pool)
         return self.npu_graph
 
-    def __exit__(self, *exc_info) -> None:
-        self.npu_graph.capture_end()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if exc_type is None:
+            self.npu_graph.capture_end()
+        else:
+            self.npu_graph._abandon_capture()
 
 
 def is_capturing() -> bool:
