@@ -286,6 +286,9 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
 
             acl_graph.launch(layer_name, meta, issue, workspace)
             return
+        if acl_graph.capturing():  # FULL graphs hold single-token decode batches only
+            raise RuntimeError("npu_fused_infer_attention_score inside a graph capture: its host "
+                               "query/KV lengths would be replayed unchanged")
         num_blocks, block_size = key_cache.shape[:2]
         attn, _ = kernels.fused_infer_attention_score(
             query,

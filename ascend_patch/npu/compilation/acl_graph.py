@@ -75,6 +75,11 @@ def launch(key: str, params, issue: Callable, workspace: Callable | None = None)
     _capturing.append(_HostParamLaunch(key, issue, workspace, handle, event))
 
 
+def capturing() -> bool:
+    """Whether a graph capture is in progress (its launches must not bake host values)."""
+    return _capturing is not None
+
+
 @contextlib.contextmanager
 def _collect_host_param_launches():
     global _capturing
