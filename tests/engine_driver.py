@@ -63,15 +63,17 @@ def _generate(spec: dict, wrapper) -> dict:
         if len(params) == 1:
             params = params * len(run["prompts"])
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
-        replays = wrapper.replays
+        replays = wrapper.replays.copy()
         with kernels.count_launches() as launches:
             outputs = llm.generate(prompts, params, use_tqdm=False)
+        by_size = wrapper.replays - replays
         result["runs"].append(
             {
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                 "cached": [o.num_cached_tokens or 0 for o in outputs],
                 "launches": dict(launches),
-                "graph_replays": wrapper.replays - replays,
+                "graph_replays": sum(by_size.values()),
+                "graph_replays_by_size": {str(size): n for size, n in sorted(by_size.items())},
             }
         )
     del llm

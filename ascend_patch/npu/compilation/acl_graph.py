@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from unittest.mock import patch
 
@@ -102,7 +103,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
     """
 
     captures = 0  # process-wide counts, for tests and benchmarks
-    replays = 0
+    replays: Counter[int] = Counter()  # by the replayed batch's (padded) token count
 
     def __init__(self, runnable, vllm_config, runtime_mode, cudagraph_options=None) -> None:
         super().__init__(runnable, vllm_config, runtime_mode, cudagraph_options)
@@ -134,7 +135,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
         if updates:
             self._update_host_params(updates, context.attn_metadata)
         entry.cudagraph.replay()
-        NPUGraphWrapper.replays += 1
+        NPUGraphWrapper.replays[descriptor.num_tokens] += 1
         return entry.output
 
     def _capture(self, descriptor, args, kwargs):
