@@ -104,8 +104,10 @@ ENGINE_CONTRACTS = [
               "(vllm_config, rank, distributed_init_method=..., local_rank=..., backend=...)",
               "NPUWorker initialises HCCL/gloo with it", by=WORKER, upstream=_GPU_WORKER),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", None,
-              "NPUModelRunner charges the loaded weights to the emulated HBM", by=RUNNER,
-              upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own)",
+              "NPUModelRunner charges the loaded weights to the emulated HBM and puts "
+              "NPUGraphWrapper where vLLM built CUDAGraphWrapper for FULL graphs", by=RUNNER,
+              upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own); " + _GPU_RUNNER
+              + " (load_model wraps the model in CUDAGraphWrapper, whose capture is torch.cuda.graph)",
               remove_when="never while the emulated NPU exists"),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run", None,
               "NPUModelRunner measures the profiling pass's activations", by=RUNNER,
@@ -203,6 +205,60 @@ RUNNER_GLUE = [
               ("(init_snapshot, cache_config)", "(init_snapshot, cache_config, external_weight_memory=...)"),
               "NPUWorker.init_device takes vLLM's memory baseline with it", by=WORKER,
               upstream="vllm/v1/worker/utils.py"),
+]
+
+_GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph:NPUGraphWrapper"
+_CUDA_GRAPH = ("vllm/compilation/cuda_graph.py: CUDAGraphWrapper, which vLLM's runner builds for FULL "
+               "graphs and NPUGraphWrapper subclasses (its capture and replay are torch.cuda's)")
+_REMOVE_WITH_WRAPPER = "vLLM captures graphs through the platform (torch.accelerator graphs)"
+
+# ACL graphs: the platform's static-graph hooks and what NPUGraphWrapper builds on.
+GRAPH_MODE = [
+    _platform_hook("support_static_graph_mode", "(cls)",
+                   "graph mode: vLLM settles the CUDA-graph mode and its capture sizes"),
+    _platform_hook("get_static_graph_wrapper_cls", "(cls)",
+                   "the PIECEWISE backend wraps each compiled piece in NPUGraphWrapper"),
+    _platform_hook("get_global_graph_pool", "(self)",
+                   "the graphs' shared pool, from NPUPlatform.graph_pool_handle (the device runtime's)"),
+    _platform_hook("opaque_attention_op", "(cls)",
+                   "under torch.compile attention is one opaque op: the PIECEWISE split point"),
+    _contract("vllm.compilation.cuda_graph:CUDAGraphWrapper.__init__",
+              "(self, runnable, vllm_config, runtime_mode, cudagraph_options=...)",
+              "NPUGraphWrapper is built like it and keeps its state (runnable, mode, pool, entries)",
+              by=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
+    _contract("vllm.compilation.cuda_graph:CUDAGraphWrapper.clear_graphs", "(self)",
+              "vLLM clears every wrapper's graphs through it; NPUGraphWrapper drops its updates too",
+              by=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
+    _contract("vllm.compilation.cuda_graph:CUDAGraphEntry", None,
+              "NPUGraphWrapper keeps one entry per batch descriptor, as vLLM's wrapper does",
+              by=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
+    _contract("vllm.compilation.monitor:validate_cudagraph_capturing_enabled", "()",
+              "NPUGraphWrapper captures only while vLLM allows captures", by=_GRAPH_WRAPPER,
+              upstream="vllm/compilation/monitor.py", remove_when=_REMOVE_WITH_WRAPPER),
+    _contract("vllm.forward_context:ForwardContext.cudagraph_runtime_mode", None,
+              "each step's graph mode, which NPUGraphWrapper dispatches on", by=_GRAPH_WRAPPER,
+              upstream="vllm/forward_context.py", remove_when=_REMOVE_WITH_WRAPPER),
+    _contract("vllm.forward_context:ForwardContext.batch_descriptor", None,
+              "each step's padded batch, the key of its graph", by=_GRAPH_WRAPPER,
+              upstream="vllm/forward_context.py", remove_when=_REMOVE_WITH_WRAPPER),
+    _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.get_cudagraph_support",
+              "(cls, vllm_config, kv_cache_spec)",
+              "FULL graphs for single-token decode on the fused kernels, none for composed fp32 "
+              "attention", by="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
+              upstream="vllm/v1/attention/backend.py: the attention backend interface"),
+    Patch(
+        "vllm.distributed.parallel_state:graph_capture",
+        reason="capture on the NPU's own stream without the CUDA communicators' capture contexts",
+        signature=("(device)", "(device, graph_capture_context=...)"),  # the context: 0.26-0.30
+        replacement="ascend_patch.npu.distributed.graph_capture:npu_graph_capture",
+        upstream="vllm/distributed/parallel_state.py: GroupCoordinator.graph_capture asserts a "
+                 "group's device communicator is CUDA's or XPU's (0.22+) and enters their "
+                 "custom all-reduce capture",
+        remove_when="GroupCoordinator.graph_capture asks the device communicator for its context",
+    ),
+    _contract("vllm.distributed.parallel_state:GraphCaptureContext", None,
+              "the capture context graph_capture yields", by="ascend_patch.npu.distributed.graph_capture:graph_capture",
+              upstream="vllm/distributed/parallel_state.py"),
 ]
 
 _MOE = "vllm.model_executor.layers.fused_moe"

@@ -29,6 +29,7 @@ PATCHES = [
     *common.MOE_CONTRACTS,
     *common.QUANT_CONTRACTS,
     *common.MLA_CONTRACTS,
+    *common.GRAPH_MODE,
     Patch(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "

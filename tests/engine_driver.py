@@ -21,6 +21,10 @@ generated token ids of the first completion ("tokens"), the number of prompt tok
 served from the prefix cache, and "outputs": the prompt's token ids and prompt logprobs
 and every completion with its tokens, text, finish reason and logprobs (per position a
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
+Each run also reports the graph replays ("graph_replays", and by padded size); each engine
+its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An engine spec with
+``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
+negative control of the graph tests).
 A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
 then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 """
@@ -125,10 +129,23 @@ def _fused_batches(kernels):
 
 
 def _run_engine(spec: dict, report_errors: bool) -> dict:
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    reissue = NPUGraphWrapper._reissue
+    if spec.get("stale_host_params"):
+        NPUGraphWrapper._reissue = lambda self, update, params, buffer: None
+    try:
+        return _generate(spec, NPUGraphWrapper, report_errors)
+    finally:
+        NPUGraphWrapper._reissue = reissue
+
+
+def _generate(spec: dict, wrapper, report_errors: bool) -> dict:
     from vllm import LLM
 
     from ascend_patch.npu import kernels
 
+    captures = wrapper.captures
     kwargs = {"distributed_executor_backend": "uni", "seed": 0, **spec.get("kwargs", {})}
     try:
         llm = LLM(model=spec["model"], **kwargs)
@@ -138,9 +155,13 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     result = {
         "num_gpu_blocks": config.cache_config.num_gpu_blocks,
         "block_size": config.cache_config.block_size,
+        "cudagraph_mode": config.compilation_config.cudagraph_mode.name,
+        "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
+        "graph_captures": wrapper.captures - captures,
         "runs": [],
     }
     for run in spec["runs"]:
+        replays = wrapper.replays.copy()
         with kernels.count_launches() as launches, _fused_batches(kernels) as batches:
             try:
                 report = _run(llm, run)
@@ -150,7 +171,10 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
                 # e.g. a rejected request: the next run shows whether the engine survived it
                 traceback.print_exc()
                 report = {"error": f"{type(exc).__name__}: {exc}"}
-        result["runs"].append({**report, "launches": dict(launches), "fused_batches": dict(batches)})
+        by_size = wrapper.replays - replays
+        result["runs"].append({**report, "launches": dict(launches), "fused_batches": dict(batches),
+                               "graph_replays": sum(by_size.values()),
+                               "graph_replays_by_size": {str(size): n for size, n in sorted(by_size.items())}})
     # vLLM <= 0.32 keeps a deleted in-process engine alive unless it is shut down, and
     # freezes the heap when its engine core starts (gc.freeze()): shut down and unfreeze so
     # this engine's tensors, and the emulated HBM they hold, are freed before the next one.

@@ -92,6 +92,8 @@ def test_chunked_prefill_changes_nothing(llama_fp32_runs, llama_oracle):
 
 def test_fp32_runs_composed_attention_and_the_npu_custom_ops(llama_fp32_runs):
     result, _ = llama_fp32_runs
+    # Composed attention turns host lengths into new tensors every step: no graphs.
+    assert result["engines"][0]["cudagraph_mode"] == "NONE"
     launches = result["engines"][0]["runs"][0]["launches"]
     assert launches["scatter_pa_kv_cache"] > 0
     assert "fused_infer_attention_score" not in launches and "paged_attention" not in launches
@@ -121,9 +123,11 @@ HALF_SAMPLE = {"temperature": 0.8, "top_k": 5, "max_tokens": 16, "ignore_eos": T
 def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
     """One driver process, several engines: per dtype the Llama with prefix caching and a
     64-token step budget (chunked prefill, mixed prefill + decode steps, prefix-cache hits,
-    seeded sampling) and Qwen2; the head_dim-128 Llama in bf16. Each engine takes a small
-    share of the emulated HBM, since some vLLM releases keep a deleted engine's memory."""
-    small = {**ENGINE, "gpu_memory_utilization": 0.15}
+    seeded sampling) and Qwen2; the head_dim-128 Llama in bf16; all eager, so every step
+    launches its kernels (graph mode has its own tests, tests/test_graph.py). And the bf16
+    Llama with FULL_DECODE_ONLY graphs asked for explicitly (by default graph mode is on
+    only for releases this suite has passed on)."""
+    small = {**ENGINE, "gpu_memory_utilization": 0.15, "enforce_eager": True}
     sampling = [{**HALF_SAMPLE, "seed": seed} for seed in (3, 4)]
     qwen = tiny_models["tiny-qwen2"]
     engines, names = [], []
@@ -142,6 +146,10 @@ def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
     engines.append({"model": str(hd128), "kwargs": {**small, "dtype": "bfloat16"},
                     "runs": [{"prompts": prompt_token_ids(hd128, HALF_LENGTHS), "sampling": [GREEDY]}]})
     names.append(("llama-hd128", "bfloat16"))
+    engines.append({"model": str(llama), "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
+                    "kwargs": {**ENGINE, "dtype": "bfloat16",
+                               "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}})
+    names.append(("llama-graphs", "bfloat16"))
     result = run_engine({"engines": engines}, tmp_path_factory.mktemp("half"))
     for engine in result["engines"]:
         assert "error" not in engine, engine["error"]
@@ -234,6 +242,18 @@ def test_head_dim_128_runs_the_fused_kernels(half_precision_runs, tiny_models):
     run = half_precision_runs[("llama-hd128", "bfloat16")]["runs"][0]
     _assert_fused_attention_only(run)
     _assert_tracks_fp32_hf(model, prompt_token_ids(model, HALF_LENGTHS), run["tokens"], "bfloat16")
+
+
+def test_bf16_decodes_in_graphs_and_tracks_fp32_hf(half_precision_runs, llama, prompts):
+    """Decode in FULL ACL graphs (emulated), prefill eager on FIA."""
+    engine = half_precision_runs[("llama-graphs", "bfloat16")]
+    run = engine["runs"][0]
+    assert engine["cudagraph_mode"] == "FULL_DECODE_ONLY" and engine["graph_captures"] > 0
+    assert run["launches"]["fused_infer_attention_score"] > 0
+    # Every replay re-issues each layer's paged attention with the step's context lengths.
+    assert run["graph_replays"] > 0
+    assert run["launches"]["paged_attention_workspace"] == 2 * run["graph_replays"]
+    _assert_tracks_fp32_hf(llama, prompts, run["tokens"], "bfloat16")
 
 
 def test_seeded_sampling_repeats_and_respects_top_k_top_p_min_p(llama, prompts, tmp_path):

@@ -23,7 +23,7 @@ from tests.conftest import ascend_patch_lines, clean_env, run_json, run_python
 # Imports every target module and reports, per target, whether the live object is
 # still vLLM's own (defined in a vLLM file, not wrapped).
 STOCK_REPORT = """
-import importlib, json, os, sys
+import importlib, inspect, json, os, sys
 import wrapt
 bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
@@ -36,9 +36,10 @@ for p in v0_29.PATCHES:
     for name in path:
         owner = getattr(owner, name)
     raw = vars(owner)[attr]
-    func = getattr(raw, "fget", None) or getattr(raw, "__func__", raw)  # property, classmethod
-    # vLLM wraps some of its own functions (functools.wraps: tracing's @instrument); walk
-    # those down to the code, but any wrapt wrapper or ascend_patch object is ours.
+    func = raw.fget if isinstance(raw, property) else getattr(raw, "__func__", raw)  # classmethod
+    # vLLM wraps some of its own functions (functools.wraps: tracing's @instrument, its
+    # @contextmanager); walk those down to the code, but any wrapt wrapper or ascend_patch
+    # object is ours.
     ours = False
     while True:
         wrapper = isinstance(func, wrapt.FunctionWrapper)
@@ -46,10 +47,12 @@ for p in v0_29.PATCHES:
         if wrapper or not hasattr(func, "__wrapped__"):
             break
         func = func.__wrapped__
+    if not (wrapper or inspect.isfunction(func) or inspect.isclass(func)):
+        continue  # a value (a dataclass field's default): nothing to wrap
     code = getattr(func, "__code__", None)
     targets[p.target] = {
         "wrapped": ours,
-        "file": os.path.realpath(code.co_filename) if code else None,
+        "file": os.path.realpath(code.co_filename if code else inspect.getsourcefile(func)),
         "qualname": getattr(func, "__qualname__", None),
     }
 from vllm.platforms import current_platform

@@ -44,6 +44,7 @@ class Runtime(Protocol):
     def charge(self, what: str, nbytes: int, lifetime: object) -> None: ...
     def track_activations(self) -> contextlib.AbstractContextManager: ...
     def device_api(self) -> dict[str, object]: ...
+    def graphs(self): ...
 
 
 class _EmulatedStream:
@@ -83,6 +84,12 @@ class _ActivationTracker(TorchDispatchMode):
     storage weak references, so views keep it alive as they should); outputs that
     alias an input (views, in-place ops) allocate nothing.
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile (PIECEWISE graphs) compiles in vLLM's profiling run: dynamo refuses to
+        # trace under a dispatch mode that does not step aside while it compiles.
+        return True
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,6 +244,12 @@ class EmulatedRuntime:
             "torch:Event": _EmulatedEvent,
         }
 
+    def graphs(self):
+        """The graph API (torch_npu.npu's names): the emulated NPU graph."""
+        from ascend_patch.npu.compilation import emulated_graph
+
+        return emulated_graph
+
 
 class NpuRuntime:
     """Real Ascend devices, through :mod:`ascend_patch.npu.kernels.npu`.
@@ -284,6 +297,11 @@ class NpuRuntime:
         """torch.npu's counterparts of the torch device API vLLM calls, by patch target."""
         return {**{f"torch.cuda:{name}": value for name, value in self._npu.cuda_api().items()},
                 "torch.accelerator:get_memory_info": self._npu.mem_get_info}
+
+    def graphs(self):
+        """The graph API: torch_npu.npu (NPUGraph, graph, graph_pool_handle, ExternalEvent, the
+        task-group calls, streams)."""
+        return self._npu.graph_api()
 
 
 @functools.cache

@@ -4,14 +4,18 @@ It overrides only what is device-specific: loaded weights are charged to the emu
 HBM and the profiling pass's activations are measured, so vLLM's unmodified
 ``determine_available_memory`` sizes the KV cache from real numbers; new KV blocks are
 zeroed in the Ascend layouts (K/V planes, MLA latent/rope planes) instead of by vLLM's
-Triton kernel.
+Triton kernel; FULL graphs are captured and replayed by :class:`NPUGraphWrapper` where
+vLLM builds its ``CUDAGraphWrapper``.
 """
 
 from __future__ import annotations
 
 import torch
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.platforms import current_platform
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 
 
 class NPUModelRunner(GPUModelRunner):
@@ -26,6 +30,12 @@ class NPUModelRunner(GPUModelRunner):
                        for t in (*model.parameters(), *model.buffers())}
             runtime.charge("weights", sum(tensors.values()), model)
             self.model_memory_usage = sum(tensors.values())
+        if type(self.model) is CUDAGraphWrapper:
+            # vLLM wraps the model for FULL graphs in CUDAGraphWrapper itself, whose capture is
+            # torch.cuda.graph: the NPU's wrapper takes its place, with the same runnable and mode.
+            wrapper = self.model
+            self.model = NPUGraphWrapper(wrapper.runnable, self.vllm_config, wrapper.runtime_mode,
+                                         wrapper.cudagraph_options)
 
     def profile_run(self, *args, **kwargs):
         with current_platform.runtime().track_activations():

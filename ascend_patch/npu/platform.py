@@ -15,11 +15,12 @@ memory is the configured emulated HBM.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from ascend_patch import env
+from ascend_patch import env, release
 from ascend_patch.npu import device
 
 logger = logging.getLogger("vllm.ascend_patch")
@@ -28,6 +29,7 @@ ATTENTION_BACKEND = "ascend_patch.npu.attention.backend.AscendAttentionBackend"
 MLA_BACKEND = "ascend_patch.npu.attention.mla.AscendMLABackend"
 WORKER = "ascend_patch.npu.worker.NPUWorker"
 COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
+GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph.NPUGraphWrapper"
 
 
 class NPUPlatform(Platform):
@@ -39,7 +41,7 @@ class NPUPlatform(Platform):
     device_control_env_var = "ASCEND_RT_VISIBLE_DEVICES"
     ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"]
     dist_backend = "hccl"
-    # torch.compile is not part of the supported path; eager for the simple fns.
+    # No Inductor on the NPU path: torch.compile (PIECEWISE graphs, the simple fns) runs eager.
     simple_compile_backend = "eager"
     emulated = False
     kernel_backend = "npu"
@@ -83,16 +85,26 @@ class NPUPlatform(Platform):
 
     @classmethod
     def apply_config_platform_defaults(cls, vllm_config) -> None:
-        # Runs before vLLM settles the compilation mode and the custom-op default:
-        # eager mode makes every custom op ("all") dispatch to forward_oot.
-        from vllm.config import CompilationMode
+        # Runs before vLLM settles the compilation mode, the custom-op default and the graph
+        # mode from the optimization level: eager torch (every custom op dispatches to
+        # forward_oot), and FULL_DECODE_ONLY ACL graphs where they are proven.
+        from vllm.config import CompilationMode, CUDAGraphMode
 
-        if vllm_config.compilation_config.mode is None:
-            vllm_config.compilation_config.mode = CompilationMode.NONE
+        compilation = vllm_config.compilation_config
+        if compilation.mode is None:
+            compilation.mode = CompilationMode.NONE
+        if (compilation.mode == CompilationMode.VLLM_COMPILE
+                and not {"all", "none"} & set(compilation.custom_ops)):
+            # torch.compile traces vLLM's native RMSNorm/SiluAndMul/rotary: the NPU custom ops
+            # run their kernel-seam contract checks in Python, which dynamo cannot trace.
+            compilation.custom_ops.append("none")
+        if compilation.cudagraph_mode is None:
+            on = vllm_config.optimization_level > 0 and graphs_by_default(vllm_config.model_config)
+            compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY if on else CUDAGraphMode.NONE
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        from vllm.config import CompilationMode, CUDAGraphMode
+        from vllm.config import CompilationMode
 
         from ascend_patch.npu import quantization
         from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
@@ -125,13 +137,33 @@ class NPUPlatform(Platform):
                 )
 
         compilation = vllm_config.compilation_config
-        if compilation.mode != CompilationMode.NONE:
-            logger.warning("ascend-patch: torch.compile is not supported on Ascend yet; running eager")
+        if compilation.mode not in (CompilationMode.NONE, CompilationMode.VLLM_COMPILE):
+            logger.warning("ascend-patch: compilation mode %s is not supported on Ascend; running "
+                           "without torch.compile", compilation.mode.name)
             compilation.mode = CompilationMode.NONE
-        compilation.cudagraph_mode = CUDAGraphMode.NONE
-        compilation.cudagraph_capture_sizes = []
         if vllm_config.model_config is not None:
-            vllm_config.model_config.enforce_eager = True
+            settle_graph_mode(vllm_config)
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return GRAPH_WRAPPER
+
+    @classmethod
+    def graph_pool_handle(cls):
+        # vLLM's get_global_graph_pool() and its graph-memory profiling ask the platform for it.
+        return cls.runtime().graphs().graph_pool_handle()
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Under torch.compile attention must be one opaque op: the split point of PIECEWISE
+        # graphs, and never traced (its metadata is host data that changes every step).
+        from vllm.config import CompilationMode, get_current_vllm_config
+
+        return get_current_vllm_config().compilation_config.mode == CompilationMode.VLLM_COMPILE
 
     @classmethod
     def import_ir_kernels(cls) -> None:
@@ -231,6 +263,75 @@ class EmulatedNPUPlatform(NPUPlatform):
         # vLLM before 0.25 reads free/total device memory from the platform, which
         # would otherwise look for it in torch.cpu.
         return cls.runtime().mem_get_info()
+
+
+def graphs_by_default(model_config) -> bool:
+    """Whether graph mode is on unless asked otherwise: where this vLLM release's emulated
+    end-to-end suite (or a hardware run) passed with it on (compat_matrix.yaml status), for models
+    whose decode runs the fused paged-attention kernel (fp16/bf16, head size 64 or 128); the fp32
+    composed attention reads host data into new tensors every step and cannot be captured. Not
+    for MLA models (see settle_graph_mode)."""
+    from ascend_patch.npu.attention.backend import FUSED_DTYPES, FUSED_HEAD_SIZES
+
+    return (release.proven_end_to_end and model_config is not None
+            and not model_config.use_mla
+            and model_config.dtype in FUSED_DTYPES
+            and model_config.get_head_size() in FUSED_HEAD_SIZES)
+
+
+def settle_graph_mode(vllm_config) -> None:
+    """Check the graph mode vLLM settled on and choose the capture sizes the NPU can hold.
+
+    Runs after vLLM has applied --enforce-eager (mode NONE) and its default capture sizes. Keeps
+    sizes a FULL graph can pad (its padded tokens write their K/V into vLLM's null block, one
+    slot each) and, of those, as many as the NPU's streams allow (vllm-ascend's budget), and says
+    in one log line how many it kept and why.
+    """
+    from vllm.config import CUDAGraphMode
+
+    from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
+    from ascend_patch.npu.compilation import acl_graph
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode == CUDAGraphMode.NONE:
+        return
+    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") not in ("", "0"):
+        logger.warning("ascend-patch: breakable CUDA graphs are CUDA-only; running without graphs")
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        return
+    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
+        raise ValueError("ASCEND_LAUNCH_BLOCKING=1 cannot capture ACL graphs: unset it, or run with "
+                         "--enforce-eager")
+    if mode.has_full_cudagraphs() and vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+        # The MLA decode kernel takes its context lengths as a host list and has no
+        # host-parameter update on replay yet: a replay would attend over the capture's lengths.
+        raise ValueError(f"{mode.name} ACL graphs are not supported for MLA models yet (the MLA decode "
+                         "kernel's host context lengths are not updated on replay): run with "
+                         "--enforce-eager or -cc.cudagraph_mode=NONE")
+    sizes = sorted(compilation.cudagraph_capture_sizes or [])
+    kept, reasons = sizes, []
+    full, piecewise = mode.has_full_cudagraphs(), mode.has_piecewise_cudagraphs()
+    if full:
+        cache = vllm_config.cache_config  # its block size is the backend's unless given
+        null_slots = cache.block_size if cache.user_specified_block_size else KERNEL_BLOCK_SIZE
+        kept = [size for size in kept if size <= null_slots]
+        if len(kept) < len(sizes):
+            reasons.append(f"FULL graphs pad at most {null_slots} tokens (one null-block slot each)")
+    budget = acl_graph.capture_size_budget(vllm_config, piecewise=piecewise, full=full)
+    if len(kept) > budget.max_sizes:
+        kept = acl_graph.sample_sizes(kept, budget.max_sizes)
+        reasons.append(f"at most {budget.max_sizes} fit: {budget.reason}")
+    logger.info("ascend-patch: ACL graphs (%s): capturing %d of %d sizes%s%s", mode.name, len(kept),
+                len(sizes), f" up to {kept[-1]}" if kept else "",
+                f" ({'; '.join(reasons)})" if reasons else f" ({budget.reason})")
+    if not kept:
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        return
+    if kept != sizes:
+        compilation.cudagraph_capture_sizes = kept
+        compilation.max_cudagraph_capture_size = kept[-1]
+        compilation.post_init_cudagraph_sizes()
 
 
 def select_platform(wrapped, instance, args, kwargs) -> str:

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ascend_patch import env
+from ascend_patch import env, release
 from ascend_patch.overlay import matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import Decision, decide
@@ -247,6 +247,8 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
             else:
                 act.warnings += _overridden_settings(act)
                 REGISTRY.schedule([d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))])
+                entry = act.selection.entry
+                release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
                 act.state = "active"
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
@@ -271,6 +273,7 @@ def deactivate() -> list[str]:
         if _activation is not None:
             _activation.state = "reverted"
         _activation = None
+        release.proven_end_to_end = False
         return restored
 
 

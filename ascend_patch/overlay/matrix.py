@@ -25,6 +25,8 @@ SCHEMA_VERSION = 1
 STATUSES = ("npu-verified", "emulated-e2e", "static-probe", "untested", "unsupported")
 # Statuses that claim a run happened, so they must carry its date and evidence.
 _RUN_STATUSES = ("npu-verified", "emulated-e2e", "static-probe")
+RUN_END_TO_END = ("npu-verified", "emulated-e2e")
+"""The statuses that record an end-to-end run (graph mode is on by default only there)."""
 
 
 class MatrixError(ValueError):

@@ -22,6 +22,7 @@ copies that other modules took with ``from module import name``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -433,8 +434,13 @@ def _raw_attribute(owner: object, attr: str) -> object:
         raise PatchError(f"{getattr(owner, '__name__', owner)} defines no {attr!r}") from None
 
 
+_CONTEXT_MANAGER = contextlib.contextmanager(lambda: iter(())).__code__
+
+
 def _live_signature(raw: object) -> str | None:
     func = getattr(raw, "__func__", raw)  # unwrap classmethod / staticmethod
+    if getattr(func, "__code__", None) is _CONTEXT_MANAGER:
+        func = func.__wrapped__  # @contextmanager in the source: its function's signature counts
     try:
         return render_signature(func)
     except (TypeError, ValueError):

@@ -133,6 +133,11 @@ PUBLISHED_SCHEMAS = {
         'Tensor? qk_descale=None, Tensor? pv_descale=None, str? mask_type=None, '
         'str? calc_type=None, str? cache_mode=None) -> Tensor'
     )),
+    "_npu_paged_attention_get_workspace": ("op_plugin/ops/atb/PagedAttentionAtb.cpp:108", (
+        '_npu_paged_attention_get_workspace(Tensor query, Tensor key_cache, Tensor value_cache, '
+        'int num_kv_heads, int num_heads, float scale_value, Tensor block_table, '
+        'Tensor context_lens, Tensor(a!) out) -> Tensor'
+    )),
 }
 
 # How each family reaches Python (which decides the keyword names a call may use):
@@ -367,10 +372,18 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     query, out = torch.zeros(2, 8, 64, dtype=bf16), torch.empty(2, 8, 64, dtype=bf16)
     context_lens = torch.tensor([3, 9], dtype=int32)
     kernels.paged_attention(query, cache, cache, 2, 8, 0.125, table, context_lens, out)
-    assert_arguments(torch_npu.only_call("_npu_paged_attention"), {
+    paged_arguments = {
         "query": query, "key_cache": cache, "value_cache": cache, "num_kv_heads": 2,
         "num_heads": 8, "scale_value": 0.125, "block_table": table, "context_lens": context_lens,
-        "out": out})
+        "out": out}
+    assert_arguments(torch_npu.only_call("_npu_paged_attention"), {**paged_arguments, "workspace": None})
+    # A captured launch is given its workspace (ACL graphs: the buffer's address is fixed).
+    torch_npu.results["_npu_paged_attention_get_workspace"] = workspace = torch.empty(64, dtype=torch.uint8)
+    assert kernels.paged_attention_workspace(query, cache, cache, 2, 8, 0.125, table, context_lens,
+                                             out) is workspace
+    assert_arguments(torch_npu.only_call("_npu_paged_attention_get_workspace"), paged_arguments)
+    kernels.paged_attention(query, cache, cache, 2, 8, 0.125, table, context_lens, out, workspace=workspace)
+    assert_arguments(torch_npu.only_call("_npu_paged_attention"), {**paged_arguments, "workspace": workspace})
 
     kernels.rms_norm(X, GAMMA, 1e-5)
     assert_arguments(torch_npu.only_call("npu_rms_norm"),

@@ -18,6 +18,13 @@ KV cache: each layer's cache is ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (K plane, V plane), the ND layout the kernels read. vLLM 0.20–0.28
 shape it from ``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.kv_cache`
 carves it out of vLLM's single allocation.
+
+Graphs: FULL graphs hold uniform single-token decode batches (``_npu_paged_attention``,
+whose host context lengths every replay re-issues through :func:`acl_graph.launch`).
+Prefill and mixed batches (FIA, with host query and KV lengths) stay outside graphs:
+eager, or between PIECEWISE graphs. A FULL graph's batch is padded to its capture size;
+its padded requests get one token each over vLLM's null block (block 0), and every
+token without a slot (padding, dummy runs) writes its K/V into a slot of that block.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -34,6 +42,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import paged
 
 # Block sizes the fused kernels accept for queries longer than one token
@@ -108,17 +117,39 @@ class AscendMetadata:
     block_table: torch.Tensor
     """[num_seqs, max_blocks] int32, in kernel blocks."""
     slot_mapping: torch.Tensor
+    """vLLM's slots, -1 for a token without one (padding, dummy runs)."""
+    null_slots: torch.Tensor
+    """A slot of the null block for each token position (the stand-ins for -1)."""
     max_query_len: int
+    _kv_slots: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def kv_slots(self) -> torch.Tensor:
+        """The step's KV-cache slots with the missing ones in the null block: one device op per
+        step (every layer shares it), inside a FULL graph when captured."""
+        if self._kv_slots is None:
+            self._kv_slots = torch.where(self.slot_mapping < 0, self.null_slots, self.slot_mapping)
+        return self._kv_slots
 
 
 class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.device = device
+        # Slot i of the null block for token i (block 0, which vLLM never hands to a request).
+        tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._null_slots = torch.arange(tokens, device=device) % kv_cache_spec.block_size
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # FULL graphs for single-token decode batches on the fused kernels (see the module
+        # docstring); the composed fp32 path turns host lengths into new tensors every step.
+        fused = (vllm_config.model_config.dtype in FUSED_DTYPES
+                 and kv_cache_spec.head_size in FUSED_HEAD_SIZES)
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if fused else AttentionCGSupport.NEVER
 
     def build(
         self,
@@ -135,7 +166,18 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         if host_seq_lens is None:
             host_seq_lens = meta.seq_lens.cpu()
         seq_lens = host_seq_lens[:num_seqs].to(torch.int32)
-        num_tokens = query_ends[-1] if query_ends else 0
+        num_tokens = meta.num_actual_tokens
+        padding = num_seqs - 1 - query_ends.index(query_ends[-1]) if query_ends else 0
+        if padding:
+            # A FULL graph's padded batch: its last requests have no token. Each gets one,
+            # attending to one null-block slot, so the batch has the captured shape.
+            real = num_seqs - padding
+            query_ends[real:] = range(query_ends[real - 1] + 1, query_ends[real - 1] + padding + 1)
+            seq_lens[real:] = 1
+        if query_ends and query_ends[-1] != num_tokens:
+            raise NotImplementedError(
+                f"a padded batch of {num_tokens} tokens for {num_seqs} requests ending at "
+                f"{query_ends[-1]}: the Ascend backend pads single-token decode batches only")
         block_table = meta.block_table_tensor[:num_seqs]
         if block_table.dtype != torch.int32:
             block_table = block_table.to(torch.int32)
@@ -146,6 +188,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
             context_lens=seq_lens,
             block_table=block_table,
             slot_mapping=meta.slot_mapping[:num_tokens],
+            null_slots=self._null_slots[:num_tokens],
             max_query_len=meta.max_query_len,
         )
 
@@ -217,24 +260,35 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 value[:n].contiguous(),
                 key_cache,
                 value_cache,
-                attn_metadata.slot_mapping,
+                attn_metadata.kv_slots(),
             )
         query = query[:n]
         out = output[:n]
         if query.dtype in FUSED_DTYPES and self.head_size in FUSED_HEAD_SIZES:
-            self._fused(query, key_cache, value_cache, attn_metadata, out)
+            self._fused(layer.layer_name, query, key_cache, value_cache, attn_metadata, out)
         else:
             _composed(query, key_cache, value_cache, attn_metadata, self.scale, out)
         return output
 
-    def _fused(self, query, key_cache, value_cache, meta: AscendMetadata, out) -> None:
+    def _fused(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata, out) -> None:
         query = query.contiguous()
         if meta.decode_only:
-            kernels.paged_attention(
-                query, key_cache, value_cache, self.num_kv_heads, self.num_heads,
-                self.scale, meta.block_table, meta.context_lens, out,
-            )
+            # Its context lengths are host data: a graph replay must be handed the step's.
+            args = (query, key_cache, value_cache, self.num_kv_heads, self.num_heads, self.scale)
+
+            def issue(params: AscendMetadata, workspace) -> None:
+                kernels.paged_attention(*args, params.block_table, params.context_lens, out,
+                                        workspace=workspace)
+
+            def workspace(params: AscendMetadata):
+                return kernels.paged_attention_workspace(*args, params.block_table,
+                                                         params.context_lens, out)
+
+            acl_graph.launch(layer_name, meta, issue, workspace)
             return
+        if acl_graph.capturing():  # FULL graphs hold single-token decode batches only
+            raise RuntimeError("npu_fused_infer_attention_score inside a graph capture: its host "
+                               "query/KV lengths would be replayed unchanged")
         num_blocks, block_size = key_cache.shape[:2]
         attn, _ = kernels.fused_infer_attention_score(
             query,

@@ -29,6 +29,7 @@ OPS = (
     "scatter_pa_kv_cache",
     "fused_infer_attention_score",
     "paged_attention",
+    "paged_attention_workspace",
     "rms_norm",
     "add_rms_norm",
     "swiglu",
@@ -79,6 +80,7 @@ _BACKENDS = {
 scatter_pa_kv_cache = reference.scatter_pa_kv_cache
 fused_infer_attention_score = reference.fused_infer_attention_score
 paged_attention = reference.paged_attention
+paged_attention_workspace = reference.paged_attention_workspace
 rms_norm = reference.rms_norm
 add_rms_norm = reference.add_rms_norm
 swiglu = reference.swiglu

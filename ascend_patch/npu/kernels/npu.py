@@ -62,8 +62,19 @@ def fused_infer_attention_score(
 
 
 def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
-                    block_table, context_lens, out):
+                    block_table, context_lens, out, workspace=None):
     _torch_npu()._npu_paged_attention(
+        query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
+        num_heads=num_heads, scale_value=scale_value, block_table=block_table,
+        context_lens=context_lens, out=out, workspace=workspace,
+    )
+
+
+def paged_attention_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                              block_table, context_lens, out):
+    # The buffer a captured _npu_paged_attention is given, so the launch (and each task update of
+    # it) does not allocate its own outside the graph pool.
+    return _torch_npu()._npu_paged_attention_get_workspace(
         query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
         num_heads=num_heads, scale_value=scale_value, block_table=block_table,
         context_lens=context_lens, out=out,
@@ -268,3 +279,10 @@ def cuda_api() -> dict:
         "set_stream": npu.set_stream,
         "synchronize": npu.synchronize,
     }
+
+
+def graph_api():
+    """torch_npu.npu, whose ACL graph API (NPUGraph, graph, graph_pool_handle, ExternalEvent,
+    graph_task_group_begin/end, graph_task_update_begin/end, Stream, stream, current_stream) the
+    graph path calls by those names (docs/zh/custom_APIs/torch_npu-npu/)."""
+    return _torch_npu().npu

@@ -239,9 +239,30 @@ def fused_infer_attention_score(
 
 
 def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
-                    block_table, context_lens, out):
+                    block_table, context_lens, out, workspace=None):
     """Pure decode: each sequence's one query token attends to its whole context; fills ``out``."""
     op = "_npu_paged_attention"
+    lengths = _check_paged_attention(op, query, key_cache, value_cache, num_kv_heads, num_heads,
+                                     block_table, context_lens, out)
+    if workspace is not None:
+        # [PA] binding: the workspace is a byte buffer from _npu_paged_attention_get_workspace.
+        check_tensor(op, "workspace", workspace)
+        check_dtype(op, "workspace", workspace, (torch.uint8,))
+        check_dims(op, "workspace", workspace, 1)
+    out.copy_(decode_batch(query, key_cache, value_cache, block_table, lengths, scale_value))
+
+
+def paged_attention_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                              block_table, context_lens, out):
+    """The workspace ``_npu_paged_attention`` needs for these arguments: a byte buffer
+    (``_npu_paged_attention_get_workspace``; its size is ATB's business, none here)."""
+    _check_paged_attention("_npu_paged_attention_get_workspace", query, key_cache, value_cache,
+                           num_kv_heads, num_heads, block_table, context_lens, out)
+    return torch.empty(0, dtype=torch.uint8, device=query.device)
+
+
+def _check_paged_attention(op, query, key_cache, value_cache, num_kv_heads, num_heads, block_table,
+                           context_lens, out) -> list[int]:
     check_tensor(op, "query", query)
     check_dims(op, "query", query, 3)  # [PA] query [num_tokens, num_heads, head_size]
     check_dtype(op, "query", query, _HALF)  # [PA] float16 (bf16 on A2/A3; 310P is fp16 only)
@@ -299,8 +320,7 @@ def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scal
     require(out.shape == query.shape and out.dtype == query.dtype, op, "out",
             f"{query.dtype} of shape {tuple(query.shape)}", f"{out.dtype} {tuple(out.shape)}")
     check_contiguous(op, "out", out)  # [ATB-OUT]
-
-    out.copy_(decode_batch(query, key_cache, value_cache, block_table, lengths, scale_value))
+    return lengths
 
 
 def _lengths_from_cumulative(op, arg, ends):

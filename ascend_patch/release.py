@@ -1,0 +1,12 @@
+"""What the loader learned about the running vLLM release, for the NPU wing.
+
+The overlay decides and the NPU wing acts, and neither imports the other: the loader writes
+here when it activates, the platform reads. Each process that imports vLLM runs the loader,
+so each has its own, correct value.
+"""
+
+from __future__ import annotations
+
+proven_end_to_end = False
+"""Whether compat_matrix.yaml records an end-to-end run of this release (emulated-e2e or
+npu-verified): the suite that proves graph mode, which is on by default only then."""

@@ -1,0 +1,117 @@
+"""Graph mode end to end on the emulated NPU: replayed graphs give the tokens eager mode gives.
+
+Every engine runs in ONE driver process (tests/engine_driver.py), bf16 so decode runs the fused
+paged-attention kernel that FULL graphs hold. The decode batches shrink as requests finish
+(different max_tokens), so they hit capture sizes (1, 2, 4, 8) and fall between them (3, 5, 6,
+7: padded to the next size), with prefix caching and chunked prefill on. The emulated graph
+replays exactly the work it captured, so a buffer the runner did not refresh, or a host
+argument the replay was not handed, changes tokens; the control engine proves it: with the
+host-parameter updates left out, its tokens part from eager mode's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import prompt_token_ids, run_engine
+
+# 8 requests: the 129- and 200-token prompts prefill in 64-token chunks beside decodes.
+PROMPT_LENGTHS = [3, 17, 129, 40, 7, 200, 11, 64]
+ENGINE = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 8,
+          "gpu_memory_utilization": 0.9, "enable_prefix_caching": True,
+          "enable_chunked_prefill": True, "max_num_batched_tokens": 64}
+EAGER = {**ENGINE, "enforce_eager": True}
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def _greedy(max_tokens: list[int]) -> list[dict]:
+    return [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in max_tokens]
+
+
+# Decode batches 5 → 1 (sizes 5 and 3 padded), then 8 → 1 (8 hits, 7 and 6 padded), then the
+# first run again, served from the prefix cache.
+RUNS = [(5, _greedy([6, 9, 12, 3, 14])), (8, _greedy([4, 5, 6, 7, 8, 9, 10, 11])),
+        (5, _greedy([6, 9, 12, 3, 14]))]
+ENGINES = {
+    "llama graph": ("tiny-llama", ENGINE, RUNS, {}),
+    "llama eager": ("tiny-llama", EAGER, RUNS, {}),
+    "qwen2 graph": ("tiny-qwen2", ENGINE, RUNS[:1], {}),
+    "qwen2 eager": ("tiny-qwen2", EAGER, RUNS[:1], {}),
+    "llama stale host parameters": ("tiny-llama", ENGINE, RUNS[:1], {"stale_host_params": True}),
+    # torch.compile: PIECEWISE graphs for mixed batches, FULL graphs for decode.
+    "llama full and piecewise": ("tiny-llama", {**ENGINE, "compilation_config": {
+        "mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}, RUNS[:1], {}),
+    "llama tp2 graph": ("tiny-llama", {**ENGINE, **TP2}, RUNS[:1], {}),
+    "llama tp2 eager": ("tiny-llama", {**EAGER, **TP2}, RUNS[:1], {}),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory):
+    prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
+    spec = {"engines": [
+        {"model": str(tiny_models[model]), "kwargs": kwargs, **extra,
+         "runs": [{"prompts": prompts[:count], "sampling": sampling} for count, sampling in runs]}
+        for model, kwargs, runs, extra in ENGINES.values()
+    ]}
+    result = run_engine(spec, tmp_path_factory.mktemp("graph"), timeout=1500)
+    assert result["platform"] == "EmulatedNPUPlatform"
+    engines = dict(zip(ENGINES, result["engines"]))
+    for name, engine in engines.items():
+        assert "error" not in engine, f"{name}: {engine.get('error')}"
+    return engines
+
+
+def _tokens(engine: dict) -> list[list[list[int]]]:
+    return [run["tokens"] for run in engine["runs"]]
+
+
+def test_graph_mode_is_on_by_default_and_enforce_eager_turns_it_off(engines):
+    graph, eager = engines["llama graph"], engines["llama eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert graph["capture_sizes"] == [1, 2, 4, 8, 16]  # vLLM's defaults up to 2 x max_num_seqs
+    assert graph["graph_captures"] == 4, "one FULL decode graph per size up to max_num_seqs"
+    assert eager["cudagraph_mode"] == "NONE" and eager["graph_captures"] == 0
+    assert all(run["graph_replays"] == 0 for run in eager["runs"])
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_replayed_graphs_give_eager_tokens(engines, model):
+    graph, eager = engines[f"{model} graph"], engines[f"{model} eager"]
+    assert _tokens(graph) == _tokens(eager)
+    # The first run's decode batches of 5 and 3 requests replay the graphs of 8 and 4 (padded);
+    # those of 4, 2 and 1 hit their sizes.
+    assert set(graph["runs"][0]["graph_replays_by_size"]) == {"1", "2", "4", "8"}
+    assert all(run["graph_replays"] > 0 for run in graph["runs"])
+
+
+def test_prefix_cache_hits_replay_the_same_graphs(engines):
+    graph = engines["llama graph"]
+    first, cached = graph["runs"][0], graph["runs"][2]
+    assert sum(cached["cached"]) > 0 and cached["tokens"] == first["tokens"]
+    assert cached["graph_replays"] > 0
+
+
+def test_without_host_parameter_updates_replays_diverge(engines):
+    """The control: the same engine with the replays' context lengths left at the capture's
+    values. Decode attends to the wrong context, so its tokens must part from eager mode's."""
+    stale, eager = engines["llama stale host parameters"], engines["llama eager"]
+    assert stale["runs"][0]["graph_replays"] > 0
+    diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], eager["runs"][0]["tokens"])]
+    assert all(diverged), diverged
+
+
+def test_full_and_piecewise_graphs_under_torch_compile_give_eager_tokens(engines):
+    compiled, eager = engines["llama full and piecewise"], engines["llama eager"]
+    assert compiled["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    # Per size one PIECEWISE graph per piece (2 layers: 3 pieces), plus FULL decode graphs.
+    assert compiled["graph_captures"] == 5 * 3 + 4
+    assert compiled["runs"][0]["tokens"] == eager["runs"][0]["tokens"]
+    assert compiled["runs"][0]["graph_replays"] > 0
+
+
+def test_tensor_parallel_graphs_give_eager_tokens(engines):
+    """TP=2 over two spawned workers: the all-reduces are captured in each rank's graph."""
+    graph, eager = engines["llama tp2 graph"], engines["llama tp2 eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
+    assert _tokens(graph) == _tokens(eager)
