@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import prompt_token_ids, run_engine
+from tests.conftest import assert_tracks_hf_logits, prompt_token_ids, run_engine
 
 # 8 requests: the 129- and 200-token prompts prefill in 64-token chunks beside decodes.
 PROMPT_LENGTHS = [3, 17, 129, 40, 7, 200, 11, 64]
@@ -110,8 +110,12 @@ def test_full_and_piecewise_graphs_under_torch_compile_give_eager_tokens(engines
     assert compiled["runs"][0]["graph_replays"] > 0
 
 
-def test_tensor_parallel_graphs_give_eager_tokens(engines):
-    """TP=2 over two spawned workers: the all-reduces are captured in each rank's graph."""
+def test_tensor_parallel_graphs_give_eager_tokens(engines, tiny_models):
+    """TP=2 over two spawned workers: the all-reduces are captured in each rank's graph. The
+    bf16 TP=2 tokens themselves (fused kernels on each rank's heads) track HF's fp32 logits."""
     graph, eager = engines["llama tp2 graph"], engines["llama tp2 eager"]
     assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
     assert _tokens(graph) == _tokens(eager)
+    llama = tiny_models["tiny-llama"]
+    prompts = prompt_token_ids(llama, PROMPT_LENGTHS)[: RUNS[0][0]]
+    assert_tracks_hf_logits(llama, prompts, eager["runs"][0]["tokens"])
