@@ -101,6 +101,19 @@ def vllm_dir() -> Path:
 
 # --- engine tests: tiny local models, the HF oracle, and the engine driver --------------------
 
+def for_installed_vllm(declarations) -> list:
+    """The declarations of a patch set that apply to the installed vLLM (their own sub-range
+    admits it), as the loader selects them."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from ascend_patch.overlay.patching import applies_to
+
+    release = Version(Version(version("vllm")).base_version)
+    return [d for d in declarations if applies_to(d, release)]
+
+
 MODELS_DIR = ROOT / ".cache" / "models"
 
 

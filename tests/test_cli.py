@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from ascend_patch.patches import v0_29
-from tests.conftest import ROOT, clean_env
+from tests.conftest import ROOT, clean_env, for_installed_vllm
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def test_doctor_json_reports_the_033_set_with_every_target_verified():
     assert data["would_activate"] is True
     # The whole manifest: vLLM patches and contracts, torch device-API overrides, forced
     # settings and version seams, each with where it is implemented, why, and when it goes.
-    assert [t["target"] for t in data["targets"]] == [p.target for p in v0_29.MANIFEST]
+    assert [t["target"] for t in data["targets"]] == [p.target for p in for_installed_vllm(v0_29.MANIFEST)]
     assert {t["state"] for t in data["targets"]} == {"verified"}
     kinds = {t["kind"] for t in data["targets"]}
     assert kinds == {"wrap", "replace", "contract", "setting", "seam"}
@@ -52,7 +52,7 @@ def test_doctor_apply_reports_applied_targets():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     states = {t["target"]: t["state"] for t in data["targets"]}
-    for patch in v0_29.MANIFEST:
+    for patch in for_installed_vllm(v0_29.MANIFEST):
         if "emulate" in getattr(patch, "modes", ("emulate",)):
             assert states[patch.target] == ("verified" if patch.kind in ("contract", "seam") else "applied")
     assert data["import_failures"] == []

@@ -12,13 +12,16 @@ import json
 import os
 import textwrap
 import tokenize
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-from ascend_patch.patches import v0_29
+from ascend_patch.overlay import matrix
+from ascend_patch.overlay.decision import decide
 from ascend_patch.overlay.source import SourceTree
-from tests.conftest import ascend_patch_lines, clean_env, run_json, run_python
+from ascend_patch.patches import v0_29
+from tests.conftest import ascend_patch_lines, clean_env, for_installed_vllm, run_json, run_python
 
 # Imports every target module and reports, per target, whether the live object is
 # still vLLM's own (defined in a vLLM file, not wrapped).
@@ -28,9 +31,12 @@ import wrapt
 bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
 from ascend_patch.overlay import loader
+from ascend_patch.overlay.patching import applies_to
 from ascend_patch.patches import v0_29
+from packaging.version import Version
+release = Version(Version(vllm.__version__).base_version)
 targets = {}
-for p in v0_29.PATCHES:
+for p in (p for p in v0_29.PATCHES if applies_to(p, release)):
     owner = importlib.import_module(p.module)
     *path, attr = p.qualname.split(".")
     for name in path:
@@ -168,7 +174,11 @@ def test_the_stock_report_sees_the_overlay_where_it_is_active():
     """The report the stock checks rely on is not blind: with the overlay active it marks
     exactly the wrapped and replaced targets as ours."""
     report = run_json(STOCK_REPORT, env=clean_env(ASCEND_PATCH="emulate"))
-    changed = {p.target for p in v0_29.PATCHES if p.kind in ("wrap", "replace")}
+    patches = for_installed_vllm(v0_29.PATCHES)
+    changed = {p.target for p in patches if p.kind in ("wrap", "replace")}
+    # a contract on a member of a class the overlay replaced reads the replacement's member
+    replaced_classes = {p.target for p in patches if p.kind == "replace"}
+    changed |= {p.target for p in patches if p.target.rpartition(".")[0] in replaced_classes}
     assert {t for t, live in report["targets"].items() if live["wrapped"]} == changed
 
 
@@ -181,7 +191,7 @@ def test_revert_restores_every_original_by_identity():
         from ascend_patch.patches import v0_29
         # Importing the target modules applies their patches (verified at `import vllm`);
         # resolving the platform also points torch's device APIs at the emulated NPU.
-        for p in v0_29.PATCHES:
+        for p in loader.current().patches:
             importlib.import_module(p.module)
         from vllm.platforms import current_platform
         import os
@@ -203,7 +213,7 @@ def test_revert_restores_every_original_by_identity():
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
     )
-    wrapped = {p.target for p in v0_29.PATCHES if p.kind != "contract"}
+    wrapped = {p.target for p in for_installed_vllm(v0_29.PATCHES) if p.kind != "contract"}
     assert wrapped <= set(result["applied"])
     device_apis = set(result["applied"]) - wrapped
     assert device_apis and all(t.startswith(("torch:", "torch.cuda:", "torch.accelerator:")) for t in device_apis)
@@ -310,7 +320,7 @@ def _add_parameter(path: Path, lineno: int) -> None:
     path.write_text("".join(lines))
 
 
-INJECTABLE = [p for p in v0_29.PATCHES if p.signature is not None]
+INJECTABLE = [p for p in for_installed_vllm(v0_29.PATCHES) if p.signature is not None]
 
 
 # Without importing every target module (seconds each): an inert loader schedules nothing,
@@ -340,15 +350,30 @@ def _inject(patch, vllm_dir: Path, root: Path) -> str:
     return SourceTree(root / "vllm").lookup(patch.module, patch.qualname).signature
 
 
+@pytest.mark.parametrize("patch", INJECTABLE, ids=[p.target for p in INJECTABLE])
+def test_fault_injection_fails_verification_naming_the_target(patch, vllm_dir, tmp_path):
+    """Every target: a copy of vLLM whose target gained a parameter fails the decision the
+    loader makes at ``import vllm`` (decide(), in-process), on that target alone."""
+    faulty = _inject(patch, vllm_dir, tmp_path)
+    assert faulty not in patch.signature and "ascend_patch_fault=..." in faulty
+    decision = decide(version("vllm"), SourceTree(tmp_path / "vllm"), matrix.load())
+    assert decision.checked.name == "v0_29" and not decision.would_activate
+    assert [s.describe() for s in decision.failed] == [
+        f"{patch.target}: expected {patch.expected()}, found {faulty}"]
+
+
+# Loader end to end in fresh interpreters, for a few targets (a module function, a method
+# near the middle of the set, the last one): each imports vLLM, about ten seconds.
+END_TO_END = [INJECTABLE[0], INJECTABLE[len(INJECTABLE) // 2], INJECTABLE[-1]]
+
+
 @pytest.fixture(scope="module")
 def injected(vllm_dir, tmp_path_factory):
-    """Every injection's fresh interpreter, two at a time (each imports vLLM and all
-    target modules, about ten seconds). The copies are parsed here, one after another:
-    CPython 3.11's ast module keeps its recursion bookkeeping per interpreter, so
-    ast.parse in two threads at once can fail with "AST constructor recursion depth
-    mismatch"."""
-    roots = {p.target: tmp_path_factory.mktemp("fault") for p in INJECTABLE}
-    faulty = {p.target: _inject(p, vllm_dir, roots[p.target]) for p in INJECTABLE}
+    """The copies are parsed here, one after another: CPython 3.11's ast module keeps its
+    recursion bookkeeping per interpreter, so ast.parse in two threads at once can fail
+    with "AST constructor recursion depth mismatch"; the interpreters run two at a time."""
+    roots = {p.target: tmp_path_factory.mktemp("fault") for p in END_TO_END}
+    faulty = {p.target: _inject(p, vllm_dir, roots[p.target]) for p in END_TO_END}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         futures = {target: pool.submit(run_python, INERT_REPORT,
                                        env=clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root)))
@@ -356,10 +381,9 @@ def injected(vllm_dir, tmp_path_factory):
         return {target: (roots[target], (faulty[target], future.result())) for target, future in futures.items()}
 
 
-@pytest.mark.parametrize("patch", INJECTABLE, ids=[p.target for p in INJECTABLE])
+@pytest.mark.parametrize("patch", END_TO_END, ids=[p.target for p in END_TO_END])
 def test_fault_injection_leaves_vllm_stock_and_names_the_target(patch, vllm_dir, injected):
     root, (faulty, proc) = injected[patch.target]
-    assert faulty not in patch.signature and "ascend_patch_fault=..." in faulty
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["vllm_dir"] == str(root / "vllm"), "the injected copy is what got imported"

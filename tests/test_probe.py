@@ -656,7 +656,8 @@ def test_archive_bombs_are_refused(limit, tree, tmp_path, cache, capsys, monkeyp
     constant, value, build, message = UNPACKING_LIMITS[limit]
     monkeypatch.setattr(releases, constant, value)
     archive = build(tmp_path, tree)
-    assert archive.stat().st_size < MiB / 4, "small download, large contents"
+    # the minimal tree (every target file of the patch set) packs to a few hundred KiB
+    assert archive.stat().st_size < MiB, "small download, large contents"
     with serve(json_index([archive], [INSTALLED])) as index:
         code, data = run_probe(capsys, INSTALLED, "--index-url", index)
     assert code == 2
