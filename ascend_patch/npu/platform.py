@@ -81,11 +81,15 @@ class NPUPlatform(Platform):
 
         from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
 
+        model = vllm_config.model_config
         unsupported = {
             "speculative decoding": vllm_config.speculative_config is not None,
             "LoRA": vllm_config.lora_config is not None,
             "expert-parallel load balancing (EPLB)": getattr(
                 vllm_config.parallel_config, "enable_eplb", False),
+            # Their layers keep a recurrent state instead of (or beside) a KV cache.
+            "a model with Mamba (state-space) or linear-attention layers": model is not None and (
+                model.is_attention_free or model.is_hybrid),
         }
         for feature, requested in unsupported.items():
             if requested:
@@ -194,6 +198,11 @@ class NPUPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
+        # False: in a model mixing sliding-window and full-attention layers vLLM promotes the
+        # window specs to full attention (blocks kept for every token; the attention applies the
+        # window), so one block table serves all layers. A uniformly windowed model still gets
+        # vLLM's SlidingWindowManager, which frees (or, on a prefix-cache hit, nulls) the blocks
+        # before the window: the attention hides those keys, so their contents never matter.
         return False
 
 

@@ -1,18 +1,33 @@
 """The Ascend attention backend: paged KV cache, mixed prefill/decode batches, chunked
-prefill and prefix caching, on the kernel seam.
+prefill and prefix caching, sliding windows and logit soft-capping, on the kernel seam.
 
 Per step and layer, ``forward`` writes the new K/V into the paged cache
 (``npu_scatter_pa_kv_cache``) and then runs one attention launch:
 
-- a batch of single-token queries (pure decode): ``_npu_paged_attention``;
+- a batch of single-token queries (pure decode): ``_npu_paged_attention``; in a layer
+  with a sliding window, ``npu_fused_infer_attention_score`` in BSH layout over the
+  paged cache with a (batch, KV) mask that hides the keys before each window (the op
+  ignores ``sparse_mode`` and ``pre_tokens`` for single-token queries, and
+  ``_npu_paged_attention`` takes no mask);
 - anything else (prefill, chunked prefill behind a cached prefix, mixed):
   ``npu_fused_infer_attention_score`` in TND layout with cumulative host query
   lengths, per-sequence host KV lengths, an int32 block table and the causal
-  ``sparse_mode=3`` mask.
+  ``sparse_mode=3`` mask; in a windowed layer the band ``sparse_mode=4`` with
+  ``pre_tokens = window - 1``, ``next_tokens = 0`` on the same mask.
 
-Both fused kernels take fp16/bf16 only. An fp32 model runs the same cache and
-metadata through *composed* attention: the gather/matmul/softmax of standard
-torch ops, which the NPU runs as generic kernels (several launches, not one).
+What no fused kernel takes runs *composed* attention over the same cache and metadata:
+the gather/matmul/softmax of standard torch ops, which the NPU runs as generic kernels
+(several launches, not one). That is every layer of an fp32 model (the kernels take
+fp16/bf16 only), every layer with soft-capped attention logits (Gemma 2: the kernels
+have no soft-cap input), and the prefill of head sizes the TND kernel rejects (it takes
+64 and 128 over a paged cache); decode of those head sizes still runs fused
+(``_npu_paged_attention`` takes head sizes up to 576). The model runner logs once per
+model which layers run composed and why (:func:`report_attention_paths`).
+
+In a uniformly windowed model vLLM's ``SlidingWindowManager`` frees the blocks wholly
+before the window (other requests may reuse them; the V1 block table keeps their ids)
+and a prefix-cache hit puts the null block in their place: every path hides those keys,
+so their contents never reach the output.
 
 KV cache: each layer's cache is ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (K plane, V plane), the ND layout the kernels read. vLLM 0.20–0.28
@@ -22,7 +37,8 @@ carves it out of vLLM's single allocation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backend import (
@@ -40,9 +56,17 @@ from ascend_patch.npu.kernels import paged
 # (npu_fused_infer_attention_score PageAttention rule: a multiple of 128 in [128, 512]).
 KERNEL_BLOCK_SIZE = 128
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-FUSED_HEAD_SIZES = (64, 128)
-# sparse_mode=3 reads this fixed-size "optimised" mask (nonzero above the diagonal).
+# Head sizes per fused kernel (their contracts: ascend_patch/npu/kernels/reference.py):
+# npu_fused_infer_attention_score TND over a paged cache takes 64 and 128 ([FIA-TILING], [FIA-V2]);
+FIA_TND_HEAD_SIZES = (64, 128)
+# _npu_paged_attention up to 576, blocks ≤ 128 above 256 (KERNEL_BLOCK_SIZE is 128) ([PA]);
+PA_MAX_HEAD_SIZE = 576
+# npu_fused_infer_attention_score with one-token queries up to 512, 16-byte aligned ([FIA]).
+FIA_DECODE_MAX_HEAD_SIZE = 512
+# sparse_mode 3 and 4 read this fixed-size "optimised" mask (nonzero above the diagonal).
 _MASK_SIZE = 2048
+
+logger = logging.getLogger("vllm.ascend_patch")
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -105,20 +129,40 @@ class AscendMetadata:
     """Per-sequence KV lengths including this step, host side."""
     context_lens: torch.Tensor
     """``seq_lens`` as a host int32 tensor (``_npu_paged_attention`` context_lens)."""
+    device_seq_lens: torch.Tensor
+    """``seq_lens`` on the device, for the window masks."""
     block_table: torch.Tensor
     """[num_seqs, max_blocks] int32, in kernel blocks."""
     slot_mapping: torch.Tensor
     max_query_len: int
+    key_positions: torch.Tensor
+    """0 .. block_table columns × KERNEL_BLOCK_SIZE - 1 on the device (built once)."""
+    _window_masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[num_seqs, key_positions] bool, True for the keys before each sequence's last
+        ``window``: built once per step and window (two launches), shared by the layers."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            first_visible = self.device_seq_lens - window
+            mask = self._window_masks[window] = self.key_positions < first_visible[:, None]
+        return mask
 
 
 class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.device = device
+        self._key_positions = torch.empty(0, dtype=torch.int64, device=device)
+
+    def _positions(self, width: int) -> torch.Tensor:
+        if self._key_positions.numel() != width:  # the block table's width is fixed: once
+            self._key_positions = torch.arange(width, device=self.device)
+        return self._key_positions
 
     def build(
         self,
@@ -144,10 +188,30 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
             query_ends=query_ends,
             seq_lens=seq_lens.tolist(),
             context_lens=seq_lens,
+            device_seq_lens=meta.seq_lens[:num_seqs],
             block_table=block_table,
             slot_mapping=meta.slot_mapping[:num_tokens],
             max_query_len=meta.max_query_len,
+            key_positions=self._positions(block_table.shape[1] * KERNEL_BLOCK_SIZE),
         )
+
+
+@dataclass(frozen=True)
+class AttentionPaths:
+    """What serves a layer's steps: ``prefill`` (prefill, chunked and mixed batches) is
+    "fused" or "composed"; ``decode`` (decode-only batches) is "paged_attention",
+    "fused_masked" or "composed"; ``why`` says what forces the composed path, if anything."""
+
+    prefill: str
+    decode: str
+    why: str | None = None
+
+    def composed_steps(self) -> str:
+        if self.prefill == self.decode == "composed":
+            return "every step"
+        if self.prefill == "composed":
+            return "prefill and mixed batches (decode-only batches stay fused)"
+        return "decode-only batches"
 
 
 class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
@@ -167,8 +231,6 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
     ) -> None:
         features = {
             "ALiBi": alibi_slopes is not None,
-            "sliding window": sliding_window is not None,
-            "logits soft-cap": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             **{name: value is not None for name, value in unsupported.items()},
         }
@@ -181,9 +243,47 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        # vLLM's window: the query's own key and the sliding_window - 1 before it.
+        self.sliding_window = sliding_window
+        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._mask: torch.Tensor | None = None
+        self._paths: dict[torch.dtype, AttentionPaths] = {}
+
+    def paths(self, dtype: torch.dtype) -> AttentionPaths:
+        """The kernels that serve this layer for a model in ``dtype``."""
+        paths = self._paths.get(dtype)
+        if paths is None:
+            paths = self._paths[dtype] = self._choose_paths(dtype)
+        return paths
+
+    def _choose_paths(self, dtype: torch.dtype) -> AttentionPaths:
+        if dtype not in FUSED_DTYPES:
+            name = str(dtype).removeprefix("torch.")
+            return AttentionPaths("composed", "composed",
+                                  f"{name}: the fused attention kernels take fp16/bf16 only")
+        if self.soft_cap is not None:
+            return AttentionPaths("composed", "composed",
+                                  f"logits soft-cap {self.soft_cap:g}: the fused attention "
+                                  f"kernels have no soft-cap input")
+        size = self.head_size
+        prefill = "fused" if size in FIA_TND_HEAD_SIZES else "composed"
+        if self.sliding_window is None:
+            decode = "paged_attention" if size <= PA_MAX_HEAD_SIZE else "composed"
+        else:
+            aligned = size * dtype.itemsize % 16 == 0 and self.num_kv_heads * size <= 65535
+            decode = "fused_masked" if size <= FIA_DECODE_MAX_HEAD_SIZE and aligned else "composed"
+        limits = []
+        if prefill == "composed":
+            limits.append("npu_fused_infer_attention_score over a paged cache (TND) takes 64 and 128")
+        if decode == "composed" and self.sliding_window is None:
+            limits.append(f"_npu_paged_attention takes at most {PA_MAX_HEAD_SIZE}")
+        elif decode == "composed":
+            limits.append("npu_fused_infer_attention_score for one-token queries takes at most "
+                          f"{FIA_DECODE_MAX_HEAD_SIZE}, 16-byte aligned")
+        why = f"head size {size}: {'; '.join(limits)}" if limits else None
+        return AttentionPaths(prefill, decode, why)
 
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
@@ -209,7 +309,8 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         if attn_metadata is None:  # memory-profiling pass: no KV cache yet
             return output.fill_(0)
-        n = attn_metadata.num_tokens
+        meta = attn_metadata
+        n = meta.num_tokens
         key_cache, value_cache = kv_cache.unbind(0)
         if self.kv_sharing_target_layer_name is None and key is not None:
             kernels.scatter_pa_kv_cache(
@@ -217,56 +318,94 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 value[:n].contiguous(),
                 key_cache,
                 value_cache,
-                attn_metadata.slot_mapping,
+                meta.slot_mapping,
             )
         query = query[:n]
         out = output[:n]
-        if query.dtype in FUSED_DTYPES and self.head_size in FUSED_HEAD_SIZES:
-            self._fused(query, key_cache, value_cache, attn_metadata, out)
-        else:
-            _composed(query, key_cache, value_cache, attn_metadata, self.scale, out)
-        return output
-
-    def _fused(self, query, key_cache, value_cache, meta: AscendMetadata, out) -> None:
-        query = query.contiguous()
-        if meta.decode_only:
+        paths = self.paths(query.dtype)
+        path = paths.decode if meta.decode_only else paths.prefill
+        if path == "composed":
+            _composed(query, key_cache, value_cache, meta, self.scale, out,
+                      self._pre_tokens(), self.soft_cap)
+        elif path == "paged_attention":
             kernels.paged_attention(
-                query, key_cache, value_cache, self.num_kv_heads, self.num_heads,
+                query.contiguous(), key_cache, value_cache, self.num_kv_heads, self.num_heads,
                 self.scale, meta.block_table, meta.context_lens, out,
             )
-            return
+        elif path == "fused_masked":  # one-token BSH queries, the window as a mask
+            self._fused_attention(
+                query.contiguous().view(n, 1, -1), key_cache, value_cache, meta, out,
+                atten_mask=meta.window_mask(self.sliding_window), input_layout="BSH",
+            )
+        else:
+            band = {"sparse_mode": 3} if self.sliding_window is None else {
+                "sparse_mode": 4, "pre_tokens": self._pre_tokens(), "next_tokens": 0}
+            self._fused_attention(
+                query.contiguous(), key_cache, value_cache, meta, out,
+                atten_mask=self._causal_mask(query.device), actual_seq_lengths=meta.query_ends,
+                input_layout="TND", **band,
+            )
+        return output
+
+    def _pre_tokens(self) -> int | None:
+        return None if self.sliding_window is None else self.sliding_window - 1
+
+    def _fused_attention(self, query, key_cache, value_cache, meta: AscendMetadata, out,
+                         **call) -> None:
+        """One npu_fused_infer_attention_score over the paged cache (BnBsH) into ``out``."""
         num_blocks, block_size = key_cache.shape[:2]
         attn, _ = kernels.fused_infer_attention_score(
             query,
             key_cache.view(num_blocks, block_size, -1),
             value_cache.view(num_blocks, block_size, -1),
-            atten_mask=self._causal_mask(query.device),
             block_table=meta.block_table,
-            actual_seq_lengths=meta.query_ends,
             actual_seq_lengths_kv=meta.seq_lens,
             num_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             scale=self.scale,
-            input_layout="TND",
             block_size=block_size,
-            sparse_mode=3,
+            **call,
         )
-        out.copy_(attn)
+        out.copy_(attn.view(out.shape))
 
 
-def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out) -> None:
-    """Causal attention over the paged cache with standard torch ops (fp32 models; head
-    sizes the fused kernels reject): every single-token query in one batched call, each
-    longer one on its own, query row i seeing keys up to position kv_len - q_len + i."""
+def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out, pre_tokens,
+              soft_cap) -> None:
+    """Causal attention over the paged cache with standard torch ops: every single-token query
+    in one batched call, each longer one on its own, query row i seeing keys up to position
+    kv_len - q_len + i and, in a windowed layer, no more than pre_tokens before it."""
     starts = [0, *meta.query_ends[:-1]]
     lengths = [end - start for start, end in zip(starts, meta.query_ends)]
     decodes = [i for i, n in enumerate(lengths) if n == 1]
     if decodes:
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
         out[rows] = paged.decode_batch(query[rows], key_cache, value_cache, meta.block_table[decodes],
-                                       [meta.seq_lens[i] for i in decodes], scale)
+                                       [meta.seq_lens[i] for i in decodes], scale,
+                                       pre_tokens=pre_tokens, soft_cap=soft_cap)
     for i, n in enumerate(lengths):
         if n > 1:
             keys, values = paged.gather_sequence(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
             rows = slice(starts[i], starts[i] + n)
-            out[rows] = paged.attend(query[rows], keys, values, scale, causal=True)
+            out[rows] = paged.attend(query[rows], keys, values, scale, pre_tokens=pre_tokens,
+                                     next_tokens=0, soft_cap=soft_cap)
+
+
+def report_attention_paths(layers: dict, dtype: torch.dtype, model: str) -> None:
+    """Log once per model which attention layers run composed, in which steps and why: one
+    line per reason, a warning where a fused kernel would serve the same model in fp16/bf16.
+
+    ``layers`` maps layer names to vLLM attention layers (vLLM's static forward context)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    total = 0
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if isinstance(impl, AscendAttentionImpl):
+            total += 1
+            paths = impl.paths(dtype)
+            if paths.why is not None:
+                groups.setdefault((paths.why, paths.composed_steps()), []).append(name)
+    for (why, steps), names in groups.items():
+        which = f"all {total} attention layers" if len(names) == total else ", ".join(names)
+        log = logger.info if dtype not in FUSED_DTYPES else logger.warning
+        log("ascend-patch: %s: %s run composed attention (standard torch ops, not one fused "
+            "kernel) for %s: %s", model, which, steps, why)
