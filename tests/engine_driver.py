@@ -25,24 +25,27 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-class _Recorder(logging.Handler):
+class _Recorder(logging.Filter):
+    """Records what ascend-patch logs. A filter, not a handler: vLLM's logging setup, which
+    also runs when the first engine is built, drops the handlers of the vllm.* loggers but
+    keeps their filters."""
+
     def __init__(self):
         super().__init__()
         self.messages = []
 
-    def emit(self, record):
+    def filter(self, record):
         self.messages.append(record.getMessage())
+        return True
 
 
 def _run_engine(spec: dict) -> dict:
-    import vllm.logger  # noqa: F401  (its logging setup clears the handlers of vllm.* loggers)
-
     recorder = _Recorder()
-    logging.getLogger("vllm.ascend_patch").addHandler(recorder)
+    logging.getLogger("vllm.ascend_patch").addFilter(recorder)
     try:
         result = _generate(spec)
     finally:
-        logging.getLogger("vllm.ascend_patch").removeHandler(recorder)
+        logging.getLogger("vllm.ascend_patch").removeFilter(recorder)
     return {**result, "log": recorder.messages}
 
 

@@ -80,6 +80,9 @@ def largest_gap(a, b):
 def test_fp32_equals_hf_token_for_token_and_in_log_probabilities(name, runs, tiny_models, prompts):
     engine = runs[(name, "float32")]
     assert "error" not in engine, engine.get("error")
+    (line,) = engine["log"]  # logged as info: fp32 has no fused kernel to miss
+    assert "all 2 attention layers run composed attention" in line
+    assert line.endswith("for every step: float32: the fused attention kernels take fp16/bf16 only")
     first, cached = engine["runs"]
     oracle = hf_greedy(tiny_models[name], prompts, MAX_TOKENS)
     assert first["tokens"] == oracle
@@ -100,6 +103,15 @@ def _composed_layer_steps(launches):
     return launches["scatter_pa_kv_cache"] - fused
 
 
+def single_bf16_run(runs, name):
+    """The bf16 engine's one run, its launch counts and the one line it logged."""
+    engine = runs[(name, "bfloat16")]
+    assert "error" not in engine, engine.get("error")
+    (run,) = engine["runs"]
+    (warning,) = engine["log"]
+    return run, run["launches"], warning
+
+
 def test_bf16_mistral_runs_every_windowed_layer_step_fused(runs, tiny_models, prompts):
     """Every layer windowed, head size 128: the band (sparse_mode=4) for prefill and mixed
     batches, the masked one-token FIA for decode, also over prefix-cached and freed blocks."""
@@ -118,39 +130,27 @@ def test_bf16_gemma3_decodes_fused_and_prefills_composed_with_one_warning(runs, 
     """Head size 256: decode runs fused in both layers (the windowed one through the masked
     one-token FIA, the global one through _npu_paged_attention); the TND prefill kernel takes
     64 and 128 only, so prefill runs composed, as the one warning says."""
-    engine = runs[("tiny-gemma3", "bfloat16")]
-    assert "error" not in engine, engine.get("error")
-    (run,) = engine["runs"]
-    launches = run["launches"]
+    run, launches, warning = single_bf16_run(runs, "tiny-gemma3")
     assert launches["fused_infer_attention_score"] == launches["paged_attention"] >= MAX_TOKENS - 1
     assert _composed_layer_steps(launches) > 0
-    (warning,) = engine["log"]
     assert "all 2 attention layers" in warning and "head size 256" in warning
     assert "prefill and mixed batches (decode-only batches stay fused)" in warning
     assert_tracks_hf_logits(tiny_models["tiny-gemma3"], prompts, run["tokens"])
 
 
 def test_bf16_head_size_96_decodes_through_paged_attention_with_one_warning(runs, tiny_models, prompts):
-    engine = runs[("tiny-llama-hd96", "bfloat16")]
-    assert "error" not in engine, engine.get("error")
-    (run,) = engine["runs"]
-    launches = run["launches"]
+    run, launches, warning = single_bf16_run(runs, "tiny-llama-hd96")
     assert launches["paged_attention"] >= 2 * (MAX_TOKENS - 1)
     assert "fused_infer_attention_score" not in launches
     assert _composed_layer_steps(launches) > 0
-    (warning,) = engine["log"]
     assert "head size 96" in warning and "decode-only batches stay fused" in warning
     assert_tracks_hf_logits(tiny_models["tiny-llama-hd96"], prompts, run["tokens"])
 
 
 def test_bf16_gemma2_soft_capped_layers_run_composed_as_logged(runs, tiny_models, prompts):
-    engine = runs[("tiny-gemma2", "bfloat16")]
-    assert "error" not in engine, engine.get("error")
-    (run,) = engine["runs"]
-    launches = run["launches"]
+    run, launches, warning = single_bf16_run(runs, "tiny-gemma2")
     assert "fused_infer_attention_score" not in launches and "paged_attention" not in launches
     assert _composed_layer_steps(launches) == launches["scatter_pa_kv_cache"] > 0
-    (warning,) = engine["log"]
     assert "all 2 attention layers run composed attention" in warning
     assert "for every step: logits soft-cap 50: the fused attention kernels have no soft-cap input" in warning
     assert_tracks_hf_logits(tiny_models["tiny-gemma2"], prompts, run["tokens"])

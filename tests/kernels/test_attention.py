@@ -127,6 +127,29 @@ def cumulative(lengths):
     return torch.tensor(lengths).cumsum(0).tolist()
 
 
+def fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens, kv_heads, scale,
+                    **mask):
+    """npu_fused_infer_attention_score in TND over the paged cache, with the causal mask tensor
+    and ``mask`` (sparse_mode, pre/next_tokens)."""
+    num_blocks, block_size = key_cache.shape[:2]
+    paged = (num_blocks, block_size, -1)
+    return kernels.fused_infer_attention_score(
+        query, key_cache.view(paged), value_cache.view(paged),
+        atten_mask=CAUSAL_MASK, block_table=block_table, actual_seq_lengths=cumulative(q_lens),
+        actual_seq_lengths_kv=list(kv_lens), num_heads=query.shape[1], num_key_value_heads=kv_heads,
+        scale=scale, input_layout="TND", block_size=block_size, **mask,
+    )
+
+
+def assert_per_sequence(out, query, q_lens, keys, values, dtype, expected):
+    """Each sequence's rows of ``out`` against ``expected(query rows, key, value)``."""
+    start = 0
+    for q_len, key, value in zip(q_lens, keys, values):
+        rows = slice(start, start + q_len)
+        assert_close(out[rows], expected(query[rows], key, value), dtype)
+        start += q_len
+
+
 @settings(max_examples=50, deadline=None)
 @given(batch=mixed_batch(), heads=head_layouts, block_size=st.sampled_from([128, 128, 256]),
        dtype=half_dtypes, seed=seeds)
@@ -140,21 +163,13 @@ def test_fused_attention_paged_mixed_batch(batch, heads, block_size, dtype, seed
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
 
-    paged = (key_cache.shape[0], block_size, -1)
-    out, lse = kernels.fused_infer_attention_score(
-        query, key_cache.view(paged), value_cache.view(paged),
-        atten_mask=CAUSAL_MASK, block_table=block_table, actual_seq_lengths=cumulative(q_lens),
-        actual_seq_lengths_kv=list(kv_lens), num_heads=num_heads, num_key_value_heads=kv_heads,
-        scale=scale, input_layout="TND", block_size=block_size, sparse_mode=3,
-    )
+    out, lse = fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens,
+                               kv_heads, scale, sparse_mode=3)
 
     assert out.shape == query.shape and out.dtype == dtype
     assert lse.shape == (1,)
-    start = 0
-    for q_len, key, value in zip(q_lens, keys, values):
-        rows = slice(start, start + q_len)
-        assert_close(out[rows], oracle(query[rows], key, value, scale, causal=True), dtype)
-        start += q_len
+    assert_per_sequence(out, query, q_lens, keys, values, dtype,
+                        lambda q, key, value: oracle(q, key, value, scale, causal=True))
 
 
 @st.composite
@@ -190,22 +205,12 @@ def test_fused_attention_band_paged_mixed_batch(case, heads, dtype, seed):
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
 
-    paged = (key_cache.shape[0], block_size, -1)
-    out, _ = kernels.fused_infer_attention_score(
-        query, key_cache.view(paged), value_cache.view(paged),
-        atten_mask=CAUSAL_MASK, block_table=block_table, actual_seq_lengths=cumulative(q_lens),
-        actual_seq_lengths_kv=list(kv_lens), num_heads=num_heads, num_key_value_heads=kv_heads,
-        scale=scale, pre_tokens=pre, next_tokens=after, input_layout="TND",
-        block_size=block_size, sparse_mode=4,
-    )
+    out, _ = fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens,
+                             kv_heads, scale, pre_tokens=pre, next_tokens=after, sparse_mode=4)
 
-    start = 0
-    for q_len, key, value in zip(q_lens, keys, values):
-        rows = slice(start, start + q_len)
-        expected = oracle(query[rows], key, value, scale, causal=False, pre_tokens=pre,
-                          next_tokens=None if after == 2147483647 else after)
-        assert_close(out[rows], expected, dtype)
-        start += q_len
+    assert_per_sequence(out, query, q_lens, keys, values, dtype, lambda q, key, value: oracle(
+        q, key, value, scale, causal=False, pre_tokens=pre,
+        next_tokens=None if after == 2147483647 else after))
 
 
 @settings(max_examples=25, deadline=None)
