@@ -63,7 +63,10 @@ DEVICE_SELECTION = [
     _platform_hook("check_if_supports_dtype", "(cls, dtype)", "fp16/bf16/fp32 only"),
     _platform_hook("inference_mode", "(cls)", "torch.inference_mode on NPU"),
     _platform_hook("num_compute_units", "(cls, device_id=...)", "AI core count"),
-    _platform_hook("support_hybrid_kv_cache", "(cls)", "hybrid (Mamba) KV cache is not supported"),
+    _platform_hook("support_hybrid_kv_cache", "(cls)",
+                   "False: vLLM's hybrid KV-cache manager stays off, so a model mixing windowed and "
+                   "full layers keeps every token's blocks (one block table) and the attention "
+                   "applies the windows"),
     _platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
 ]
 
@@ -117,6 +120,19 @@ ENGINE_CONTRACTS = [
               "(self, layer, query, key, value, kv_cache, attn_metadata, output, "
               "output_scale=..., output_block_scale=...)", "the Ascend attention impl",
               by=ATTENTION, upstream="vllm/v1/attention/backend.py: the attention backend interface"),
+    _contract("vllm.v1.attention.backend:AttentionImpl.__init__",
+              "(self, num_heads, head_size, scale, num_kv_heads=..., alibi_slopes=..., "
+              "sliding_window=..., kv_cache_dtype=..., logits_soft_cap=..., attn_type=..., "
+              "kv_sharing_target_layer_name=...)",
+              "the impl takes the sliding window and the logits soft-cap where vLLM's Attention "
+              "passes them (positionally)", by=ATTENTION,
+              upstream="vllm/model_executor/layers/attention/attention.py builds impl_cls(num_heads, "
+                       "head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype, "
+                       "logits_soft_cap, attn_type, kv_sharing_target_layer_name, **extra_impl_args)"),
+    *(_contract(f"vllm.config.model:ModelConfig.{name}", None,
+                "refuse models with Mamba or linear-attention layers at start-up", by=PLATFORM,
+                upstream="vllm/config/model.py: the model's layer kinds")
+      for name in ("is_attention_free", "is_hybrid")),
     _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.build",
               "(self, common_prefix_len, common_attn_metadata, fast_build=...)",
               "the Ascend metadata builder", by="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
@@ -260,6 +276,23 @@ GRAPH_MODE = [
               "the capture context graph_capture yields", by="ascend_patch.npu.distributed.graph_capture:graph_capture",
               upstream="vllm/distributed/parallel_state.py"),
 ]
+
+
+def hybrid_promotion(module: str, vllm: str | None = None) -> Patch:
+    """vLLM's promotion of sliding-window KV specs to full attention when the hybrid manager is
+    off, which the attention backend relies on (it moved to kv_cache_planning.py in 0.33)."""
+    return Patch(
+        f"vllm.v1.core.{module}:unify_hybrid_kv_cache_specs",
+        reason="with support_hybrid_kv_cache False, windowed layers beside full ones keep every "
+               "token's blocks; the attention applies the windows itself",
+        vllm=vllm,
+        signature=("(kv_cache_spec)",),
+        upstream=f"vllm/v1/core/{module}.py: SlidingWindowSpec -> FullAttentionSpec when both kinds "
+                 "are present (a uniformly windowed model keeps its SlidingWindowSpec)",
+        remove_when="ascend-patch supports the hybrid KV-cache manager",
+        by=ATTENTION,
+    )
+
 
 _MOE = "vllm.model_executor.layers.fused_moe"
 _MOE_METHOD = "ascend_patch.npu.ops.fused_moe:AscendUnquantizedFusedMoEMethod"

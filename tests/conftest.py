@@ -142,12 +142,23 @@ def prompt_token_ids(model_dir: Path, lengths: list[int]) -> list[list[int]]:
     return prompts
 
 
+def hf_model(model_dir: Path, dtype=None, **config):
+    """The Hugging Face model (fp32 unless ``dtype``; ``config`` overrides config fields).
+    Soft-capped attention logits (Gemma 2) need the eager attention: transformers' SDPA path
+    silently drops the soft-cap."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None):
+        config.setdefault("attn_implementation", "eager")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32, **config)
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Hugging Face transformers greedy decoding, fp32: the independent oracle."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_model(model_dir)
     model.generation_config.eos_token_id = None
     outputs = []
     with torch.no_grad():
@@ -167,9 +178,8 @@ def hf_logits(model_dir: Path, sequences: list[list[int]], dtype: str = "float32
     """Next-token logits (as fp32) at every position of each sequence (teacher forcing), from
     the model run in ``dtype``."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = hf_model(model_dir, getattr(torch, dtype))
     with torch.no_grad():
         return [model(torch.tensor([seq])).logits[0].float() for seq in sequences]
 

@@ -17,7 +17,8 @@ dict applies to every prompt, a list pairs them one by one.
 
 Each run reports the kernel-seam launch counts for the whole run, what kinds of batch the
 fused attention launches served ("fused_batches", see ``_fused_batches``) and, per prompt, the
-generated token ids of the first completion ("tokens"), the number of prompt tokens
+generated token ids of the first completion ("tokens") and, when the sampling asks
+for ``logprobs``, each one's log-probability ("logprobs"), the number of prompt tokens
 served from the prefix cache, and "outputs": the prompt's token ids and prompt logprobs
 and every completion with its tokens, text, finish reason and logprobs (per position a
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
@@ -25,6 +26,7 @@ Each run also reports the graph replays ("graph_replays", and by padded size); e
 its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An engine spec with
 ``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
 negative control of the graph tests).
+Each engine also reports what ascend-patch logged while it started and ran ("log").
 A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
 then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 """
@@ -35,11 +37,26 @@ import collections
 import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+class _Recorder(logging.Filter):
+    """Records what ascend-patch logs. A filter, not a handler: vLLM's logging setup, which
+    also runs when the first engine is built, drops the handlers of the vllm.* loggers but
+    keeps their filters."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def filter(self, record):
+        self.messages.append(record.getMessage())
+        return True
 
 
 def _sampling_params(spec: dict):
@@ -65,6 +82,8 @@ def _logprobs(positions) -> list | None:
 def _request_outputs(outputs) -> dict:
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [[step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                     if o.outputs[0].logprobs else None for o in outputs],
         "cached": [o.num_cached_tokens or 0 for o in outputs],
         "outputs": [
             {
@@ -134,10 +153,14 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     reissue = NPUGraphWrapper._reissue
     if spec.get("stale_host_params"):
         NPUGraphWrapper._reissue = lambda self, update, params, buffer: None
+    recorder = _Recorder()
+    logging.getLogger("vllm.ascend_patch").addFilter(recorder)
     try:
-        return _generate(spec, NPUGraphWrapper, report_errors)
+        result = _generate(spec, NPUGraphWrapper, report_errors)
     finally:
         NPUGraphWrapper._reissue = reissue
+        logging.getLogger("vllm.ascend_patch").removeFilter(recorder)
+    return {**result, "log": recorder.messages}
 
 
 def _generate(spec: dict, wrapper, report_errors: bool) -> dict:

@@ -109,11 +109,15 @@ class NPUPlatform(Platform):
         from ascend_patch.npu import quantization
         from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
 
+        model = vllm_config.model_config
         unsupported = {
             "speculative decoding": vllm_config.speculative_config is not None,
             "LoRA": vllm_config.lora_config is not None,
             "expert-parallel load balancing (EPLB)": getattr(
                 vllm_config.parallel_config, "enable_eplb", False),
+            # Their layers keep a recurrent state instead of (or beside) a KV cache.
+            "a model with Mamba (state-space) or linear-attention layers": model is not None and (
+                model.is_attention_free or model.is_hybrid),
         }
         for feature, requested in unsupported.items():
             if requested:
@@ -245,6 +249,11 @@ class NPUPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
+        # False: in a model mixing sliding-window and full-attention layers vLLM promotes the
+        # window specs to full attention (blocks kept for every token; the attention applies the
+        # window), so one block table serves all layers. A uniformly windowed model still gets
+        # vLLM's SlidingWindowManager, which frees (or, on a prefix-cache hit, nulls) the blocks
+        # before the window: the attention hides those keys, so their contents never matter.
         return False
 
 
@@ -268,15 +277,16 @@ class EmulatedNPUPlatform(NPUPlatform):
 def graphs_by_default(model_config) -> bool:
     """Whether graph mode is on unless asked otherwise: where this vLLM release's emulated
     end-to-end suite (or a hardware run) passed with it on (compat_matrix.yaml status), for models
-    whose decode runs the fused paged-attention kernel (fp16/bf16, head size 64 or 128); the fp32
-    composed attention reads host data into new tensors every step and cannot be captured. Not
-    for MLA models (see settle_graph_mode)."""
-    from ascend_patch.npu.attention.backend import FUSED_DTYPES, FUSED_HEAD_SIZES
+    whose every layer decodes on the fused paged-attention kernel, at the head sizes that suite
+    runs (fp16/bf16, 64 or 128, no sliding window, no soft-cap); the fp32 composed attention
+    reads host data into new tensors every step and cannot be captured. Not for MLA models (see
+    settle_graph_mode), which decode on their own kernel."""
+    from ascend_patch.npu.attention.backend import FIA_TND_HEAD_SIZES, decodes_on_paged_attention
 
-    return (release.proven_end_to_end and model_config is not None
-            and not model_config.use_mla
-            and model_config.dtype in FUSED_DTYPES
-            and model_config.get_head_size() in FUSED_HEAD_SIZES)
+    if not release.proven_end_to_end or model_config is None:
+        return False
+    head_size = model_config.get_head_size()
+    return head_size in FIA_TND_HEAD_SIZES and decodes_on_paged_attention(model_config, head_size)
 
 
 def settle_graph_mode(vllm_config) -> None:

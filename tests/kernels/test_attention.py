@@ -1,9 +1,12 @@
-"""The reference attention and cache-write kernels against independent math.
+"""The reference attention and cache-write kernels, and the composed attention, against
+independent math.
 
 The oracle is ``scaled_dot_product_attention`` in float32 over each sequence's ORIGINAL contiguous
-K/V (GQA by repeating K/V heads, the causal mask written out position by position); the kernels
-under test read the same K/V back out of a paged cache that the test filled through random block
-tables, with stale block ids in the unused table columns.
+K/V (GQA by repeating K/V heads, the causal or band mask written out position by position; the
+soft-cap written out as a masked softmax); the kernels under test read the same K/V back out of a
+paged cache that the test filled through random block tables, with stale block ids in the unused
+table columns and, under a sliding window, a shared stale "null" block in place of the blocks
+that lie wholly before every query's window (as vLLM's SlidingWindowManager leaves them).
 """
 
 import math
@@ -44,20 +47,32 @@ def mixed_batch(draw, max_prefix=600):
     return batch
 
 
-def oracle(query, key, value, scale, causal):
-    """query [q, H, D], key/value [s, KVH, D] -> [q, H, D], all in float32."""
+def oracle(query, key, value, scale, causal, pre_tokens=None, next_tokens=None, soft_cap=None,
+           hidden=None):
+    """query [q, H, D], key/value [s, KVH, D] -> [q, H, D], all in float32. Query row i sits at
+    key position d = s - q + i (bottom-right aligned); causal hides keys after d, next_tokens
+    those after d + next_tokens, pre_tokens those before d - pre_tokens; ``hidden`` ([q, s] bool)
+    hides more; soft_cap caps the scaled logits at ±soft_cap through tanh."""
     q_len, heads, _ = query.shape
     kv_len, kv_heads, _ = key.shape
     key = key.float().repeat_interleave(heads // kv_heads, dim=1)
     value = value.float().repeat_interleave(heads // kv_heads, dim=1)
     mask = torch.ones(q_len, kv_len, dtype=torch.bool)
-    if causal:  # rightDownCausal: query i sees key positions up to kv_len - q_len + i
-        for i in range(q_len):
-            mask[i, kv_len - q_len + i + 1:] = False
-    out = F.scaled_dot_product_attention(
-        query.float().transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-        attn_mask=mask, scale=scale,
-    )
+    after = 0 if causal else next_tokens
+    for i in range(q_len):
+        diagonal = kv_len - q_len + i
+        if after is not None:
+            mask[i, max(diagonal + after + 1, 0):] = False
+        if pre_tokens is not None:
+            mask[i, :max(diagonal - pre_tokens, 0)] = False
+    if hidden is not None:
+        mask &= ~hidden
+    q, k, v = query.float().transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        logits = soft_cap * torch.tanh(q @ k.transpose(1, 2) * scale / soft_cap)
+        out = logits.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     return out.transpose(0, 1)
 
 
@@ -68,8 +83,9 @@ def random_sequences(kv_lens, kv_heads, head_dim, dtype, generator):
     return keys, values
 
 
-def paged_cache(keys, values, block_size, generator, spare_blocks=3):
-    """Scatter each sequence into random blocks; unused block-table columns hold stale ids."""
+def paged_cache(keys, values, block_size, generator, spare_blocks=3, reserve_null=False):
+    """Scatter each sequence into random blocks; unused block-table columns hold stale ids.
+    ``reserve_null`` keeps block 0 out of every sequence (vLLM's null block)."""
     per_seq = [math.ceil(k.shape[0] / block_size) for k in keys]
     num_blocks = sum(per_seq) + spare_blocks
     width = max(per_seq) + 2
@@ -80,6 +96,8 @@ def paged_cache(keys, values, block_size, generator, spare_blocks=3):
     block_table = torch.randint(0, num_blocks, (len(keys), width), generator=generator,
                                 dtype=torch.int32)
     free = torch.randperm(num_blocks, generator=generator)
+    if reserve_null:
+        free = free[free != 0]
     taken = 0
     for row, (key, value, count) in enumerate(zip(keys, values, per_seq)):
         block_table[row, :count] = free[taken:taken + count].to(torch.int32)
@@ -91,6 +109,16 @@ def paged_cache(keys, values, block_size, generator, spare_blocks=3):
     return key_cache, value_cache, block_table
 
 
+def null_out_blocks_before(block_table, kv_lens, first_seen, block_size, key_cache, value_cache,
+                            generator):
+    """Point every block that lies wholly before ``first_seen[row]`` at one shared block of stale
+    values (id 0, overwritten with noise), as vLLM's SlidingWindowManager nulls freed blocks."""
+    key_cache[0] = torch.randn(key_cache.shape[1:], generator=generator).to(key_cache.dtype) * 100
+    value_cache[0] = torch.randn(value_cache.shape[1:], generator=generator).to(value_cache.dtype) * 100
+    for row, first in enumerate(first_seen):
+        block_table[row, :max(first, 0) // block_size] = 0
+
+
 def assert_close(actual, expected, dtype):
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.float(), expected, atol=tol, rtol=tol)
@@ -98,6 +126,29 @@ def assert_close(actual, expected, dtype):
 
 def cumulative(lengths):
     return torch.tensor(lengths).cumsum(0).tolist()
+
+
+def fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens, kv_heads, scale,
+                    **mask):
+    """npu_fused_infer_attention_score in TND over the paged cache, with the causal mask tensor
+    and ``mask`` (sparse_mode, pre/next_tokens)."""
+    num_blocks, block_size = key_cache.shape[:2]
+    paged = (num_blocks, block_size, -1)
+    return kernels.fused_infer_attention_score(
+        query, key_cache.view(paged), value_cache.view(paged),
+        atten_mask=CAUSAL_MASK, block_table=block_table, actual_seq_lengths=cumulative(q_lens),
+        actual_seq_lengths_kv=list(kv_lens), num_heads=query.shape[1], num_key_value_heads=kv_heads,
+        scale=scale, input_layout="TND", block_size=block_size, **mask,
+    )
+
+
+def assert_per_sequence(out, query, q_lens, keys, values, dtype, expected):
+    """Each sequence's rows of ``out`` against ``expected(query rows, key, value)``."""
+    start = 0
+    for q_len, key, value in zip(q_lens, keys, values):
+        rows = slice(start, start + q_len)
+        assert_close(out[rows], expected(query[rows], key, value), dtype)
+        start += q_len
 
 
 @settings(max_examples=50, deadline=None)
@@ -113,20 +164,131 @@ def test_fused_attention_paged_mixed_batch(batch, heads, block_size, dtype, seed
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
 
-    paged = (key_cache.shape[0], block_size, -1)
-    out, lse = kernels.fused_infer_attention_score(
-        query, key_cache.view(paged), value_cache.view(paged),
-        atten_mask=CAUSAL_MASK, block_table=block_table, actual_seq_lengths=cumulative(q_lens),
-        actual_seq_lengths_kv=list(kv_lens), num_heads=num_heads, num_key_value_heads=kv_heads,
-        scale=scale, input_layout="TND", block_size=block_size, sparse_mode=3,
-    )
+    out, lse = fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens,
+                               kv_heads, scale, sparse_mode=3)
 
     assert out.shape == query.shape and out.dtype == dtype
     assert lse.shape == (1,)
+    assert_per_sequence(out, query, q_lens, keys, values, dtype,
+                        lambda q, key, value: oracle(q, key, value, scale, causal=True))
+
+
+@st.composite
+def band_batch(draw):
+    """A mixed batch with at least one query longer than one token (the band needs the prefill
+    branch), and a band: pre_tokens ≥ 0, next_tokens small or unbounded (2147483647)."""
+    batch = draw(mixed_batch())
+    if max(q for q, _ in batch) == 1:
+        batch.append((draw(st.integers(2, 100)), 0))
+        batch[-1] = (batch[-1][0], batch[-1][0] + draw(st.integers(0, 300)))
+    pre = draw(st.integers(0, 400))
+    room = min(kv - q for q, kv in batch)  # next_tokens + kv - q ≥ 0 keeps every row non-empty
+    after = draw(st.sampled_from([0, 0, 2147483647]) | st.integers(max(-room, -pre), 8))
+    return batch, pre, after
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=band_batch(), heads=head_layouts, dtype=half_dtypes, seed=seeds)
+def test_fused_attention_band_paged_mixed_batch(case, heads, dtype, seed):
+    """sparse_mode=4: each query row sees the keys from pre_tokens before its bottom-right
+    aligned diagonal to next_tokens after it; blocks wholly before the band may be a stale
+    shared block."""
+    batch, pre, after = case
+    kv_heads, group, head_dim = heads
+    num_heads, block_size = kv_heads * group, 128
+    generator = torch.Generator().manual_seed(seed)
+    q_lens, kv_lens = zip(*batch)
+    keys, values = random_sequences(kv_lens, kv_heads, head_dim, dtype, generator)
+    key_cache, value_cache, block_table = paged_cache(keys, values, block_size, generator,
+                                                      reserve_null=True)
+    null_out_blocks_before(block_table, kv_lens, [kv - q - pre for q, kv in batch], block_size,
+                           key_cache, value_cache, generator)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+
+    out, _ = fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens,
+                             kv_heads, scale, pre_tokens=pre, next_tokens=after, sparse_mode=4)
+
+    assert_per_sequence(out, query, q_lens, keys, values, dtype, lambda q, key, value: oracle(
+        q, key, value, scale, causal=False, pre_tokens=pre,
+        next_tokens=None if after == 2147483647 else after))
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), context=st.lists(st.integers(1, 700), min_size=1, max_size=6),
+       heads=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 4]),
+                       st.sampled_from([64, 80, 96, 128, 256])),
+       dtype=half_dtypes, seed=seeds)
+def test_fused_attention_bsh_decode_with_a_mask(data, context, heads, dtype, seed):
+    """One-token queries in BSH over a paged cache, with a (B, KV_S) mask: a sliding window's
+    mask (keys before the window hidden, those blocks a stale shared block) or a random one."""
+    kv_heads, group, head_dim = heads
+    num_heads, block_size = kv_heads * group, 128
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = random_sequences(context, kv_heads, head_dim, dtype, generator)
+    key_cache, value_cache, block_table = paged_cache(keys, values, block_size, generator,
+                                                      reserve_null=True)
+    width = block_table.shape[1] * block_size
+    if data.draw(st.booleans(), label="sliding window"):
+        window = data.draw(st.integers(1, 500), label="window")
+        first = [n - window for n in context]
+        hidden = torch.arange(width) < torch.tensor(first)[:, None]
+        null_out_blocks_before(block_table, context, first, block_size, key_cache, value_cache,
+                               generator)
+    else:
+        hidden = torch.rand(len(context), width, generator=generator) < 0.5
+        for row, n in enumerate(context):  # each sequence keeps at least one of its keys
+            hidden[row, int(torch.randint(n, (1,), generator=generator))] = False
+    query = torch.randn(len(context), 1, num_heads * head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+
+    paged = (key_cache.shape[0], block_size, -1)
+    out, _ = kernels.fused_infer_attention_score(
+        query, key_cache.view(paged), value_cache.view(paged), atten_mask=hidden.contiguous(),
+        block_table=block_table, actual_seq_lengths_kv=context, num_heads=num_heads,
+        num_key_value_heads=kv_heads, scale=scale, input_layout="BSH", block_size=block_size,
+    )
+
+    assert out.shape == query.shape
+    for row, (key, value) in enumerate(zip(keys, values)):
+        expected = oracle(query[row].view(1, num_heads, head_dim), key, value, scale, True,
+                          hidden=hidden[row:row + 1, :len(key)])
+        assert_close(out[row].view(1, num_heads, head_dim), expected, dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=mixed_batch(max_prefix=300), heads=head_layouts,
+       window=st.none() | st.integers(1, 400), soft_cap=st.none() | st.floats(0.5, 60),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=seeds)
+def test_composed_attention_windows_and_soft_cap(batch, heads, window, soft_cap, dtype, seed):
+    """The composed path (fp32 models, soft-capped layers, head sizes no fused kernel takes):
+    decode rows batched, longer queries one by one, over the paged cache."""
+    from ascend_patch.npu.kernels import paged
+
+    kv_heads, group, head_dim = heads
+    num_heads, block_size = kv_heads * group, 128
+    generator = torch.Generator().manual_seed(seed)
+    q_lens, kv_lens = zip(*batch)
+    keys, values = random_sequences(kv_lens, kv_heads, head_dim, dtype, generator)
+    key_cache, value_cache, block_table = paged_cache(keys, values, block_size, generator)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    pre = None if window is None else window - 1
+
     start = 0
-    for q_len, key, value in zip(q_lens, keys, values):
+    for row, (q_len, kv_len, key, value) in enumerate(zip(q_lens, kv_lens, keys, values)):
         rows = slice(start, start + q_len)
-        assert_close(out[rows], oracle(query[rows], key, value, scale, causal=True), dtype)
+        if q_len == 1:
+            got = paged.decode_batch(query[rows], key_cache, value_cache, block_table[row:row + 1],
+                                     [kv_len], scale, pre_tokens=pre, soft_cap=soft_cap)
+        else:
+            seq_key, seq_value = paged.gather_sequence(key_cache, value_cache, block_table[row],
+                                                       kv_len)
+            got = paged.attend(query[rows], seq_key, seq_value, scale, pre_tokens=pre,
+                               next_tokens=0, soft_cap=soft_cap)
+        expected = oracle(query[rows], key, value, scale, True, pre_tokens=pre, soft_cap=soft_cap)
+        tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+        torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
         start += q_len
 
 

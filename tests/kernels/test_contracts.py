@@ -30,6 +30,21 @@ def fused_attention(*, query_shape=(5, 8, 128), block_size=128, num_blocks=8, **
                                                args.pop("value"), **args)
 
 
+def fused_decode(*, head_dim=128, **overrides):
+    """A valid BSH decode of two sequences (kv 200 and 140) with a window mask, then overrides."""
+    cache = torch.zeros(8, 128, 2 * head_dim, dtype=BF16)
+    mask = torch.arange(256) < torch.tensor([100, 40])[:, None]
+    args = dict(
+        query=torch.zeros(2, 1, 8 * head_dim, dtype=BF16), key=cache, value=cache.clone(),
+        atten_mask=mask, block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        actual_seq_lengths_kv=[200, 140], num_heads=8, num_key_value_heads=2,
+        scale=head_dim**-0.5, input_layout="BSH", block_size=128,
+    )
+    args.update(overrides)
+    return kernels.fused_infer_attention_score(args.pop("query"), args.pop("key"),
+                                               args.pop("value"), **args)
+
+
 def paged_attention(*, head_size=128, block_size=128, **overrides):
     """A valid decode of three sequences over [8, block_size, 2, head_size] caches, then edits."""
     query = torch.zeros(3, 8, head_size, dtype=BF16)
@@ -137,6 +152,41 @@ VIOLATIONS = {
         lambda: fused_attention(actual_seq_lengths_kv=[200, 3]),
         f"{FIA}: actual_seq_lengths_kv must be ≥ the query length of each sequence under "
         "sparse_mode=3, got (4, 3)"),
+    "fia band over single-token queries only": (
+        lambda: fused_attention(query_shape=(2, 8, 128), actual_seq_lengths=[1, 2], sparse_mode=4,
+                                pre_tokens=99, next_tokens=0),
+        f"{FIA}: sparse_mode must be 3 or 0 when every query is one token long (sparse_mode and "
+        "pre/next_tokens are ignored for Q_S = 1), got 4"),
+    "fia band with a negative pre_tokens": (
+        lambda: fused_attention(sparse_mode=4, pre_tokens=-1, next_tokens=5),
+        f"{FIA}: pre_tokens must be ≥ 0 (the last query row would see no key), got -1"),
+    "fia empty band": (
+        lambda: fused_attention(sparse_mode=4, pre_tokens=3, next_tokens=-4),
+        f"{FIA}: pre_tokens + next_tokens must be ≥ 0 (the band must not be empty), got -1"),
+    "fia band leaving a row without keys": (
+        lambda: fused_attention(sparse_mode=4, pre_tokens=200, next_tokens=-137),
+        f"{FIA}: actual_seq_lengths_kv must be ≥ the query length - next_tokens (-137) of each "
+        "sequence under sparse_mode=4, got (4, 140)"),
+    "fia band without the mask": (
+        lambda: fused_attention(sparse_mode=4, pre_tokens=99, next_tokens=0, atten_mask=None),
+        f"{FIA}: atten_mask must be the 2048×2048 causal mask with sparse_mode=4, got None"),
+    "fia single-token band": (
+        lambda: fused_decode(sparse_mode=4, pre_tokens=99, next_tokens=0),
+        f"{FIA}: sparse_mode/pre_tokens/next_tokens must be their defaults for a single-token "
+        "query (the op ignores them; pass the mask instead), got (4, 99, 0)"),
+    "fia decode mask narrower than the block table": (
+        lambda: fused_decode(atten_mask=torch.zeros(2, 200, dtype=torch.bool)),
+        f"{FIA}: atten_mask must be a last dim ≥ 256 (block_table columns × block_size), got 200"),
+    "fia decode mask hiding a whole sequence": (
+        lambda: fused_decode(atten_mask=torch.arange(256) < torch.tensor([100, 140])[:, None]),
+        f"{FIA}: atten_mask must be to leave each sequence at least one of its keys, got row 1 "
+        "all masked"),
+    "fia decode mask of a float dtype": (
+        lambda: fused_decode(atten_mask=torch.zeros(2, 256)),
+        f"{FIA}: atten_mask must be bool or int8 or uint8, got torch.float32"),
+    "fia decode head dim not 16-byte aligned": (
+        lambda: fused_decode(head_dim=100),
+        f"{FIA}: query head dim (D) must be ≤ 512 and 16-byte aligned, got 100"),
     "fia cache smaller than the sequences need": (
         lambda: fused_attention(num_blocks=3, block_table=torch.tensor([[0, 1], [2, 0]],
                                                                       dtype=torch.int32)),
@@ -263,8 +313,8 @@ def test_violation_is_rejected_with_a_clear_message(call, message):
         call()
 
 
-@pytest.mark.parametrize("build", [fused_attention, paged_attention, scatter, rotary_mul,
-                                   top_k_top_p])
+@pytest.mark.parametrize("build", [fused_attention, fused_decode, paged_attention, scatter,
+                                   rotary_mul, top_k_top_p])
 def test_the_baselines_are_valid(build):
     """Each violation above is one change away from a call that passes."""
     build()
@@ -276,7 +326,9 @@ def test_contract_error_is_a_value_error():
 
 def test_unsupported_layout_and_sparse_mode_are_not_contract_errors():
     """The op documents these; the seam does not implement them, and says so."""
-    with pytest.raises(NotImplementedError, match="input_layout='TND' only"):
-        fused_attention(input_layout="BSH")
-    with pytest.raises(NotImplementedError, match="sparse_mode 0 .* and 3"):
-        fused_attention(sparse_mode=4)
+    with pytest.raises(NotImplementedError, match="input_layout 'TND' and 'BSH'"):
+        fused_attention(input_layout="BNSD")
+    with pytest.raises(NotImplementedError, match="BSH for single-token queries over a paged"):
+        fused_decode(query=torch.zeros(2, 3, 1024, dtype=BF16))
+    with pytest.raises(NotImplementedError, match=r"sparse_mode 0 .*, 3 .* and 4 \(band\) only"):
+        fused_attention(sparse_mode=2)

@@ -366,8 +366,29 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score"), {
         "query": query, "key": paged, "value": paged, "atten_mask": mask, "block_table": table,
         "actual_seq_lengths": [1, 5], "actual_seq_lengths_kv": [200, 140], "num_heads": 8,
-        "num_key_value_heads": 2, "scale": 0.125, "input_layout": "TND", "block_size": 128,
-        "sparse_mode": 3})
+        "num_key_value_heads": 2, "scale": 0.125, "pre_tokens": 2147483647,
+        "next_tokens": 2147483647, "input_layout": "TND", "block_size": 128, "sparse_mode": 3})
+    # The sliding-window band of prefill and mixed batches.
+    kernels.fused_infer_attention_score(
+        query, paged, paged, atten_mask=mask, block_table=table, actual_seq_lengths=[1, 5],
+        actual_seq_lengths_kv=[200, 140], num_heads=8, num_key_value_heads=2, scale=0.125,
+        pre_tokens=99, next_tokens=0, input_layout="TND", block_size=128, sparse_mode=4)
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score"), {
+        "query": query, "key": paged, "value": paged, "atten_mask": mask, "block_table": table,
+        "actual_seq_lengths": [1, 5], "actual_seq_lengths_kv": [200, 140], "num_heads": 8,
+        "num_key_value_heads": 2, "scale": 0.125, "pre_tokens": 99, "next_tokens": 0,
+        "input_layout": "TND", "block_size": 128, "sparse_mode": 4})
+    # The windowed decode: one-token BSH queries with a (B, KV_S) mask.
+    decode_query, window = torch.zeros(2, 1, 512, dtype=bf16), torch.zeros(2, 256, dtype=torch.bool)
+    kernels.fused_infer_attention_score(
+        decode_query, paged, paged, atten_mask=window, block_table=table,
+        actual_seq_lengths_kv=[200, 140], num_heads=8, num_key_value_heads=2, scale=0.125,
+        input_layout="BSH", block_size=128)
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score"), {
+        "query": decode_query, "key": paged, "value": paged, "atten_mask": window,
+        "block_table": table, "actual_seq_lengths": None, "actual_seq_lengths_kv": [200, 140],
+        "num_heads": 8, "num_key_value_heads": 2, "scale": 0.125, "pre_tokens": 2147483647,
+        "next_tokens": 2147483647, "input_layout": "BSH", "block_size": 128, "sparse_mode": 0})
 
     query, out = torch.zeros(2, 8, 64, dtype=bf16), torch.empty(2, 8, 64, dtype=bf16)
     context_lens = torch.tensor([3, 9], dtype=int32)

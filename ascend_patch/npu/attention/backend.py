@@ -1,35 +1,53 @@
 """The Ascend attention backend: paged KV cache, mixed prefill/decode batches, chunked
-prefill and prefix caching, on the kernel seam.
+prefill and prefix caching, sliding windows and logit soft-capping, on the kernel seam.
 
 Per step and layer, ``forward`` writes the new K/V into the paged cache
 (``npu_scatter_pa_kv_cache``) and then runs one attention launch:
 
-- a batch of single-token queries (pure decode): ``_npu_paged_attention``;
+- a batch of single-token queries (pure decode): ``_npu_paged_attention``; in a layer
+  with a sliding window, ``npu_fused_infer_attention_score`` in BSH layout over the
+  paged cache with a (batch, KV) mask that hides the keys before each window (the op
+  ignores ``sparse_mode`` and ``pre_tokens`` for single-token queries, and
+  ``_npu_paged_attention`` takes no mask);
 - anything else (prefill, chunked prefill behind a cached prefix, mixed):
   ``npu_fused_infer_attention_score`` in TND layout with cumulative host query
   lengths, per-sequence host KV lengths, an int32 block table and the causal
-  ``sparse_mode=3`` mask.
+  ``sparse_mode=3`` mask; in a windowed layer the band ``sparse_mode=4`` with
+  ``pre_tokens = window - 1``, ``next_tokens = 0`` on the same mask.
 
-Both fused kernels take fp16/bf16 only. An fp32 model runs the same cache and
-metadata through *composed* attention: the gather/matmul/softmax of standard
-torch ops, which the NPU runs as generic kernels (several launches, not one).
+What no fused kernel takes runs *composed* attention over the same cache and metadata:
+the gather/matmul/softmax of standard torch ops, which the NPU runs as generic kernels
+(several launches, not one). That is every layer of an fp32 model (the kernels take
+fp16/bf16 only), every layer with soft-capped attention logits (Gemma 2: the kernels
+have no soft-cap input), and the prefill of head sizes the TND kernel rejects (it takes
+64 and 128 over a paged cache); decode of those head sizes still runs fused
+(``_npu_paged_attention`` takes head sizes up to 576). The model runner logs once per
+model which layers run composed and why (:func:`report_attention_paths`).
+
+In a uniformly windowed model vLLM's ``SlidingWindowManager`` frees the blocks wholly
+before the window (other requests may reuse them; the V1 block table keeps their ids)
+and a prefix-cache hit puts the null block in their place: every path hides those keys,
+so their contents never reach the output.
 
 KV cache: each layer's cache is ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (K plane, V plane), the ND layout the kernels read. vLLM 0.20–0.28
 shape it from ``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.kv_cache`
 carves it out of vLLM's single allocation.
 
-Graphs: FULL graphs hold uniform single-token decode batches (``_npu_paged_attention``,
-whose host context lengths every replay re-issues through :func:`acl_graph.launch`).
-Prefill and mixed batches (FIA, with host query and KV lengths) stay outside graphs:
-eager, or between PIECEWISE graphs. A FULL graph's batch is padded to its capture size;
-its padded requests get one token each over vLLM's null block (block 0), and every
-token without a slot (padding, dummy runs) writes its K/V into a slot of that block.
+Graphs: FULL graphs hold uniform single-token decode batches of models whose every layer
+decodes on ``_npu_paged_attention`` (fp16/bf16, no window, no soft-cap), its host context
+lengths re-issued on every replay through :func:`acl_graph.launch`; any other attention
+path refuses to run inside a capture. Prefill and mixed batches (FIA, with host query and
+KV lengths) stay outside graphs: eager, or between PIECEWISE graphs. A FULL graph's batch
+is padded to its capture size; its padded requests get one token each over vLLM's null
+block (block 0), and every token without a slot (padding, dummy runs) writes its K/V into
+a slot of that block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backend import (
@@ -49,9 +67,17 @@ from ascend_patch.npu.kernels import paged
 # (npu_fused_infer_attention_score PageAttention rule: a multiple of 128 in [128, 512]).
 KERNEL_BLOCK_SIZE = 128
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-FUSED_HEAD_SIZES = (64, 128)
-# sparse_mode=3 reads this fixed-size "optimised" mask (nonzero above the diagonal).
+# Head sizes per fused kernel (their contracts: ascend_patch/npu/kernels/reference.py):
+# npu_fused_infer_attention_score TND over a paged cache takes 64 and 128 ([FIA-TILING], [FIA-V2]);
+FIA_TND_HEAD_SIZES = (64, 128)
+# _npu_paged_attention up to 576, blocks ≤ 128 above 256 (KERNEL_BLOCK_SIZE is 128) ([PA]);
+PA_MAX_HEAD_SIZE = 576
+# npu_fused_infer_attention_score with one-token queries up to 512, 16-byte aligned ([FIA]).
+FIA_DECODE_MAX_HEAD_SIZE = 512
+# sparse_mode 3 and 4 read this fixed-size "optimised" mask (nonzero above the diagonal).
 _MASK_SIZE = 2048
+
+logger = logging.getLogger("vllm.ascend_patch")
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -114,6 +140,8 @@ class AscendMetadata:
     """Per-sequence KV lengths including this step, host side."""
     context_lens: torch.Tensor
     """``seq_lens`` as a host int32 tensor (``_npu_paged_attention`` context_lens)."""
+    device_seq_lens: torch.Tensor
+    """``seq_lens`` on the device, for the window masks."""
     block_table: torch.Tensor
     """[num_seqs, max_blocks] int32, in kernel blocks."""
     slot_mapping: torch.Tensor
@@ -121,6 +149,9 @@ class AscendMetadata:
     null_slots: torch.Tensor
     """A slot of the null block for each token position (the stand-ins for -1)."""
     max_query_len: int
+    key_positions: torch.Tensor
+    """0 .. block_table columns × KERNEL_BLOCK_SIZE - 1 on the device (built once)."""
+    _window_masks: dict = field(default_factory=dict, repr=False)
     _kv_slots: torch.Tensor | None = None
 
     @property
@@ -134,22 +165,37 @@ class AscendMetadata:
             self._kv_slots = torch.where(self.slot_mapping < 0, self.null_slots, self.slot_mapping)
         return self._kv_slots
 
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[num_seqs, key_positions] bool, True for the keys before each sequence's last
+        ``window``: built once per step and window (two launches), shared by the layers."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            first_visible = self.device_seq_lens - window
+            mask = self._window_masks[window] = self.key_positions < first_visible[:, None]
+        return mask
+
 
 class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.device = device
+        self._key_positions = torch.empty(0, dtype=torch.int64, device=device)
         # Slot i of the null block for token i (block 0, which vLLM never hands to a request).
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._null_slots = torch.arange(tokens, device=device) % kv_cache_spec.block_size
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # FULL graphs for single-token decode batches on the fused kernels (see the module
-        # docstring); the composed fp32 path turns host lengths into new tensors every step.
-        fused = (vllm_config.model_config.dtype in FUSED_DTYPES
-                 and kv_cache_spec.head_size in FUSED_HEAD_SIZES)
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if fused else AttentionCGSupport.NEVER
+        # FULL graphs for single-token decode batches on _npu_paged_attention (see the module
+        # docstring); every other path bakes host data or refuses to run inside a capture.
+        paged = (getattr(kv_cache_spec, "sliding_window", None) is None
+                 and decodes_on_paged_attention(vllm_config.model_config, kv_cache_spec.head_size))
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if paged else AttentionCGSupport.NEVER
+
+    def _positions(self, width: int) -> torch.Tensor:
+        if self._key_positions.numel() != width:  # the block table's width is fixed: once
+            self._key_positions = torch.arange(width, device=self.device)
+        return self._key_positions
 
     def build(
         self,
@@ -166,18 +212,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         if host_seq_lens is None:
             host_seq_lens = meta.seq_lens.cpu()
         seq_lens = host_seq_lens[:num_seqs].to(torch.int32)
-        num_tokens = meta.num_actual_tokens
-        padding = num_seqs - 1 - query_ends.index(query_ends[-1]) if query_ends else 0
-        if padding:
-            # A FULL graph's padded batch: its last requests have no token. Each gets one,
-            # attending to one null-block slot, so the batch has the captured shape.
-            real = num_seqs - padding
-            query_ends[real:] = range(query_ends[real - 1] + 1, query_ends[real - 1] + padding + 1)
-            seq_lens[real:] = 1
-        if query_ends and query_ends[-1] != num_tokens:
-            raise NotImplementedError(
-                f"a padded batch of {num_tokens} tokens for {num_seqs} requests ending at "
-                f"{query_ends[-1]}: the Ascend backend pads single-token decode batches only")
+        num_tokens = query_ends[-1] if query_ends else 0
         block_table = meta.block_table_tensor[:num_seqs]
         if block_table.dtype != torch.int32:
             block_table = block_table.to(torch.int32)
@@ -186,11 +221,44 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
             query_ends=query_ends,
             seq_lens=seq_lens.tolist(),
             context_lens=seq_lens,
+            device_seq_lens=meta.seq_lens[:num_seqs],
             block_table=block_table,
             slot_mapping=meta.slot_mapping[:num_tokens],
             null_slots=self._null_slots[:num_tokens],
             max_query_len=meta.max_query_len,
+            key_positions=self._positions(block_table.shape[1] * KERNEL_BLOCK_SIZE),
         )
+
+
+def decodes_on_paged_attention(model_config, head_size: int) -> bool:
+    """Whether every attention layer of the model decodes on ``_npu_paged_attention`` (the one
+    decode kernel FULL graphs hold), as :meth:`AscendAttentionImpl._choose_paths` decides: fp16
+    or bf16, no sliding window in any layer, no soft-capped logits, a head size it takes (MLA
+    models decode on their own kernel)."""
+    window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
+    # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
+    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)
+    return (not model_config.use_mla and model_config.dtype in FUSED_DTYPES and window is None
+            and not soft_cap
+            and head_size <= PA_MAX_HEAD_SIZE)
+
+
+@dataclass(frozen=True)
+class AttentionPaths:
+    """What serves a layer's steps: ``prefill`` (prefill, chunked and mixed batches) is
+    "fused" or "composed"; ``decode`` (decode-only batches) is "paged_attention",
+    "fused_masked" or "composed"; ``why`` says what forces the composed path, if anything."""
+
+    prefill: str
+    decode: str
+    why: str | None = None
+
+    def composed_steps(self) -> str:
+        if self.prefill == self.decode == "composed":
+            return "every step"
+        if self.prefill == "composed":
+            return "prefill and mixed batches (decode-only batches stay fused)"
+        return "decode-only batches"
 
 
 class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
@@ -210,8 +278,6 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
     ) -> None:
         features = {
             "ALiBi": alibi_slopes is not None,
-            "sliding window": sliding_window is not None,
-            "logits soft-cap": bool(logits_soft_cap),
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             **{name: value is not None for name, value in unsupported.items()},
         }
@@ -224,9 +290,47 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        # vLLM's window: the query's own key and the sliding_window - 1 before it.
+        self.sliding_window = sliding_window
+        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._mask: torch.Tensor | None = None
+        self._paths: dict[torch.dtype, AttentionPaths] = {}
+
+    def paths(self, dtype: torch.dtype) -> AttentionPaths:
+        """The kernels that serve this layer for a model in ``dtype``."""
+        paths = self._paths.get(dtype)
+        if paths is None:
+            paths = self._paths[dtype] = self._choose_paths(dtype)
+        return paths
+
+    def _choose_paths(self, dtype: torch.dtype) -> AttentionPaths:
+        if dtype not in FUSED_DTYPES:
+            name = str(dtype).removeprefix("torch.")
+            return AttentionPaths("composed", "composed",
+                                  f"{name}: the fused attention kernels take fp16/bf16 only")
+        if self.soft_cap is not None:
+            return AttentionPaths("composed", "composed",
+                                  f"logits soft-cap {self.soft_cap:g}: the fused attention "
+                                  f"kernels have no soft-cap input")
+        size = self.head_size
+        prefill = "fused" if size in FIA_TND_HEAD_SIZES else "composed"
+        if self.sliding_window is None:
+            decode = "paged_attention" if size <= PA_MAX_HEAD_SIZE else "composed"
+        else:
+            aligned = size * dtype.itemsize % 16 == 0 and self.num_kv_heads * size <= 65535
+            decode = "fused_masked" if size <= FIA_DECODE_MAX_HEAD_SIZE and aligned else "composed"
+        limits = []
+        if prefill == "composed":
+            limits.append("npu_fused_infer_attention_score over a paged cache (TND) takes 64 and 128")
+        if decode == "composed" and self.sliding_window is None:
+            limits.append(f"_npu_paged_attention takes at most {PA_MAX_HEAD_SIZE}")
+        elif decode == "composed":
+            limits.append("npu_fused_infer_attention_score for one-token queries takes at most "
+                          f"{FIA_DECODE_MAX_HEAD_SIZE}, 16-byte aligned")
+        why = f"head size {size}: {'; '.join(limits)}" if limits else None
+        return AttentionPaths(prefill, decode, why)
 
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
@@ -252,7 +356,8 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         if attn_metadata is None:  # memory-profiling pass: no KV cache yet
             return output.fill_(0)
-        n = attn_metadata.num_tokens
+        meta = attn_metadata
+        n = meta.num_tokens
         key_cache, value_cache = kv_cache.unbind(0)
         if self.kv_sharing_target_layer_name is None and key is not None:
             kernels.scatter_pa_kv_cache(
@@ -260,67 +365,110 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 value[:n].contiguous(),
                 key_cache,
                 value_cache,
-                attn_metadata.kv_slots(),
+                meta.kv_slots(),
             )
         query = query[:n]
         out = output[:n]
-        if query.dtype in FUSED_DTYPES and self.head_size in FUSED_HEAD_SIZES:
-            self._fused(layer.layer_name, query, key_cache, value_cache, attn_metadata, out)
+        paths = self.paths(query.dtype)
+        path = paths.decode if meta.decode_only else paths.prefill
+        if path == "paged_attention":
+            self._paged_attention(layer.layer_name, query.contiguous(), key_cache, value_cache, meta, out)
+            return output
+        if acl_graph.capturing():  # FULL graphs hold decode batches on paged attention only
+            raise RuntimeError(f"{path} attention inside a graph capture: its host query/KV lengths "
+                               "would be replayed unchanged")
+        if path == "composed":
+            _composed(query, key_cache, value_cache, meta, self.scale, out,
+                      self._pre_tokens(), self.soft_cap)
+        elif path == "fused_masked":  # one-token BSH queries, the window as a mask
+            self._fused_attention(
+                query.contiguous().view(n, 1, -1), key_cache, value_cache, meta, out,
+                atten_mask=meta.window_mask(self.sliding_window), input_layout="BSH",
+            )
         else:
-            _composed(query, key_cache, value_cache, attn_metadata, self.scale, out)
+            band = {"sparse_mode": 3} if self.sliding_window is None else {
+                "sparse_mode": 4, "pre_tokens": self._pre_tokens(), "next_tokens": 0}
+            self._fused_attention(
+                query.contiguous(), key_cache, value_cache, meta, out,
+                atten_mask=self._causal_mask(query.device), actual_seq_lengths=meta.query_ends,
+                input_layout="TND", **band,
+            )
         return output
 
-    def _fused(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata, out) -> None:
-        query = query.contiguous()
-        if meta.decode_only:
-            # Its context lengths are host data: a graph replay must be handed the step's.
-            args = (query, key_cache, value_cache, self.num_kv_heads, self.num_heads, self.scale)
+    def _paged_attention(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
+                         out) -> None:
+        # Its context lengths are host data: a graph replay must be handed the step's.
+        args = (query, key_cache, value_cache, self.num_kv_heads, self.num_heads, self.scale)
 
-            def issue(params: AscendMetadata, workspace) -> None:
-                kernels.paged_attention(*args, params.block_table, params.context_lens, out,
-                                        workspace=workspace)
+        def issue(params: AscendMetadata, workspace) -> None:
+            kernels.paged_attention(*args, params.block_table, params.context_lens, out,
+                                    workspace=workspace)
 
-            def workspace(params: AscendMetadata):
-                return kernels.paged_attention_workspace(*args, params.block_table,
-                                                         params.context_lens, out)
+        def workspace(params: AscendMetadata):
+            return kernels.paged_attention_workspace(*args, params.block_table,
+                                                     params.context_lens, out)
 
-            acl_graph.launch(layer_name, meta, issue, workspace)
-            return
-        if acl_graph.capturing():  # FULL graphs hold single-token decode batches only
-            raise RuntimeError("npu_fused_infer_attention_score inside a graph capture: its host "
-                               "query/KV lengths would be replayed unchanged")
+        acl_graph.launch(layer_name, meta, issue, workspace)
+
+    def _pre_tokens(self) -> int | None:
+        return None if self.sliding_window is None else self.sliding_window - 1
+
+    def _fused_attention(self, query, key_cache, value_cache, meta: AscendMetadata, out,
+                         **call) -> None:
+        """One npu_fused_infer_attention_score over the paged cache (BnBsH) into ``out``."""
         num_blocks, block_size = key_cache.shape[:2]
         attn, _ = kernels.fused_infer_attention_score(
             query,
             key_cache.view(num_blocks, block_size, -1),
             value_cache.view(num_blocks, block_size, -1),
-            atten_mask=self._causal_mask(query.device),
             block_table=meta.block_table,
-            actual_seq_lengths=meta.query_ends,
             actual_seq_lengths_kv=meta.seq_lens,
             num_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             scale=self.scale,
-            input_layout="TND",
             block_size=block_size,
-            sparse_mode=3,
+            **call,
         )
-        out.copy_(attn)
+        out.copy_(attn.view(out.shape))
 
 
-def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out) -> None:
-    """Causal attention over the paged cache with standard torch ops (fp32 models; head
-    sizes the fused kernels reject): every single-token query in one batched call, each
-    longer one on its own, query row i seeing keys up to position kv_len - q_len + i."""
+def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out, pre_tokens,
+              soft_cap) -> None:
+    """Causal attention over the paged cache with standard torch ops: every single-token query
+    in one batched call, each longer one on its own, query row i seeing keys up to position
+    kv_len - q_len + i and, in a windowed layer, no more than pre_tokens before it."""
     starts = [0, *meta.query_ends[:-1]]
     lengths = [end - start for start, end in zip(starts, meta.query_ends)]
     decodes = [i for i, n in enumerate(lengths) if n == 1]
     if decodes:
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
         out[rows] = paged.decode_batch(query[rows], key_cache, value_cache, meta.block_table[decodes],
-                                       [meta.seq_lens[i] for i in decodes], scale)
+                                       [meta.seq_lens[i] for i in decodes], scale,
+                                       pre_tokens=pre_tokens, soft_cap=soft_cap)
     for i, n in enumerate(lengths):
         if n > 1:
             keys, values = paged.gather_sequence(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
             rows = slice(starts[i], starts[i] + n)
-            out[rows] = paged.attend(query[rows], keys, values, scale, causal=True)
+            out[rows] = paged.attend(query[rows], keys, values, scale, pre_tokens=pre_tokens,
+                                     next_tokens=0, soft_cap=soft_cap)
+
+
+def report_attention_paths(layers: dict, dtype: torch.dtype, model: str) -> None:
+    """Log once per model which attention layers run composed, in which steps and why: one
+    line per reason, a warning where a fused kernel would serve the same model in fp16/bf16.
+
+    ``layers`` maps layer names to vLLM attention layers (vLLM's static forward context)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    total = 0
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if isinstance(impl, AscendAttentionImpl):
+            total += 1
+            paths = impl.paths(dtype)
+            if paths.why is not None:
+                groups.setdefault((paths.why, paths.composed_steps()), []).append(name)
+    for (why, steps), names in groups.items():
+        which = f"all {total} attention layers" if len(names) == total else ", ".join(names)
+        log = logger.info if dtype not in FUSED_DTYPES else logger.warning
+        log("ascend-patch: %s: %s run composed attention (standard torch ops, not one fused "
+            "kernel) for %s: %s", model, which, steps, why)

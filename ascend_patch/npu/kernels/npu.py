@@ -47,6 +47,8 @@ def fused_infer_attention_score(
     num_heads,
     num_key_value_heads,
     scale,
+    pre_tokens=2147483647,
+    next_tokens=2147483647,
     input_layout="TND",
     block_size=0,
     sparse_mode=0,
@@ -57,6 +59,7 @@ def fused_infer_attention_score(
         atten_mask=atten_mask, block_table=block_table,
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
+        pre_tokens=pre_tokens, next_tokens=next_tokens,
         input_layout=input_layout, block_size=block_size, sparse_mode=sparse_mode,
     )
 

@@ -2,8 +2,17 @@
 
 Shared by the reference kernels, which compute the documented output of the NPU's
 fused attention ops after checking their contracts, and by the attention backend's
-composed path, which runs fp32 models with these same generic ops (they run on the
-NPU as ordinary kernels). Caches are ``[num_blocks, block_size, kv_heads, head_size]``.
+composed path, which runs what no fused kernel takes (fp32 models, soft-capped
+logits, some head sizes) with these same generic ops (they run on the NPU as
+ordinary kernels). Caches are ``[num_blocks, block_size, kv_heads, head_size]``.
+
+Which keys a query row sees is a band around its diagonal, as the NPU ops define it
+(``sparse_mode=4``, anchored at the bottom right): query row ``i`` of a sequence with
+``q`` queries over ``s`` keys sits at key position ``d = s - q + i`` and sees keys ``j``
+with ``d - pre_tokens <= j <= d + next_tokens``; ``None`` leaves a side unbounded.
+Causal attention is ``next_tokens=0``; a sliding window of ``W`` keys (vLLM's and
+Hugging Face's ``sliding_window``: the query's own key and the ``W - 1`` before it)
+adds ``pre_tokens=W - 1``.
 """
 
 import math
@@ -20,30 +29,39 @@ def gather_sequence(key_cache, value_cache, block_ids, length):
             value_cache[blocks].reshape(-1, *heads_dim)[:length])
 
 
-def attend(query, key, value, scale, causal):
-    """One sequence: query [q, N, D] over key/value [s, KVH, D]; causal aligns query row i to key
-    position s - q + i (sparse_mode=3, rightDownCausal)."""
+def band(q_len, kv_len, pre_tokens, next_tokens, device):
+    """[q_len, kv_len] bool, True where query row i may see key j (the band above), or None
+    when nothing is masked."""
+    if pre_tokens is None and (next_tokens is None or next_tokens >= q_len - 1):
+        return None  # even the first row's band reaches the last key
+    offset = torch.arange(kv_len, device=device) - (
+        torch.arange(q_len, device=device)[:, None] + (kv_len - q_len))
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if next_tokens is not None:
+        allowed &= offset <= next_tokens
+    if pre_tokens is not None:
+        allowed &= offset >= -pre_tokens
+    return allowed
+
+
+def attend(query, key, value, scale, *, pre_tokens=None, next_tokens=None, soft_cap=None):
+    """One sequence: query [q, N, D] over key/value [s, KVH, D] within the band -> [q, N, D]."""
     q_len, kv_len = query.shape[0], key.shape[0]
-    mask, is_causal = None, False
-    if causal and q_len > 1:
-        if q_len == kv_len:
-            is_causal = True
-        else:
-            rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-            mask = torch.arange(kv_len, device=query.device) <= rows
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-        attn_mask=mask, is_causal=is_causal, scale=scale,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+    causal = pre_tokens is None and next_tokens == 0 and q_len == kv_len
+    allowed = None if causal else band(q_len, kv_len, pre_tokens, next_tokens, query.device)
+    out = softmax_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                            allowed, scale, soft_cap, causal=causal)
     return out.transpose(0, 1)
 
 
-def decode_batch(query, key_cache, value_cache, block_table, lengths, scale):
+def decode_batch(query, key_cache, value_cache, block_table, lengths, scale, *, pre_tokens=None,
+                 masked=None, soft_cap=None):
     """Batched single-token attention, query [B, N, D] over [nb, bs, KVH, D] caches -> [B, N, D].
 
-    The GQA group is folded into the query-length axis (no causal structure within one token), so
-    the K/V heads are never repeated; one SDPA call serves the whole batch.
+    Row b sees keys ``[lengths[b] - 1 - pre_tokens, lengths[b])`` (all of them when
+    ``pre_tokens`` is None), minus those ``masked`` ([B, ≥ span] bool, True = hidden) hides.
+    The GQA group is folded into the query-length axis (no causal structure within one token),
+    so the K/V heads are never repeated; one attention call serves the whole batch.
     """
     batch, heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -55,9 +73,33 @@ def decode_batch(query, key_cache, value_cache, block_table, lengths, scale):
     span = width * block_size
     keys = key_cache[ids].view(batch, span, kv_heads, head_dim).transpose(1, 2)
     values = value_cache[ids].view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(span, device=query.device) < lengths[:, None]
-    out = F.scaled_dot_product_attention(
-        query.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
-        attn_mask=visible[:, None, None, :], scale=scale,
-    )
+    positions = torch.arange(span, device=query.device)
+    visible = positions < lengths[:, None]
+    if pre_tokens is not None:
+        visible &= positions >= (lengths - 1 - pre_tokens)[:, None]
+    if masked is not None:
+        visible &= ~masked[:, :span].bool()
+    out = softmax_attention(query.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
+                            visible[:, None, None, :], scale, soft_cap)
     return out.reshape(batch, heads, head_dim)
+
+
+def softmax_attention(query, key, value, allowed, scale, soft_cap=None, causal=False):
+    """``softmax(cap(scale * q kᵀ) masked) v`` for query [..., N, q, D] over key/value
+    [..., KVH, s, D] (N a multiple of KVH), with ``cap(x) = soft_cap * tanh(x / soft_cap)``
+    when ``soft_cap`` is set (Gemma 2's attention logit soft-capping, which SDPA lacks)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed, is_causal=causal, scale=scale,
+            enable_gqa=key.shape[-3] != query.shape[-3],
+        )
+    group = query.shape[-3] // key.shape[-3]
+    key = key.repeat_interleave(group, dim=-3)
+    value = value.repeat_interleave(group, dim=-3)
+    scores = (query @ key.transpose(-1, -2)).float() * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if causal:
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(dim=-1).to(value.dtype) @ value

@@ -13,9 +13,12 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 517f2e7d, docs under ``docs/zh/custom_APIs/torch_npu/``):
 
 - [FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [FIA-V2] ``..._v2.md`` (its TND section
-  states the head-dim rules that v1 shares); [FIA-TILING] the CANN tiling check quoted in
-  vllm-project/vllm-ascend#9632: "When layout is TND, queryD, keyD and valueD must be same equal
-  192/128/64, or queryD and keyD equal 192 and valueD equal 128".
+  states the head-dim rules that v1 shares); [FA] ``torch_npu-npu_fusion_attention.md`` (the one
+  page that defines the band of ``sparse_mode=4`` and its pre/next_tokens exactly); [PFA]
+  ``torch_npu-npu_prompt_flash_attention.md`` (the prefill op FIA dispatches to);
+  [FIA-TILING] the CANN tiling check quoted in vllm-project/vllm-ascend#9632: "When layout is
+  TND, queryD, keyD and valueD must be same equal 192/128/64, or queryD and keyD equal 192 and
+  valueD equal 128".
 - [PA] ATB PagedAttentionOperation "规格约束", hiascend CANN 8.1.RC1 ``ascendtb_01_0186.html``, and
   its check ``KVCacheDimCheck910B`` in ascend-transformer-boost ``paged_attention_operation.cpp``;
   binding ``op_plugin/ops/atb/PagedAttentionAtb.cpp``.
@@ -66,6 +69,8 @@ _INDEX = (torch.int32, torch.int64)
 
 # [FIA] "sparse_mode=2/3/4时: shape必须为(2048, 2048)或(1, 2048, 2048)或(1, 1, 2048, 2048)".
 _CAUSAL_MASK_SIZE = 2048
+# [FIA] pre_tokens/next_tokens default: 2147483647 (unbounded).
+_INT_MAX = 2147483647
 _CAUSAL_MASK_SHAPES = {(2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)}
 
 
@@ -132,45 +137,37 @@ def fused_infer_attention_score(
     num_heads,
     num_key_value_heads,
     scale,
+    pre_tokens=_INT_MAX,
+    next_tokens=_INT_MAX,
     input_layout="TND",
     block_size=0,
     sparse_mode=0,
 ):
-    """TND attention over a paged cache (``block_table`` given) or over contiguous K/V.
+    """TND attention over a paged cache (``block_table`` given) or over contiguous K/V, or BSH
+    single-token queries (decode) over a paged cache with an optional explicit mask.
 
-    Returns ``(attn_out [T, num_heads, D], softmax_lse)``; the seam never sets
-    ``softmax_lse_flag``, so ``softmax_lse`` is the documented zero tensor of shape (1,).
+    Returns ``(attn_out, softmax_lse)`` with ``attn_out`` shaped like ``query``; the seam never
+    sets ``softmax_lse_flag``, so ``softmax_lse`` is the documented zero tensor of shape (1,).
     """
     op = "npu_fused_infer_attention_score"
+    if input_layout == "BSH":
+        return _fia_bsh_decode(op, query, key, value, atten_mask, block_table, actual_seq_lengths,
+                               actual_seq_lengths_kv, num_heads, num_key_value_heads, scale,
+                               pre_tokens, next_tokens, block_size, sparse_mode)
     if input_layout != "TND":
-        raise NotImplementedError(f"{op}: the seam implements input_layout='TND' only, "
-                                  f"got {input_layout!r}")
-    if sparse_mode not in (0, 3):
-        raise NotImplementedError(f"{op}: the seam implements sparse_mode 0 (no mask) and 3 "
-                                  f"(rightDownCausal) only, got {sparse_mode}")
+        raise NotImplementedError(f"{op}: the seam implements input_layout 'TND' and 'BSH' "
+                                  f"(single-token queries) only, got {input_layout!r}")
+    if sparse_mode not in (0, 3, 4):
+        raise NotImplementedError(f"{op}: the seam implements sparse_mode 0 (no mask), 3 "
+                                  f"(rightDownCausal) and 4 (band) only, got {sparse_mode}")
 
     check_tensor(op, "query", query)
     check_dims(op, "query", query, 3)  # [FIA] input_layout 表: TND query (T, Q_N, D)
     check_dtype(op, "query", query, _HALF)  # [FIA] query: float16、bfloat16
     check_contiguous(op, "query", query)  # [FIA] 不支持非连续Tensor
     tokens, heads, head_dim = query.shape
-    for name, tensor in (("key", key), ("value", value)):
-        check_tensor(op, name, tensor)
-        check_contiguous(op, name, tensor)
-        # The seam passes no (anti)quant scales, so K/V must carry the query's float dtype.
-        require(tensor.dtype == query.dtype, op, name, f"{query.dtype} like query", tensor.dtype)
-    # [FIA] 通用基础约束: key与value的shape必须完全一致.
-    require(value.shape == key.shape, op, "value", f"shape {tuple(key.shape)} like key",
-            tuple(value.shape))
-
-    # [FIA] num_heads 与 query 的 N 轴一致; N ≤ 256.
-    require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
-    require(1 <= num_heads <= 256, op, "num_heads", "in [1, 256]", num_heads)
-    # [FIA] num_key_value_heads: 0 means num_heads; num_heads 能被整除, 比值 ≤ 64.
-    kv_heads = num_key_value_heads or num_heads
-    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op, "num_key_value_heads",
-            f"a divisor of num_heads={num_heads} with ratio ≤ 64", num_key_value_heads)
-    require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
+    _check_kv(op, query, key, value)
+    kv_heads = _check_heads(op, heads, num_heads, num_key_value_heads, scale)
 
     paged = block_table is not None
     # [FIA-TILING] TND: D ∈ {64, 128, 192}; [FIA-V2] TND: "GQA和PA场景不支持V_D等于192".
@@ -203,28 +200,18 @@ def fused_infer_attention_score(
         require(kv_arg[-1] == key.shape[0], op, "actual_seq_lengths_kv",
                 f"cumulative, ending at key.shape[0] = {key.shape[0]}", kv_arg)
 
-    causal = sparse_mode == 3
-    if causal:
-        _check_causal_mask(op, atten_mask)
-        # rightDownCausal aligns each query to the end of its KV; a query longer than its KV would
-        # leave whole rows masked ("行无效"), whose output the docs do not define.
-        for q_len, kv_len in zip(q_lens, kv_lens):
-            require(q_len <= kv_len, op, "actual_seq_lengths_kv",
-                    "≥ the query length of each sequence under sparse_mode=3", (q_len, kv_len))
-    else:
-        require(atten_mask is None, op, "atten_mask", "None with sparse_mode=0 (the seam has no "
-                "custom-mask path)", "a tensor")
+    pre, after = _band(op, sparse_mode, atten_mask, pre_tokens, next_tokens, q_lens, kv_lens)
 
     out = torch.zeros_like(query)  # [FIA] 基础约束: KV 为空 (S2=0) 时输出全 0.
     q_starts = [end - length for end, length in zip(q_ends, q_lens)]
     per_sequence = range(batch)
     if paged:  # all single-token queries in one batched call, the rest one call per sequence
         decodes = [i for i in range(batch) if q_lens[i] == 1 and kv_lens[i] > 0]
-        if decodes:
+        if decodes and (after is None or after >= 0):  # the band's top never cuts a last row
             rows = torch.tensor([q_starts[i] for i in decodes], device=query.device)
             out[rows] = decode_batch(query[rows], key_cache, value_cache, block_table[decodes],
-                                      [kv_lens[i] for i in decodes], scale)
-        per_sequence = [i for i in range(batch) if q_lens[i] > 1]
+                                      [kv_lens[i] for i in decodes], scale, pre_tokens=pre)
+            per_sequence = [i for i in range(batch) if q_lens[i] > 1]
     for i in per_sequence:
         if q_lens[i] == 0 or kv_lens[i] == 0:
             continue
@@ -234,8 +221,155 @@ def fused_infer_attention_score(
             kv_rows = slice(kv_arg[i] - kv_lens[i], kv_arg[i])
             seq_key, seq_value = key[kv_rows], value[kv_rows]
         rows = slice(q_starts[i], q_ends[i])
-        out[rows] = attend(query[rows], seq_key, seq_value, scale, causal)
+        out[rows] = attend(query[rows], seq_key, seq_value, scale, pre_tokens=pre, next_tokens=after)
     return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+
+
+def _check_kv(op, query, key, value):
+    for name, tensor in (("key", key), ("value", value)):
+        check_tensor(op, name, tensor)
+        check_contiguous(op, name, tensor)
+        # The seam passes no (anti)quant scales, so K/V must carry the query's float dtype.
+        require(tensor.dtype == query.dtype, op, name, f"{query.dtype} like query", tensor.dtype)
+    # [FIA] 通用基础约束: key与value的shape必须完全一致.
+    require(value.shape == key.shape, op, "value", f"shape {tuple(key.shape)} like key",
+            tuple(value.shape))
+
+
+def _check_heads(op, heads, num_heads, num_key_value_heads, scale):
+    """Returns the KV head count."""
+    # [FIA] num_heads 与 query 的 N 轴一致; N ≤ 256.
+    require(num_heads == heads, op, "num_heads", f"the query's {heads} heads", num_heads)
+    require(1 <= num_heads <= 256, op, "num_heads", "in [1, 256]", num_heads)
+    # [FIA] num_key_value_heads: 0 means num_heads; num_heads 能被整除, 比值 ≤ 64.
+    kv_heads = num_key_value_heads or num_heads
+    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op, "num_key_value_heads",
+            f"a divisor of num_heads={num_heads} with ratio ≤ 64", num_key_value_heads)
+    require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
+    return kv_heads
+
+
+def _band(op, sparse_mode, atten_mask, pre_tokens, next_tokens, q_lens, kv_lens):
+    """The (pre_tokens, next_tokens) band a TND call computes, None for an unbounded side.
+
+    [FIA] sparse_mode=3 ignores pre/next_tokens (rightDownCausal: next_tokens 0); 4 is the band
+    between them, anchored at the bottom right ([FA] ``torch_npu-npu_fusion_attention.md``:
+    "sparse_mode为4时, 代表band场景, 即计算pre_tockens和next_tockens之间的部分, 参数起点为右下角,
+    pre_tockens和next_tockens之间需要有交集"; its worked example builds the equivalent full mask
+    as triu(ones, next+1) + tril(ones, -pre-1): row i sees keys i - pre ... i + next); 0 without a
+    mask ignores them ([FIA-V2] "sparse_mode=0时, atten_mask如果为None, 则忽略入参pre_tokens、
+    next_tokens"). Both 3 and 4 read the optimised 2048×2048 lower-triangular mask.
+    """
+    if sparse_mode == 0:
+        require(atten_mask is None, op, "atten_mask", "None with sparse_mode=0 in TND (the seam "
+                "has no custom-mask path)", "a tensor")
+        return None, None
+    _check_causal_mask(op, atten_mask, sparse_mode)
+    if sparse_mode == 3:
+        pre, after = None, 0
+    else:
+        for name, tokens in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
+            require(isinstance(tokens, int) and not isinstance(tokens, bool), op, name, "an int",
+                    type(tokens).__name__)
+        # [FIA] pre_tokens/next_tokens: "Q_S=1时无效", and sparse_mode "Q_S = 1且不带rope输入时
+        # 无效": a batch of single-token queries (the decode branch) would silently lose the band.
+        require(max(q_lens) > 1, op, "sparse_mode", "3 or 0 when every query is one token long "
+                "(sparse_mode and pre/next_tokens are ignored for Q_S = 1)", sparse_mode)
+        require(pre_tokens + next_tokens >= 0, op, "pre_tokens + next_tokens",
+                "≥ 0 (the band must not be empty)", pre_tokens + next_tokens)
+        pre = None if pre_tokens >= _INT_MAX else pre_tokens
+        after = None if next_tokens >= _INT_MAX else next_tokens
+    # A row whose band holds no key is "行无效" (its output is not defined without row-invalid
+    # correction). [FIA-V2] names when that happens under band: "pre_tokens<0或每个batch
+    # next_tokens+actual_seq_kvlen-actual_seq_qlen<0"; rightDownCausal is next_tokens 0.
+    require(pre is None or pre >= 0, op, "pre_tokens", "≥ 0 (the last query row would see no "
+            "key)", pre)
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        if q_len and after is not None:
+            least = "the query length" if after == 0 else f"the query length - next_tokens ({after})"
+            require(after + kv_len - q_len >= 0, op, "actual_seq_lengths_kv",
+                    f"≥ {least} of each sequence under sparse_mode={sparse_mode}", (q_len, kv_len))
+    return pre, after
+
+
+def _fia_bsh_decode(op, query, key, value, atten_mask, block_table, actual_seq_lengths,
+                    actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, pre_tokens,
+                    next_tokens, block_size, sparse_mode):
+    """BSH, Q_S = 1 over a paged cache: the decode (IncreFlashAttention) branch, with an optional
+    (B, KV_S) mask. Returns (out [B, 1, H], softmax_lse)."""
+    check_tensor(op, "query", query)
+    check_dims(op, "query", query, 3)  # [FIA] BSH query (B, Q_S, H)
+    check_dtype(op, "query", query, _HALF)
+    check_contiguous(op, "query", query)
+    batch, q_s, hidden = query.shape
+    if q_s != 1 or block_table is None:
+        raise NotImplementedError(f"{op}: the seam implements BSH for single-token queries over a "
+                                  f"paged cache only, got Q_S={q_s}, block_table "
+                                  f"{'given' if block_table is not None else 'None'}")
+    _check_kv(op, query, key, value)
+    # [FIA] BSH: H = N × D.
+    require(hidden % num_heads == 0, op, "num_heads", f"a divisor of H={hidden}", num_heads)
+    head_dim = hidden // num_heads
+    kv_heads = _check_heads(op, num_heads, num_heads, num_key_value_heads, scale)
+    # [FIA] 各轴取值范围: D ≤ 512, float16/bfloat16 16 字节对齐.
+    require(head_dim <= 512 and head_dim * query.element_size() % 16 == 0, op, "query head dim (D)",
+            "≤ 512 and 16-byte aligned", head_dim)
+    # [FIA] "Q_S = 1且不带rope输入时, sparse_mode参数无效"; pre/next_tokens "Q_S=1时无效": a window
+    # must come as an explicit mask, so the seam refuses values the op would silently ignore.
+    require(sparse_mode == 0 and pre_tokens == _INT_MAX and next_tokens == _INT_MAX, op,
+            "sparse_mode/pre_tokens/next_tokens", "their defaults for a single-token query (the "
+            "op ignores them; pass the mask instead)", (sparse_mode, pre_tokens, next_tokens))
+    # [FIA] Q_S=1: "actual_seq_lengths: 非TND布局时该参数无效".
+    require(actual_seq_lengths is None, op, "actual_seq_lengths", "None for BSH decode",
+            actual_seq_lengths)
+    # [FIA] actual_seq_lengths_kv: 非TND布局时传入长度为1/≥batch; PageAttention 场景下必须传入.
+    kv_arg = check_int_list(op, "actual_seq_lengths_kv", actual_seq_lengths_kv)
+    require(len(kv_arg) == 1 or len(kv_arg) >= batch, op, "actual_seq_lengths_kv",
+            f"1 or ≥ {batch} entries (the batch)", len(kv_arg))
+    kv_lens = kv_arg[:batch] if len(kv_arg) > 1 else kv_arg * batch
+    # [FIA] Q_S = 1: KV_S ≤ 262144.
+    for length in kv_lens:
+        require(0 <= length <= 262144, op, "actual_seq_lengths_kv", "in [0, 262144]", length)
+    queries = query.view(batch, num_heads, head_dim)
+    key_cache, value_cache = _check_fia_paged(op, queries, key, value, block_table, kv_lens,
+                                              kv_heads, block_size, 1)
+    masked = None
+    if atten_mask is not None:
+        masked = _check_decode_mask(op, atten_mask, batch, block_table.shape[1] * block_size,
+                                    kv_lens)
+
+    out = torch.zeros_like(queries)  # [FIA] KV 为空 (S2=0) 时输出全 0.
+    rows = [b for b in range(batch) if kv_lens[b] > 0]
+    if rows:
+        index = torch.tensor(rows, device=query.device)
+        out[index] = decode_batch(queries[index], key_cache, value_cache, block_table[rows],
+                                  [kv_lens[b] for b in rows], scale,
+                                  masked=None if masked is None else masked[rows])
+    return out.view(batch, 1, hidden), torch.zeros(1, dtype=torch.float32, device=query.device)
+
+
+def _check_decode_mask(op, atten_mask, batch, width, kv_lens):
+    """[FIA] atten_mask with sparse_mode 0 and Q_S = 1: bool/int8/uint8, contiguous, (B, KV_S) or
+    (1, 1, KV_S), (B, 1, 1, KV_S), (1, 1, 1, KV_S); 1 hides a key. Returns it as [B, KV_S] bool."""
+    check_tensor(op, "atten_mask", atten_mask)
+    check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.int8, torch.uint8))
+    check_contiguous(op, "atten_mask", atten_mask)
+    shape = tuple(atten_mask.shape)
+    kv_s = shape[-1] if shape else 0
+    shapes = {(batch, kv_s), (1, 1, kv_s), (batch, 1, 1, kv_s), (1, 1, 1, kv_s)}
+    require(shape in shapes, op, "atten_mask", f"(B, KV_S) with B = {batch}, or (1, 1, KV_S), "
+            f"(B, 1, 1, KV_S), (1, 1, 1, KV_S)", shape)
+    # [FIA] PageAttention: "Q_S = 1时开启atten_mask (sparse_mode非2/3/4): atten_mask最后一维 ≥
+    # block_table第二维 × block_size".
+    require(kv_s >= width, op, "atten_mask", f"a last dim ≥ {width} (block_table columns × "
+            "block_size)", kv_s)
+    masked = atten_mask.reshape(-1, kv_s).expand(batch, kv_s).bool()
+    # [PFA] sparse_mode 0: "不支持传入的mask矩阵中参与计算的部分整行为1的情况".
+    for row, length in enumerate(kv_lens):
+        if length:
+            require(not bool(masked[row, :length].all()), op, "atten_mask",
+                    "to leave each sequence at least one of its keys", f"row {row} all masked")
+    return masked
 
 
 def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
@@ -388,13 +522,13 @@ def _check_block_ids(op, block_table, lengths, block_size, num_blocks):
 _verified_mask = (None, -1)
 
 
-def _check_causal_mask(op, atten_mask):
-    """[FIA] sparse_mode=3 needs the optimised 2048×2048 mask (bool/int8/uint8, ND, contiguous),
+def _check_causal_mask(op, atten_mask, sparse_mode):
+    """[FIA] sparse_mode 3 and 4 need the optimised 2048×2048 mask (bool/int8/uint8, ND, contiguous),
     "需用户保证为下三角": nonzero (masked) exactly above the diagonal. The content is verified once
     per tensor version, since the backend passes one shared mask every step."""
     global _verified_mask
     require(atten_mask is not None, op, "atten_mask",
-            "the 2048×2048 causal mask with sparse_mode=3", None)
+            f"the 2048×2048 causal mask with sparse_mode={sparse_mode}", None)
     check_tensor(op, "atten_mask", atten_mask)
     check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.int8, torch.uint8))
     require(tuple(atten_mask.shape) in _CAUSAL_MASK_SHAPES, op, "atten_mask",

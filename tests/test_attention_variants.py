@@ -1,0 +1,188 @@
+"""Attention beyond dense full causal on the emulated NPU, against HF transformers.
+
+Sliding windows (Mistral: every layer, so vLLM's SlidingWindowManager frees the blocks that fall
+out of the window; Gemma 2 and 3: alternating windowed and global layers), soft-capped attention
+logits (Gemma 2), head sizes the fused prefill kernel does not take (Gemma's 256, a Llama with
+96), and what stays refused (Mamba). The windows (64, 100) are shorter than the longer prompts,
+which also span more than one 128-token KV block, so the windows cut. Prefix caching and chunked
+prefill are on; every engine runs in ONE driver process.
+
+fp32 runs composed attention and must equal HF token for token, with each token's
+log-probability within float rounding of HF's (greedy tokens alone can hide a wrong window). bf16
+runs the fused kernels where they apply: each layer-step writes the cache once
+(``scatter_pa_kv_cache``) and then runs one fused launch or the composed path, so the launch
+counts show which path served every layer-step.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import assert_tracks_hf_logits, hf_greedy, hf_model, prompt_token_ids, run_engine
+
+PROMPT_LENGTHS = [3, 150, 320]
+MAX_TOKENS = 16
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
+ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "gpu_memory_utilization": 0.9,
+          "enable_prefix_caching": True, "enable_chunked_prefill": True,
+          "max_num_batched_tokens": 64}
+# (model, dtype) -> runs of the prompts; a second run is served from the prefix cache.
+ENGINES = {
+    ("tiny-gemma2", "float32"): 2,
+    ("tiny-mistral", "float32"): 2,
+    ("tiny-gemma2", "bfloat16"): 1,
+    ("tiny-mistral", "bfloat16"): 2,
+    ("tiny-gemma3", "bfloat16"): 1,
+    ("tiny-llama-hd96", "bfloat16"): 1,
+    ("tiny-mamba", "bfloat16"): 0,
+}
+# What each model's HF oracle loses when a feature is taken away: the windows and the soft-cap
+# must each move the log-probabilities far beyond the agreement asked for.
+FEATURES = {"tiny-gemma2": [{"sliding_window": 4096}, {"attn_logit_softcapping": None}],
+            "tiny-mistral": [{"sliding_window": None}]}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_models):
+    return prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, prompts, tmp_path_factory):
+    engines = [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, "dtype": dtype},
+                "runs": [{"prompts": prompts, "sampling": [GREEDY]}] * count}
+               for (name, dtype), count in ENGINES.items()]
+    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("attention"), timeout=1200)
+    assert result["platform"] == "EmulatedNPUPlatform"
+    return dict(zip(ENGINES, result["engines"]))
+
+
+def hf_logprobs(model_dir, prompts, generated, **config):
+    """HF fp32 log-probability of each generated token, on the engine's own sequences."""
+    model = hf_model(model_dir, **config)
+    result = []
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, generated):
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+            rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
+            result.append(rows[torch.arange(len(tokens)), tokens].tolist())
+    return result
+
+
+def largest_gap(a, b):
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-mistral"])
+def test_fp32_equals_hf_token_for_token_and_in_log_probabilities(name, runs, tiny_models, prompts):
+    engine = runs[(name, "float32")]
+    assert "error" not in engine, engine.get("error")
+    (line,) = engine["log"]  # logged as info: fp32 has no fused kernel to miss
+    assert "all 2 attention layers run composed attention" in line
+    assert line.endswith("for every step: float32: the fused attention kernels take fp16/bf16 only")
+    first, cached = engine["runs"]
+    oracle = hf_greedy(tiny_models[name], prompts, MAX_TOKENS)
+    assert first["tokens"] == oracle
+    assert cached["tokens"] == oracle, "served from the prefix cache"
+    assert sum(cached["cached"]) > 0
+    expected = hf_logprobs(tiny_models[name], prompts, first["tokens"])
+    for run in (first, cached):
+        assert largest_gap(run["logprobs"], expected) < 1e-3
+    for missing in FEATURES[name]:
+        without = hf_logprobs(tiny_models[name], prompts, first["tokens"], **missing)
+        assert largest_gap(first["logprobs"], without) > 0.1, f"the test cannot see {missing}"
+
+
+def _composed_layer_steps(launches):
+    """Layer-steps the composed path served: each layer-step writes the cache once and runs
+    at most one fused attention launch."""
+    fused = launches.get("fused_infer_attention_score", 0) + launches.get("paged_attention", 0)
+    return launches["scatter_pa_kv_cache"] - fused
+
+
+def single_bf16_run(runs, name):
+    """The bf16 engine's one run, its launch counts and the one line it logged."""
+    engine = runs[(name, "bfloat16")]
+    assert "error" not in engine, engine.get("error")
+    (run,) = engine["runs"]
+    (warning,) = engine["log"]
+    return run, run["launches"], warning
+
+
+def test_bf16_mistral_runs_every_windowed_layer_step_fused(runs, tiny_models, prompts):
+    """Every layer windowed, head size 128: the band (sparse_mode=4) for prefill and mixed
+    batches, the masked one-token FIA for decode, also over prefix-cached and freed blocks."""
+    engine = runs[("tiny-mistral", "bfloat16")]
+    assert "error" not in engine, engine.get("error")
+    assert not engine["log"], "nothing runs composed"
+    for run in engine["runs"]:
+        launches = run["launches"]
+        assert launches["fused_infer_attention_score"] == launches["scatter_pa_kv_cache"] > 0
+        assert "paged_attention" not in launches  # no mask input: never for a windowed layer
+        assert_tracks_hf_logits(tiny_models["tiny-mistral"], prompts, run["tokens"])
+    assert sum(engine["runs"][1]["cached"]) > 0
+
+
+def test_bf16_gemma3_decodes_fused_and_prefills_composed_with_one_warning(runs, tiny_models, prompts):
+    """Head size 256: decode runs fused in both layers (the windowed one through the masked
+    one-token FIA, the global one through _npu_paged_attention); the TND prefill kernel takes
+    64 and 128 only, so prefill runs composed, as the one warning says."""
+    run, launches, warning = single_bf16_run(runs, "tiny-gemma3")
+    assert launches["fused_infer_attention_score"] == launches["paged_attention"] >= MAX_TOKENS - 1
+    assert _composed_layer_steps(launches) > 0
+    assert "all 2 attention layers" in warning and "head size 256" in warning
+    assert "prefill and mixed batches (decode-only batches stay fused)" in warning
+    assert_tracks_hf_logits(tiny_models["tiny-gemma3"], prompts, run["tokens"])
+
+
+def test_bf16_head_size_96_decodes_through_paged_attention_with_one_warning(runs, tiny_models, prompts):
+    run, launches, warning = single_bf16_run(runs, "tiny-llama-hd96")
+    assert launches["paged_attention"] >= 2 * (MAX_TOKENS - 1)
+    assert "fused_infer_attention_score" not in launches
+    assert _composed_layer_steps(launches) > 0
+    assert "head size 96" in warning and "decode-only batches stay fused" in warning
+    assert_tracks_hf_logits(tiny_models["tiny-llama-hd96"], prompts, run["tokens"])
+
+
+def test_bf16_gemma2_soft_capped_layers_run_composed_as_logged(runs, tiny_models, prompts):
+    run, launches, warning = single_bf16_run(runs, "tiny-gemma2")
+    assert "fused_infer_attention_score" not in launches and "paged_attention" not in launches
+    assert _composed_layer_steps(launches) == launches["scatter_pa_kv_cache"] > 0
+    assert "all 2 attention layers run composed attention" in warning
+    assert "for every step: logits soft-cap 50: the fused attention kernels have no soft-cap input" in warning
+    assert_tracks_hf_logits(tiny_models["tiny-gemma2"], prompts, run["tokens"])
+
+
+# -- what stays refused ------------------------------------------------------------------------
+
+
+def test_a_mamba_model_is_refused_at_start_up(runs):
+    error = runs[("tiny-mamba", "bfloat16")]["error"]
+    assert error == ("NotImplementedError: a model with Mamba (state-space) or linear-attention "
+                     "layers is not supported by ascend-patch yet")
+
+
+@pytest.mark.parametrize(("kwargs", "feature"), [
+    ({"attn_type": "encoder"}, "attention type encoder"),
+    ({"attn_type": "encoder_only"}, "attention type encoder_only"),
+    ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder"),
+    ({"alibi_slopes": [0.5, 0.25]}, "ALiBi"),
+    ({"sinks": torch.zeros(2)}, "sinks"),
+])
+def test_attention_the_backend_cannot_run_is_refused(kwargs, feature):
+    from ascend_patch.npu.attention.backend import AscendAttentionImpl
+
+    with pytest.raises(NotImplementedError, match=f"^Ascend attention backend does not support {feature}$"):
+        AscendAttentionImpl(2, 64, 0.125, 2, **kwargs)
+
+
+@pytest.mark.parametrize("feature", ["has_sink", "use_sparse"])
+def test_backend_selection_refuses_sinks_and_sparse_attention(feature):
+    from ascend_patch.npu.platform import NPUPlatform
+
+    config = SimpleNamespace(**{"use_mla": False, "use_sparse": False, "has_sink": False, feature: True})
+    with pytest.raises(NotImplementedError, match="does not support models that need"):
+        NPUPlatform.get_attn_backend_cls(None, config)
