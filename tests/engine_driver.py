@@ -133,7 +133,9 @@ def _fused_batches(kernels):
     launch = kernels.fused_infer_attention_score
 
     def classify(*args, **kwargs):
-        ends = kwargs["actual_seq_lengths"]
+        ends = kwargs.get("actual_seq_lengths")
+        if ends is None:  # BSH one-token queries (windowed decode): neither kind
+            return launch(*args, **kwargs)
         query_lens = [end - start for start, end in zip([0, *ends[:-1]], ends)]
         kv_lens = kwargs["actual_seq_lengths_kv"]
         kinds["mixed"] += 1 in query_lens and max(query_lens) > 1
