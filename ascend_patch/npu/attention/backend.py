@@ -212,7 +212,18 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         if host_seq_lens is None:
             host_seq_lens = meta.seq_lens.cpu()
         seq_lens = host_seq_lens[:num_seqs].to(torch.int32)
-        num_tokens = query_ends[-1] if query_ends else 0
+        num_tokens = meta.num_actual_tokens
+        padding = num_seqs - 1 - query_ends.index(query_ends[-1]) if query_ends else 0
+        if padding:
+            # A FULL graph's padded batch: its last requests have no token. Each gets one,
+            # attending to one null-block slot, so the batch has the captured shape.
+            real = num_seqs - padding
+            query_ends[real:] = range(query_ends[real - 1] + 1, query_ends[real - 1] + padding + 1)
+            seq_lens[real:] = 1
+        if query_ends and query_ends[-1] != num_tokens:
+            raise NotImplementedError(
+                f"a padded batch of {num_tokens} tokens for {num_seqs} requests ending at "
+                f"{query_ends[-1]}: the Ascend backend pads single-token decode batches only")
         block_table = meta.block_table_tensor[:num_seqs]
         if block_table.dtype != torch.int32:
             block_table = block_table.to(torch.int32)
