@@ -189,7 +189,7 @@ def fused_infer_attention_score_mla(
                                                 num_key_value_heads)
 
     if sparse_mode == 3:
-        _check_causal_mask(op, atten_mask)
+        _check_causal_mask(op, atten_mask, sparse_mode)
         # rightDownCausal aligns each query to the end of its KV; a longer query would leave
         # whole rows masked, whose output the docs do not define.
         for q_len, kv_len in zip(q_lens, kv_lens):
