@@ -248,9 +248,9 @@ def test_tree_without_version_file(tree, capsys):
     assert "no _version.py" in data["warnings"][0] and "--version X" in data["warnings"][0]
     assert "as assumed" in data["verdict"]
 
-    # 0.32.0, not older: the tree is 0.33's, and the set's seams (Worker.
-    # _init_workspace_and_model_runner since 0.32) make a claim of 0.31 a mismatch.
-    code, data = run_probe(capsys, str(tree.parent), "--version", "0.32.0")
+    # 0.33.1, a patch release of the tree's 0.33: any claim of 0.32 or older is a mismatch
+    # (0.33 moved unify_hybrid_kv_cache_specs to kv_cache_planning, which the set declares).
+    code, data = run_probe(capsys, str(tree.parent), "--version", "0.33.1")
     assert code == 0
     assert data["vllm"]["version_source"] == "--version"
     assert (data["selection"]["kind"], data["selection"]["patch_set"]) == ("in-range", "v0_29")
@@ -410,7 +410,7 @@ def test_download_progress_goes_to_stderr(tree, tmp_path, cache, capsys):
 
 
 def test_html_index_and_wheel_only_release(tree, tmp_path, cache, capsys):
-    wheel = make_wheel(tree, tmp_path, "0.32.0")
+    wheel = make_wheel(tree, tmp_path, "0.33.1")
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     page = f'<html><body><a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a></body></html>'
     routes = {
@@ -418,10 +418,10 @@ def test_html_index_and_wheel_only_release(tree, tmp_path, cache, capsys):
         f"/files/{wheel.name}": ("application/octet-stream", wheel.read_bytes()),
     }
     with serve(routes) as index:
-        code, data = run_probe(capsys, "0.32.0", "--index-url", index)
+        code, data = run_probe(capsys, "0.33.1", "--index-url", index)
     assert code == 0
     assert data["input"]["archive"] == wheel.name and data["input"]["sha256_verified"] is True
-    assert data["vllm"]["version"] == "0.32.0"
+    assert data["vllm"]["version"] == "0.33.1"
 
 
 def test_corrupt_download_is_refused_and_not_cached(tree, tmp_path, cache, capsys):
@@ -810,7 +810,7 @@ def test_an_unexpected_error_still_exits_2_in_one_line(tree, monkeypatch, capsys
 
 def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
     """A live probe's staging directory is left alone; a killed one's goes on the next run."""
-    sdist, older = make_sdist(tree, tmp_path), make_sdist(tree, tmp_path, "0.32.0")
+    sdist, older = make_sdist(tree, tmp_path), make_sdist(tree, tmp_path, "0.33.1")
     release = threading.Event()
 
     def half_then_hang(handler):
@@ -821,7 +821,7 @@ def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
         handler.wfile.write(body[: len(body) // 2])
         release.wait(30)
 
-    routes = json_index([sdist, older], ["0.32.0", INSTALLED])
+    routes = json_index([sdist, older], [INSTALLED, "0.33.1"])
     full = routes[f"/files/{sdist.name}"]
     routes[f"/files/{sdist.name}"] = half_then_hang
     with serve(routes) as index:
@@ -839,7 +839,7 @@ def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
             legacy = cache / "releases" / ".vllm-0.31.0-oldstyle"  # an older ascend-patch's
             legacy.mkdir()
 
-            code, _, err = run_probe_with_stderr(capsys, "0.32.0", "--index-url", index)
+            code, _, err = run_probe_with_stderr(capsys, "0.33.1", "--index-url", index)
             assert code == 0
             assert staging.is_dir(), "a concurrent probe's staging directory is live"
             assert f"removed {legacy}, left by an interrupted probe" in err and not legacy.exists()
@@ -855,7 +855,7 @@ def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
             release.set()
     assert code == 0
     assert f"removed {staging}, left by an interrupted probe" in err
-    assert cached_names(cache) == ["vllm-0.32.0", f"vllm-{INSTALLED}"]
+    assert cached_names(cache) == [f"vllm-{INSTALLED}", "vllm-0.33.1"]
 
 
 # -- the command, the digests -------------------------------------------------

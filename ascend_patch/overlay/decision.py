@@ -105,6 +105,8 @@ def decide(
         selection = table.select(version)
         release = versions.release(versions.parse(version))
     checked = selection.patch_set or _nearest_set(table, release)
-    declarations = [d for d in load_patch_set(table, checked.name) if applies_to(d, release)]
+    # An unknown version is assumed newer than every set: the sub-ranges that reach its end.
+    admitted = checked.upper if release is None else release
+    declarations = [d for d in load_patch_set(table, checked.name) if applies_to(d, admitted)]
     statuses = verify(declarations, tree, cache_dir=cache_dir, release=release)
     return Decision(version, release, selection, checked, declarations, statuses)
