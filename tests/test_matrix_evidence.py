@@ -20,7 +20,7 @@ from tests.conftest import ROOT, require_pypi
 
 TABLE = matrix.load()
 # vLLM 0.33.0 is the main test environment (its suite runs in tests/test_engine.py).
-CI_DYNAMIC = ["0.32.0", "0.29.0", "0.28.0", "0.27.0"]
+CI_DYNAMIC = ["0.29.0", "0.28.0"]
 
 
 def _record_script():
