@@ -48,9 +48,6 @@ from ascend_patch.npu.kernels import mla as latent
 
 logger = logging.getLogger("vllm.ascend_patch")
 
-# npu_multi_head_latent_attention takes block_size ≤ 128; the fused-attention PageAttention rule
-# for queries longer than one token asks for a multiple of 128.
-KERNEL_BLOCK_SIZE = 128
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 _MASK_SIZE = 2048  # sparse_mode=3 reads this fixed-size "optimised" mask
 _masks: dict[torch.device, torch.Tensor] = {}
@@ -80,7 +77,8 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
 
 
 class AscendMLABackend(AscendAttentionBackend):
-    """The Ascend backend's cache policy (LBNHC, dtypes, decoder only) with the MLA impl."""
+    """The Ascend backend's cache policy (LBNHC, dtypes, decoder only, 128-token kernel blocks,
+    which npu_multi_head_latent_attention takes too: block_size ≤ 128) with the MLA impl."""
 
     @staticmethod
     def get_impl_cls() -> type[AscendMLAImpl]:
@@ -89,10 +87,6 @@ class AscendMLABackend(AscendAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[AscendMLAMetadataBuilder]:
         return AscendMLAMetadataBuilder
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
-        return [KERNEL_BLOCK_SIZE]
 
     @classmethod
     def is_mla(cls) -> bool:

@@ -51,7 +51,7 @@ from .contracts import (
     check_tensor,
     require,
 )
-from .reference import _check_block_ids, _check_causal_mask, _lengths_from_cumulative
+from .reference import _check_block_ids, _check_causal_mask, _check_tnd_lengths, _lengths_from_cumulative
 
 _HALF = (torch.float16, torch.bfloat16)
 # [FIA] MLA约束, D = 512: "要求query的N为1/2/4/8/16/32/64/128".
@@ -169,16 +169,8 @@ def fused_infer_attention_score_mla(
     require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
     require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
 
-    q_ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
+    q_ends, q_lens, kv_arg = _check_tnd_lengths(op, tokens, actual_seq_lengths, actual_seq_lengths_kv)
     batch = len(q_ends)
-    # [FIA] TND布局约束: 必须传入, 累加和, 元素个数即 batch (≤ 4096), ending at T.
-    require(1 <= batch <= 4096, op, "actual_seq_lengths", "1 to 4096 entries (TND batch)", batch)
-    q_lens = _lengths_from_cumulative(op, "actual_seq_lengths", q_ends)
-    require(q_ends[-1] == tokens, op, "actual_seq_lengths",
-            f"cumulative, ending at query.shape[0] = {tokens}", q_ends)
-    kv_arg = check_int_list(op, "actual_seq_lengths_kv", actual_seq_lengths_kv)
-    require(len(kv_arg) == batch, op, "actual_seq_lengths_kv",
-            f"{batch} entries like actual_seq_lengths", len(kv_arg))
 
     if head_dim == LATENT_DIM:
         latent_key, kv_lens = _check_latent_paged(op, query, key, key_rope, block_table, kv_arg,

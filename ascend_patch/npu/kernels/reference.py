@@ -175,17 +175,8 @@ def fused_infer_attention_score(
     require(head_dim in head_dims, op, "query head dim (D)",
             " or ".join(map(str, head_dims)) + " for TND", head_dim)
 
-    # [FIA] actual_seq_lengths: TND 时必须传入, 元素为累加和 (后值 ≥ 前值, 非负), 个数即 batch (≤ 4096).
-    q_ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
+    q_ends, q_lens, kv_arg = _check_tnd_lengths(op, tokens, actual_seq_lengths, actual_seq_lengths_kv)
     batch = len(q_ends)
-    require(1 <= batch <= 4096, op, "actual_seq_lengths", "1 to 4096 entries (TND batch)", batch)
-    q_lens = _lengths_from_cumulative(op, "actual_seq_lengths", q_ends)
-    # [FIA] TND: T 为所有 batch 的 S 累加和.
-    require(q_ends[-1] == tokens, op, "actual_seq_lengths",
-            f"cumulative, ending at query.shape[0] = {tokens}", q_ends)
-    kv_arg = check_int_list(op, "actual_seq_lengths_kv", actual_seq_lengths_kv)
-    require(len(kv_arg) == batch, op, "actual_seq_lengths_kv",
-            f"{batch} entries like actual_seq_lengths", len(kv_arg))
 
     if paged:
         kv_lens = kv_arg
@@ -521,6 +512,22 @@ def _check_block_ids(op, block_table, lengths, block_size, num_blocks):
 # The last mask that passed the content check, as (weak reference, tensor version).
 _verified_mask = (None, -1)
 
+
+
+def _check_tnd_lengths(op, tokens, actual_seq_lengths, actual_seq_lengths_kv):
+    """The TND host lengths: cumulative query ends, their lengths, and the KV list as given."""
+    # [FIA] actual_seq_lengths: TND 时必须传入, 元素为累加和 (后值 ≥ 前值, 非负), 个数即 batch (≤ 4096).
+    q_ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
+    batch = len(q_ends)
+    require(1 <= batch <= 4096, op, "actual_seq_lengths", "1 to 4096 entries (TND batch)", batch)
+    q_lens = _lengths_from_cumulative(op, "actual_seq_lengths", q_ends)
+    # [FIA] TND: T 为所有 batch 的 S 累加和.
+    require(q_ends[-1] == tokens, op, "actual_seq_lengths",
+            f"cumulative, ending at query.shape[0] = {tokens}", q_ends)
+    kv_arg = check_int_list(op, "actual_seq_lengths_kv", actual_seq_lengths_kv)
+    require(len(kv_arg) == batch, op, "actual_seq_lengths_kv",
+            f"{batch} entries like actual_seq_lengths", len(kv_arg))
+    return q_ends, q_lens, kv_arg
 
 def _check_causal_mask(op, atten_mask, sparse_mode):
     """[FIA] sparse_mode 3 and 4 need the optimised 2048×2048 mask (bool/int8/uint8, ND, contiguous),
