@@ -184,6 +184,17 @@ def hf_logits(model_dir: Path, sequences: list[list[int]], dtype: str = "float32
         return [model(torch.tensor([seq])).logits[0].float() for seq in sequences]
 
 
+def assert_greedy_equals_hf(engine: dict, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
+    """An fp32 engine's two greedy runs of ``prompts`` (the second served from the prefix cache)
+    equal HF transformers token for token."""
+    assert "error" not in engine, engine.get("error")
+    oracle = hf_greedy(model_dir, prompts, max_tokens)
+    first, cached = engine["runs"]
+    assert first["tokens"] == oracle
+    assert cached["tokens"] == oracle, "served from the prefix cache"
+    assert sum(cached["cached"]) > 0
+
+
 def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
                             min_exact: float = 0.9, routed: bool = False,
                             bf16_oracle: bool = False) -> None:
