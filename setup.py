@@ -1,14 +1,18 @@
-"""Build glue pyproject.toml cannot express: put the bootstrap .pth at the wheel root.
+"""Build glue pyproject.toml cannot express.
 
-The .pth must land in site-packages itself, beside (not inside) the package,
-for both regular wheels and PEP 660 editable wheels. Its name sorts after
-``__editable__*.pth`` so that, in an editable install, the package is
-importable by the time our line runs.
+- The package list is discovered, never written by hand: every directory under
+  ``ascend_patch/`` is a package of the wheel (a hand list dropped two of them), plus the
+  manifest, which lives in ``patches/`` and ships as ``ascend_patch.patches``. pyproject's
+  ``packages.find`` cannot add that mapped package to what it finds.
+- The bootstrap .pth must land in site-packages itself, beside (not inside) the package,
+  for both regular wheels and PEP 660 editable wheels. Its name sorts after
+  ``__editable__*.pth`` so that, in an editable install, the package is importable by
+  the time our line runs.
 """
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -44,4 +48,9 @@ class EditableWheelWithPth(editable_wheel):
         return _AddPth(super()._select_strategy(*args, **kwargs))
 
 
-setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})
+PACKAGES = [
+    *find_namespace_packages(include=["ascend_patch", "ascend_patch.*"], exclude=["*.__pycache__"]),
+    "ascend_patch.patches",
+]
+
+setup(packages=PACKAGES, cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})

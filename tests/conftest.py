@@ -241,13 +241,15 @@ def assert_tracks_logits(oracles: list[list], prompts: list[list[int]], generate
     assert total and exact / total >= min_exact, f"{exact}/{total} tokens are an oracle's argmax"
 
 
-def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600) -> dict:
-    """Run tests/engine_driver.py on ``spec`` in a fresh interpreter (emulated NPU)."""
+def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600,
+               python: str = sys.executable) -> dict:
+    """Run tests/engine_driver.py on ``spec`` in a fresh interpreter (emulated NPU) of ``python``'s
+    environment."""
     spec_file = tmp_path / f"engine-spec-{len(list(tmp_path.glob('engine-spec-*')))}.json"
     spec_file.write_text(json.dumps(spec))
     environment = env or clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "engine_driver.py"), str(spec_file)],
+        [python, str(ROOT / "tests" / "engine_driver.py"), str(spec_file)],
         env=environment,
         capture_output=True,
         text=True,

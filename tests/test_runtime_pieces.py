@@ -24,6 +24,12 @@ from ascend_patch.npu.sample import sampler
 from ascend_patch.npu.kv_cache import ascend_layer_view, compute_slot_mapping
 
 
+@pytest.fixture(autouse=True)
+def reference_seam():
+    """These pieces run on the emulated NPU's kernels, as its platform binds them."""
+    kernels.use("reference")
+
+
 def test_layer_view_reinterprets_the_same_bytes():
     blocks, heads, tokens, dim = 3, 2, 4, 5
     flat = torch.arange(blocks * tokens * heads * 2 * dim, dtype=torch.float32)

@@ -542,6 +542,29 @@ def test_count_launches_on_the_real_path(torch_npu):
     assert [name for name, _ in torch_npu.calls] == ["npu_swiglu", "npu_top_k_top_p"]
 
 
+def test_the_seam_fails_closed_until_a_backend_is_chosen():
+    """A fresh interpreter (as a process vLLM spawns before its platform resolves): no op runs
+    until a backend is chosen, so a reference kernel never silently computes on device tensors."""
+    code = (
+        "import torch\n"
+        "import ascend_patch.npu.kernels as kernels\n"
+        "assert kernels.active_backend() is None\n"
+        "for name in kernels.OPS:\n"
+        "    try:\n"
+        "        getattr(kernels, name)(torch.zeros(2, 8))\n"
+        "    except kernels.KernelBackendError as exc:\n"
+        "        assert f'kernels.{name} was called before a kernel backend was chosen' in str(exc)\n"
+        "    else:\n"
+        "        raise AssertionError(name + ' ran without a backend')\n"
+        "kernels.use('reference')\n"
+        "print(kernels.swiglu(torch.zeros(2, 8)).shape)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "torch.Size([2, 4])"
+
+
 def test_selecting_the_npu_backend_does_not_import_torch_npu():
     code = (
         "import sys\n"

@@ -1,8 +1,9 @@
 """The NPU kernel seam: every torch_npu op the overlay uses, behind one set of module functions.
 
-Two backends implement the same signatures:
+Two backends implement the same signatures, and the NPU platform binds one when vLLM resolves it;
+until then every op raises :class:`KernelBackendError` (fail closed, never a silent default):
 
-- ``"reference"`` (default, :mod:`.reference`): plain torch that enforces each op's documented input
+- ``"reference"`` (emulated, :mod:`.reference`): plain torch that enforces each op's documented input
   contract and computes its documented output. It runs the emulated engine on CPU and makes contract
   violations fail loudly off-hardware. The Mixture-of-Experts references live in :mod:`.moe`, the
   int8 quantisation ones in :mod:`.quant` and the multi-head latent attention ones in :mod:`.mla`
@@ -76,29 +77,28 @@ _BACKENDS = {
     "npu": {name: getattr(npu, name) for name in OPS},
 }
 
-# Bound explicitly (rather than only through use()) so readers and linters see the names.
-scatter_pa_kv_cache = reference.scatter_pa_kv_cache
-fused_infer_attention_score = reference.fused_infer_attention_score
-paged_attention = reference.paged_attention
-paged_attention_workspace = reference.paged_attention_workspace
-rms_norm = reference.rms_norm
-add_rms_norm = reference.add_rms_norm
-swiglu = reference.swiglu
-rotary_mul = reference.rotary_mul
-top_k_top_p = reference.top_k_top_p
-moe_gating_top_k_softmax = reference.moe_gating_top_k_softmax
-moe_gating_top_k = reference.moe_gating_top_k
-moe_init_routing_v2 = reference.moe_init_routing_v2
-grouped_matmul = reference.grouped_matmul
-moe_token_unpermute = reference.moe_token_unpermute
-moe_finalize_routing = reference.moe_finalize_routing
-dynamic_quant = reference.dynamic_quant
-quantize = reference.quantize
-quant_matmul = reference.quant_matmul
-fused_infer_attention_score_mla = reference.fused_infer_attention_score_mla
-multi_head_latent_attention = reference.multi_head_latent_attention
 
-_active = "reference"
+class KernelBackendError(RuntimeError):
+    """A seam op was called before the NPU platform chose the kernel backend."""
+
+
+def _unselected(name):
+    """What every op is until :func:`use` runs: an error, never a silent default. A reference
+    kernel handed device tensors would compute on the NPU in plain torch, slowly and outside
+    every op contract; torch_npu handed CPU tensors would fail far from the cause."""
+
+    def op(*args, **kwargs):
+        raise KernelBackendError(
+            f"ascend_patch.npu.kernels.{name} was called before a kernel backend was chosen: the "
+            "NPU platform chooses it ('npu' on Ascend, 'reference' when emulating) when vLLM "
+            "resolves current_platform; outside an engine call ascend_patch.npu.kernels.use() first")
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+globals().update({name: _unselected(name) for name in OPS})
+_active: str | None = None
 
 
 def use(backend: str) -> None:
@@ -110,7 +110,8 @@ def use(backend: str) -> None:
     _active = backend
 
 
-def active_backend() -> str:
+def active_backend() -> str | None:
+    """The backend :func:`use` bound, or None while none is chosen (every op then raises)."""
     return _active
 
 
@@ -139,6 +140,5 @@ def _counting(name, fn, counts):
     return wrapper
 
 
-use("reference")  # the names above, as the device sees them
-
-__all__ = [*OPS, "KernelContractError", "OPS", "active_backend", "count_launches", "use"]
+__all__ = [*OPS, "KernelBackendError", "KernelContractError", "OPS", "active_backend",
+           "count_launches", "use"]
