@@ -23,7 +23,7 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from ascend_patch.kit import record
+from ascend_patch.kit import checks, record
 from ascend_patch.overlay import decision, matrix
 from ascend_patch.overlay.patching import applies_to
 from tests.conftest import MODELS_DIR, ROOT, clean_env
@@ -98,6 +98,69 @@ def test_the_record_carries_versions_numbers_and_timing(emulated):
         assert family["startup_seconds"] > 0 and family["seconds"] >= family["startup_seconds"], name
         assert all(run["launches"] for run in family["runs"]) or name == "tp", name
     assert data["seconds"] > 0
+
+
+# -- every check can fail: the record's runs scored again, altered ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def rescored(emulated, tiny_models, tmp_path_factory):
+    """Each family of the emulated record with its models (the W8A8 checkpoint rebuilt the
+    same way), so its checks can score the recorded runs again."""
+    _, data, _ = emulated
+    models = {**tiny_models, "tiny-qwen2-w8a8": checks.w8a8_checkpoint(tiny_models, tmp_path_factory.mktemp("w8a8"))}
+    return data, {family.name: (family, models[family.model]) for family in checks.families(models)}
+
+
+def _score(rescored, name: str, alter=None):
+    data, families = rescored
+    family, model_dir = next(entry for entry in families.values() if name in entry[0].checks)
+    facts = copy.deepcopy(data["families"][family.name])
+    requests = family.requests(model_dir)
+    assert len(requests) == len(facts["runs"])
+    runs = [checks.Run(prompts, report) for (prompts, _), report in zip(requests, facts["runs"])]
+    state = checks.State(model_dir, family.dtype, facts, runs)
+    if alter:
+        alter(state)
+    return family.checks[name](state)
+
+
+def _wrong_tokens(state):
+    for run in state.runs:
+        run.report["tokens"] = [[(token + 7) % 512 for token in tokens] for tokens in run.tokens]
+
+
+@pytest.mark.parametrize("name", list(record.CHECKS))
+def test_every_check_passes_on_its_run_and_fails_on_other_tokens(rescored, name):
+    detail, numbers = _score(rescored, name)
+    assert numbers["tokens"] > 0, detail
+    with pytest.raises(checks.Failed):
+        _score(rescored, name, _wrong_tokens)
+
+
+def _launches(**changes):
+    def alter(state):
+        for run in state.runs:
+            run.report["launches"].update(changes)
+    return alter
+
+
+@pytest.mark.parametrize(("name", "alter", "problem"), [
+    ("fia-attention", _launches(scatter_pa_kv_cache=10**6), "some layer-steps ran composed"),
+    ("paged-attention", _launches(paged_attention=0), "fused attention launches for"),
+    ("chunked-prefill", lambda s: s.runs[0].report["fused_batches"].update(mixed=0), "no launch held decode rows"),
+    ("prefix-cache", lambda s: s.runs[1].report.update(cached=[0, 0, 0, 0]), "served from the cache: [0, 0, 0, 0]"),
+    ("sampler", lambda s: s.runs[3].report.update(tokens=s.runs[2].tokens[::-1]), "did not repeat"),
+    ("graphs", lambda s: s.runs[0].report.update(graph_replays=0), "no decode step replayed a graph"),
+    ("graphs", _launches(paged_attention_workspace=1), "paged-attention updates for"),
+    ("mla", _launches(paged_attention=1), "standard attention ran on an MLA model"),
+    ("moe-grouped-routing", _launches(grouped_matmul=1), "not two grouped matmuls per dispatch"),
+    ("moe", _launches(moe_gating_top_k_softmax=0), "no npu_moe_gating_top_k_softmax launch"),
+    ("w8a8", _launches(quant_matmul=0), "no npu_quant_matmul launch"),
+])
+def test_a_check_fails_when_its_kernels_did_not_run_as_they_must(rescored, name, alter, problem):
+    with pytest.raises(checks.Failed, match=re.escape(problem)):
+        _score(rescored, name, alter)
 
 
 # -- the record and the matrix ------------------------------------------------------------------------
