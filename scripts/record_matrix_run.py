@@ -161,10 +161,14 @@ def npu_verified(path: Path, version: str | None) -> str:
         raise SystemExit(f"{path}: refused: {MATRIX} has no row for vLLM {version}")
     declarations = [d for d in decision.load_patch_set(table, entry.patch_set)
                     if applies_to(d, Version(version))]
-    problem = record.conversion_problem(data, version, entry.patch_set, record.patch_set_digest(declarations))
+    try:
+        problem = record.conversion_problem(data, version, entry.patch_set, record.patch_set_digest(declarations))
+        npu = None if problem else record.npu_evidence(data, record.file_sha256(path))
+    except (KeyError, TypeError, AttributeError) as exc:
+        problem = f"a malformed record ({type(exc).__name__}: {exc})"
     if problem:
         raise SystemExit(f"{path}: refused: {problem}")
-    evidence = {**entry.evidence, "npu": record.npu_evidence(data, record.file_sha256(path))}
+    evidence = {**entry.evidence, "npu": npu}
     write(version, "npu-verified", evidence, date=evidence["npu"]["date"])
     matrix.load(MATRIX)  # what was written validates as npu-verified evidence
     return version

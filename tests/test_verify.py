@@ -256,6 +256,7 @@ def _missing(data):
     (lambda d: d["device"].update(soc=None), (), "the record does not say its SoC"),
     (lambda d: d["versions"].update(nnal=None), (), "the record does not say its nnal version"),
     (lambda d: d.update(schema=2), (), "record schema 2, this ascend-patch reads schema 1"),
+    (lambda d: d["checks"][0].pop("verdict"), (), "a malformed record (KeyError: 'verdict')"),
 ])
 def test_record_matrix_run_refuses_a_record_that_is_not_evidence_of_the_row(
         emulated, matrix_copy, tmp_path, mutate, version, problem):
@@ -267,3 +268,11 @@ def test_record_matrix_run_refuses_a_record_that_is_not_evidence_of_the_row(
     line = _refusal(_convert(_write_record(tmp_path, fixture), matrix_copy, *version))
     assert problem in line
     assert matrix_copy.read_bytes() == before
+
+
+def test_record_matrix_run_refuses_what_is_not_a_record(matrix_copy, tmp_path):
+    path = tmp_path / "record.json"
+    path.write_text("<html>not json</html>")
+    assert "not a readable JSON record" in _refusal(_convert(path, matrix_copy, "0.33.0"))
+    path.write_text(json.dumps({"versions": {"vllm": "0.33.0"}}))
+    assert _refusal(_convert(path, matrix_copy)).endswith("refused: not an ascend-patch verify record")

@@ -90,8 +90,8 @@ def run(emulate: bool, output: Path, models_dir: Path | None) -> int:
             return 2
         nnal = toolchain.nnal()
         if not nnal["on_library_path"]:
-            print(f"ascend-patch verify: warning: NNAL's libatb.so is not on LD_LIBRARY_PATH; the ATB "
-                  f"checks (paged-attention, graphs, mla) will fail: `source {nnal['set_env']}`")
+            print(f"ascend-patch verify: warning: NNAL's libatb.so is not on LD_LIBRARY_PATH; every "
+                  f"family decodes on ATB ops and will fail: `source {nnal['set_env']}`", flush=True)
     os.environ["ASCEND_PATCH"] = mode
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engines, one per family
     if emulate:

@@ -135,20 +135,15 @@ def _dense_requests(model_dir: Path):
     return [(prompts, [GREEDY]), (shared, [GREEDY]), (prompts[1:3], SAMPLED), (prompts[1:3], SAMPLED)]
 
 
-def _fia_attention(state: State):
-    run = state.runs[0]
-    _fused_everywhere(run)
-    launches = run.launches.get("fused_infer_attention_score", 0)
-    require(launches > 0, "no npu_fused_infer_attention_score launch")
-    return _tracked(_greedy_tracking(state, 0), {"fia_launches": launches})
-
-
-def _paged_attention(state: State):
-    run = state.runs[0]
-    _fused_everywhere(run)
-    launches = run.launches.get("paged_attention", 0)
-    require(launches > 0, "no _npu_paged_attention launch: no decode-only batch ran fused")
-    return _tracked(_greedy_tracking(state, 0), {"paged_attention_launches": launches})
+def _fused_kernel(op: str, missing: str):
+    """The check that the dense run's ``op`` launched, every layer-step fused, tokens tracking HF."""
+    def check(state: State):
+        run = state.runs[0]
+        _fused_everywhere(run)
+        launches = run.launches.get(op, 0)
+        require(launches > 0, missing)
+        return _tracked(_greedy_tracking(state, 0), {f"{op}_launches": launches})
+    return check
 
 
 def _chunked_prefill(state: State):
@@ -301,7 +296,10 @@ def families(models: dict[str, Path]) -> list[Family]:
     w8a8 = functools.partial(_w8a8, float_dir=models["tiny-qwen2"])
     return [
         Family("dense", "tiny-llama", "float16", {}, _dense_requests, {
-            "fia-attention": _fia_attention, "paged-attention": _paged_attention,
+            "fia-attention": _fused_kernel("fused_infer_attention_score",
+                                           "no npu_fused_infer_attention_score launch"),
+            "paged-attention": _fused_kernel("paged_attention",
+                                             "no _npu_paged_attention launch: no decode-only batch ran fused"),
             "chunked-prefill": _chunked_prefill, "prefix-cache": _prefix_cache, "sampler": _sampler}),
         Family("graphs", "tiny-llama", "bfloat16",
                {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
