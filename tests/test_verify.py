@@ -276,3 +276,23 @@ def test_record_matrix_run_refuses_what_is_not_a_record(matrix_copy, tmp_path):
     assert "not a readable JSON record" in _refusal(_convert(path, matrix_copy, "0.33.0"))
     path.write_text(json.dumps({"versions": {"vllm": "0.33.0"}}))
     assert _refusal(_convert(path, matrix_copy)).endswith("refused: not an ascend-patch verify record")
+
+
+def test_the_npu_record_names_the_soc_and_stack_torch_npu_reports(monkeypatch):
+    """What verify records of the device on an NPU, from a stand-in torch_npu answering as the
+    documented API does on an Atlas 800I A2 (npu.get_device_name, npu.device_count,
+    npu.utils.get_soc_version / get_cann_version); the stand-in proves the record's wiring only."""
+    import types
+
+    from ascend_patch.cli import verify
+    from ascend_patch.npu.kernels import npu
+
+    versions = {"CANN": "8.5.0", "DRIVER": "25.2.0"}
+    utils = types.SimpleNamespace(get_soc_version=lambda: 223, get_cann_version=versions.__getitem__)
+    stand_in = types.SimpleNamespace(npu=types.SimpleNamespace(
+        utils=utils, get_device_name=lambda index=None: "Ascend910B3", device_count=lambda: 8))
+    monkeypatch.setattr(npu, "_torch_npu", lambda: stand_in)
+    device, stack = verify._device(emulated=False)
+    assert device == {"name": "Ascend910B3", "soc": "Ascend910B3", "soc_version": 223, "family": "A2",
+                      "count": 8, "emulated": False}
+    assert stack == {"soc": "Ascend910B3", "soc_version": 223, "cann": "8.5.0", "driver": "25.2.0"}

@@ -12,6 +12,7 @@ bad input (no record).
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform as host
@@ -75,6 +76,9 @@ def _line(index: int, total: int, result) -> str:
 
 def run(emulate: bool, output: Path, models_dir: Path | None) -> int:
     mode = "emulate" if emulate else "npu"
+    if importlib.util.find_spec("vllm") is None:
+        print("ascend-patch verify: vLLM is not installed in this environment", file=sys.stderr)
+        return 2
     if "vllm" in sys.modules:
         print("ascend-patch verify: vLLM is already imported in this process; run verify on its own",
               file=sys.stderr)
