@@ -20,6 +20,8 @@ from ascend_patch.cli import toolchain
 from ascend_patch.overlay import version as versions
 
 PTH_NAME = "a1_ascend_patch.pth"
+
+
 def pth_files() -> list[str]:
     dirs = [*site.getsitepackages(), site.getusersitepackages()]
     return [str(Path(d) / PTH_NAME) for d in dirs if (Path(d) / PTH_NAME).is_file()]
@@ -89,6 +91,7 @@ def report(apply: bool = False) -> dict:
                 "error": f"the loader failed ({type(exc).__name__}: {exc}); reinstall ascend-patch"}
 
     quantization = _quantization(act, apply)
+    stack = ascend_stack()
     vllm = act.vllm
     selection = act.selection
     applied = set(loader.REGISTRY.applied_targets())
@@ -123,7 +126,7 @@ def report(apply: bool = False) -> dict:
             "torch": versions.installed_version("torch"),
             "torch_npu": versions.installed_version("torch-npu"),
             "cann": toolchain.cann_version(),
-            "nnal": toolchain.nnal()["version"],
+            "nnal": stack["nnal"]["version"],
             "driver": toolchain.driver_version(),
             "vllm_ascend": loader.vllm_ascend_present(),
         },
@@ -139,7 +142,7 @@ def report(apply: bool = False) -> dict:
         "matrix_status": entry.status if entry else None,
         "targets": targets,
         "quantization": quantization,
-        "ascend": ascend_stack(),
+        "ascend": stack,
         "import_failures": import_failures,
         "settings": env.settings(),
         "pth": pth_files(),
@@ -160,7 +163,8 @@ def _nnal_line(found: dict) -> str:
 def _soc_line(found: dict | None) -> str:
     if found is None:
         return "unknown (no npu-smi)"
-    return f"{found['soc'] or 'unknown'}" + (f" ({found['family']})" if found["family"] else "") + f" [{found['source']}]"
+    family = f" ({found['family']})" if found["family"] else ""
+    return f"{found['soc'] or 'unknown'}{family} [{found['source']}]"
 
 
 def render(data: dict) -> str:
