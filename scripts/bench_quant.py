@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 import bench_engine  # noqa: E402
-import make_quantized_models  # noqa: E402
-import make_tiny_models  # noqa: E402
+
+from ascend_patch.kit import quantized_models as make_quantized_models  # noqa: E402
+from ascend_patch.kit import tiny_models as make_tiny_models  # noqa: E402
 
 THROUGHPUT = """
 import json, sys, time

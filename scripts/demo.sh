@@ -17,7 +17,7 @@ PY="$ROOT/.venv/bin/python"
 MODEL="${1:-}"
 if [[ -z "$MODEL" ]]; then
     echo "== building the tiny local test model (no hub needed)"
-    MODEL="$("$PY" "$ROOT/scripts/make_tiny_models.py" "$ROOT/.cache/models" | sed -n 's/^tiny-llama: //p')"
+    MODEL="$("$PY" -m ascend_patch.kit.tiny_models "$ROOT/.cache/models" | sed -n 's/^tiny-llama: //p')"
 fi
 
 echo "== ascend-patch doctor (ASCEND_PATCH=$ASCEND_PATCH)"

@@ -12,10 +12,17 @@ For each VERSION:
    ``static-probe`` when only the probe ran and every target verified,
    ``unsupported`` when the probe found mismatches — with the date and the evidence.
 
+``--evidence FILE`` instead turns the record of an ``ascend-patch verify`` run on Ascend hardware
+into the ``npu-verified`` status of the vLLM release it ran, with its provenance in
+``evidence.npu`` (the row's other evidence is kept). It refuses, in one line, a record that did
+not pass, one made in emulation, and one whose vLLM version or patch set differs from the row's
+(or from this checkout's declarations of that set).
+
     python scripts/record_matrix_run.py 0.32.0 0.29.0          # run and record
     python scripts/record_matrix_run.py --static-only 0.20.0   # probe only
     python scripts/record_matrix_run.py --check 0.32.0         # run, fail if the matrix disagrees
     python scripts/record_matrix_run.py --refresh-probe 0.31.0 # re-probe only, keep status and e2e record
+    python scripts/record_matrix_run.py --evidence ascend-patch-verify.json   # a user's NPU record
 
 Downstream CI can pin a version the same way: ``--check`` exits 1 when the recorded
 status is not what the run shows.
@@ -135,6 +142,38 @@ def refresh_probe(version: str) -> None:
     write(version, entry["status"], evidence, date=str(entry.get("date")))
 
 
+def npu_verified(path: Path, version: str | None) -> str:
+    """Record a passing hardware record of ``ascend-patch verify`` as the npu-verified status of
+    its vLLM release (``version``, when given, must be that release); returns the release."""
+    from ascend_patch.kit import record
+    from ascend_patch.overlay import decision, matrix
+    from ascend_patch.overlay.patching import applies_to
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: refused: not a readable JSON record ({exc})") from None
+    found = data.get("versions", {}).get("vllm") if isinstance(data, dict) else None
+    version = version or found
+    table = matrix.load(MATRIX)
+    entry = table.versions.get(str(version))
+    if entry is None:
+        raise SystemExit(f"{path}: refused: {MATRIX} has no row for vLLM {version}")
+    declarations = [d for d in decision.load_patch_set(table, entry.patch_set)
+                    if applies_to(d, Version(version))]
+    try:
+        problem = record.conversion_problem(data, version, entry.patch_set, record.patch_set_digest(declarations))
+        npu = None if problem else record.npu_evidence(data, record.file_sha256(path))
+    except (KeyError, TypeError, AttributeError) as exc:
+        problem = f"a malformed record ({type(exc).__name__}: {exc})"
+    if problem:
+        raise SystemExit(f"{path}: refused: {problem}")
+    evidence = {**entry.evidence, "npu": npu}
+    write(version, "npu-verified", evidence, date=evidence["npu"]["date"])
+    matrix.load(MATRIX)  # what was written validates as npu-verified evidence
+    return version
+
+
 def write(version: str, status: str, evidence: dict, date: str | None = None) -> None:
     """Update one version's status, date and evidence, keeping the file's comments."""
     text = MATRIX.read_text()
@@ -149,17 +188,36 @@ def write(version: str, status: str, evidence: dict, date: str | None = None) ->
 
 
 def main() -> int:
+    global MATRIX
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("versions", nargs="+")
+    parser.add_argument("versions", nargs="*")
     parser.add_argument("--static-only", action="store_true", help="probe only, build no environment")
     parser.add_argument("--check", action="store_true", help="compare with the matrix instead of writing it")
     parser.add_argument("--refresh-probe", action="store_true",
                         help="re-record only the static evidence, keeping status and e2e record")
+    parser.add_argument("--evidence", type=Path, metavar="FILE",
+                        help="an `ascend-patch verify` record from Ascend hardware: record npu-verified")
+    parser.add_argument("--matrix", type=Path, default=MATRIX,
+                        help="the matrix to update (default: the repository's; the README is re-rendered "
+                             "only for that one)")
     args = parser.parse_args()
+    MATRIX = args.matrix.resolve()
+    render = MATRIX == ROOT / "compat_matrix.yaml"
+    if args.evidence:
+        if len(args.versions) > 1:
+            parser.error("--evidence records one release")
+        version = npu_verified(args.evidence, args.versions[0] if args.versions else None)
+        print(f"   {version}: npu-verified from {args.evidence}", file=sys.stderr)
+        if render:
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "render_readme_matrix.py")], check=True)
+        return 0
+    if not args.versions:
+        parser.error("name the vLLM versions to run, or give --evidence")
     if args.refresh_probe:
         for version in args.versions:
             refresh_probe(version)
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "render_readme_matrix.py")], check=True)
+        if render:
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "render_readme_matrix.py")], check=True)
         return 0
     disagreements = []
     for version in args.versions:
@@ -175,7 +233,7 @@ def main() -> int:
     if disagreements:
         print("compat_matrix.yaml disagrees with what ran:\n  " + "\n  ".join(disagreements), file=sys.stderr)
         return 1
-    if not args.check:
+    if not args.check and render:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "render_readme_matrix.py")], check=True)
     return 0
 

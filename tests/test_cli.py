@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -94,3 +96,60 @@ def test_matrix_command():
     assert {v["vllm"] for v in data["versions"]} >= {"0.33.0", "0.29.0"}
     bad = _cli("matrix", "--file", "/nonexistent/matrix.yaml")
     assert bad.returncode == 2 and "cannot read" in bad.stderr
+
+
+# What `npu-smi info` prints on an Atlas 800I A2 (the fields vllm-ascend's setup.py reads): a
+# stand-in for the driver's tool, which this machine does not have.
+NPU_SMI = """#!/bin/sh
+case "$*" in
+  "info -l") printf '\\tTotal Count                    : 1\\n\\n\\tNPU ID                         : 0\\n' ;;
+  "info -t board -i 0") printf '\\tNPU ID                         : 0\\n\\tProduct Name                   : \\n' ;;
+  "info -t board -i 0 -c 0") printf '\\tNPU ID                         : 0\\n\\tChip Type                      : Ascend\\n\\tChip Name                      : 910B3\\n' ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def _ascend_stack(tmp_path):
+    """An NNAL install laid out as its installer lays it out, and npu-smi on PATH."""
+    home = tmp_path / "nnal" / "atb" / "latest" / "atb" / "cxx_abi_1"
+    (home / "lib").mkdir(parents=True)
+    (home / "lib" / "libatb.so").write_bytes(b"")
+    (tmp_path / "nnal" / "atb" / "latest" / "version.info").write_text("Ascend-cann-atb : 8.5.0\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "npu-smi").write_text(NPU_SMI)
+    (bin_dir / "npu-smi").chmod(0o755)
+    return {"ATB_HOME_PATH": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}"}, home / "lib"
+
+
+def test_doctor_reports_nnal_the_soc_and_the_paths_that_need_nnal(tmp_path):
+    stack, lib = _ascend_stack(tmp_path)
+    data = json.loads(_cli("doctor", "--json", ASCEND_PATCH="emulate", LD_LIBRARY_PATH=str(lib), **stack).stdout)
+    nnal = data["ascend"]["nnal"]
+    assert (nnal["found"], nnal["version"], nnal["on_library_path"]) == (True, "8.5.0", True)
+    assert nnal["libatb"] == str(lib / "libatb.so") and data["versions"]["nnal"] == "8.5.0"
+    assert data["ascend"]["soc"] == {"soc": "Ascend910B3", "family": "A2", "source": "npu-smi"}
+    assert set(data["ascend"]["needs_nnal"]) == {"_npu_paged_attention", "_npu_paged_attention_get_workspace",
+                                                 "atb.npu_multi_head_latent_attention"}
+    table = _cli("doctor", ASCEND_PATCH="emulate", LD_LIBRARY_PATH=str(lib), **stack).stdout
+    assert re.search(r"^NNAL \(ATB\)\s+8\.5\.0 \(.*libatb\.so\)$", table, re.MULTILINE)
+    assert re.search(r"^SoC\s+Ascend910B3 \(A2\) \[npu-smi\]$", table, re.MULTILINE)
+    assert "  atb.npu_multi_head_latent_attention: MLA decode (DeepSeek-V2/V3)" in table
+
+    unsourced = _cli("doctor", ASCEND_PATCH="emulate", LD_LIBRARY_PATH="", **stack).stdout
+    assert "libatb.so is not on LD_LIBRARY_PATH: `source /usr/local/Ascend/nnal/atb/set_env.sh`" in unsourced
+    missing = _cli("doctor", ASCEND_PATCH="emulate").stdout
+    assert re.search(r"^NNAL \(ATB\)\s+not found: paged decode and MLA decode fail at their first call",
+                     missing, re.MULTILINE)
+    assert re.search(r"^SoC\s+unknown \(no npu-smi\)$", missing, re.MULTILINE)
+
+
+def test_the_nnal_table_names_every_atb_call_of_the_kernel_seam():
+    """torch_npu exposes its ATB ops as torch_npu._npu_* and torch_npu.atb.* (op_plugin/atb/_atb_ops.py:
+    API_LIST and ATB_API_LIST); every such call of the seam must be in doctor's table."""
+    from ascend_patch.cli import toolchain
+
+    source = (ROOT / "ascend_patch" / "npu" / "kernels" / "npu.py").read_text()
+    called = set(re.findall(r"_torch_npu\(\)\.((?:atb\.)?\w+)\(", source))
+    assert {op for op in called if op.startswith(("_npu_", "atb."))} == set(toolchain.ATB_OPS)

@@ -48,3 +48,16 @@ def test_readme_main_command_generates_on_the_emulated_npu():
     assert "platform: EmulatedNPUPlatform (Ascend NPU (emulated on CPU, 1.0 GiB HBM))" in result.stdout
     generations = re.findall(r"^    token ids: \[([\d, ]+)\]$", result.stdout, re.MULTILINE)
     assert [len(ids.split(", ")) for ids in generations] == [24, 24, 24]
+
+
+def test_the_acceptance_kit_section_lists_every_check_and_the_commands():
+    from ascend_patch.kit import record
+
+    section = README.split("## Hardware acceptance kit: `ascend-patch verify`", 1)[1].split("\n## ", 1)[0]
+    table = section.split("| check | family", 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"^\| `([a-z0-9-]+)` \| ", table, re.MULTILINE)
+    assert listed == list(record.CHECKS)
+    for command in ("ascend-patch verify ", "source /usr/local/Ascend/nnal/atb/set_env.sh",
+                    "python scripts/record_matrix_run.py --evidence ascend-patch-verify.json",
+                    "ascend-patch verify --emulate"):
+        assert command in section, command

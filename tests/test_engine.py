@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from ascend_patch.kit import oracle
 from tests.conftest import hf_greedy, hf_logits, prompt_token_ids, run_engine
 
 # Lengths chosen to cover one token short of / across / several 128-token KV blocks.
@@ -165,31 +166,13 @@ def _assert_fused_attention_only(run) -> None:
     assert launches["fused_infer_attention_score"] + launches["paged_attention"] == launches["scatter_pa_kv_cache"]
 
 
-def _hf_in_both_precisions(model_dir, sequences, dtype) -> tuple[list, list]:
-    """HF logits of each sequence from the fp32 model (the oracle) and from the model run in
-    ``dtype`` (what that precision alone does to them)."""
-    return hf_logits(model_dir, sequences), hf_logits(model_dir, sequences, dtype)
-
-
 def _assert_tracks_fp32_hf(model_dir, prompts, tokens, dtype) -> None:
     """Half precision makes exact equality with an fp32 oracle meaningless, so the engine is
-    held to what HF's own forward in ``dtype`` does on the engine's sequences. Every chosen
-    token is HF fp32's argmax or short of it by at most twice HF's largest ``dtype`` logit
-    error on that sequence (the best and the chosen logit may both move), and the share of
-    fp32 argmaxes is HF ``dtype``'s own share, give or take 5 points."""
-    sequences = [p + t for p, t in zip(prompts, tokens)]
-    exact_logits, rounded_logits = _hf_in_both_precisions(model_dir, sequences, dtype)
-    engine_hits = hf_hits = total = 0
-    for prompt, generated, exact, rounded in zip(prompts, tokens, exact_logits, rounded_logits):
-        assert len(generated) == MAX_TOKENS
-        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(generated))
-        error = float((exact[rows] - rounded[rows]).abs().max())
-        for token, row in zip(generated, exact[rows]):
-            assert float(row.max() - row[token]) <= 2 * error, (prompt[:4], token)
-            engine_hits += int(token == int(row.argmax()))
-        hf_hits += int((rounded[rows].argmax(-1) == exact[rows].argmax(-1)).sum())
-        total += len(generated)
-    assert engine_hits / total >= hf_hits / total - 0.05
+    held to what HF's own forward in ``dtype`` does on the engine's sequences
+    (:func:`ascend_patch.kit.oracle.precision_tracking`)."""
+    assert all(len(generated) == MAX_TOKENS for generated in tokens)
+    tracking = oracle.precision_tracking(model_dir, prompts, tokens, dtype)
+    assert tracking.ok, tracking.message
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -219,14 +202,9 @@ def test_half_precision_seeded_sampling_repeats_within_hf_top_k(half_precision_r
     assert first["tokens"][0] != first["tokens"][1][: len(first["tokens"][0])]
     assert first["launches"]["top_k_top_p"] > 0
     _assert_fused_attention_only(first)
-    chosen = prompts[1:3]
-    sequences = [p + t for p, t in zip(chosen, first["tokens"])]
-    for prompt, tokens, exact, rounded in zip(chosen, first["tokens"], *_hf_in_both_precisions(llama, sequences, dtype)):
-        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))
-        error = float((exact[rows] - rounded[rows]).abs().max())
-        for token, row in zip(tokens, exact[rows]):
-            kth = row.topk(HALF_SAMPLE["top_k"]).values[-1]
-            assert float(kth - row[token]) <= 2 * error, (prompt[:4], token)
+    tracking = oracle.precision_tracking(llama, prompts[1:3], first["tokens"], dtype,
+                                         top_k=HALF_SAMPLE["top_k"])
+    assert tracking.ok, tracking.message
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)

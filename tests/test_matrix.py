@@ -173,3 +173,46 @@ def test_markdown_lists_every_version_newest_first(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 0.")]
     assert rows[0].startswith("| 0.33.0 | new | 2.14.0 | 2.14.0 | unknown | emulated-e2e | 2026-11-29 |")
     assert rows[1].startswith("| 0.27.0 | old |")
+
+
+def _npu_verified(evidence_edit=None) -> dict:
+    """A matrix whose 0.33.0 row is npu-verified by the evidence record_matrix_run.py writes, from
+    a synthetic record (a fixture of the validation: no run made it)."""
+    from ascend_patch.kit import record
+
+    synthetic = {
+        "schema": 1, "command": "ascend-patch verify", "finished": "2026-12-01T10:00:00+00:00",
+        "ascend_patch": "0.1.0", "patch_set": {"name": "new", "digest": "d" * 64},
+        "device": {"soc": "synthetic", "family": None, "count": 1},
+        "versions": {"vllm": "0.33.0", "torch": "2.14.0", "torch_npu": "synthetic", "cann": "synthetic",
+                     "nnal": "synthetic", "driver": None},
+        "checks": [{"name": name, "verdict": "skipped" if name == "tp" else "pass"} for name in record.CHECKS],
+    }
+    evidence = record.npu_evidence(synthetic, "a" * 64)
+    if evidence_edit:
+        evidence_edit(evidence)
+    data = _valid()
+    data["versions"]["0.33.0"].update(status="npu-verified", evidence={"npu": evidence})
+    return data
+
+
+def test_npu_verified_with_its_record_is_valid(tmp_path):
+    entry = matrix.load(_write(tmp_path, _npu_verified())).versions["0.33.0"]
+    assert entry.status == "npu-verified" and entry.evidence["npu"]["checks"]["tp"] == "skipped"
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (lambda e: e.update(record_sha256="not-a-digest"), "record_sha256 must be the sha256"),
+    (lambda e: e.update(run="emulated-e2e"), "not written from an ascend-patch verify record"),
+    (lambda e: e.update(patch_set="old"), "the run used patch set 'old', the row says 'new'"),
+    (lambda e: e["versions"].update(vllm="0.32.0"), "the run's vLLM is not 0.33.0"),
+    (lambda e: e["versions"].update(cann=None), "versions.cann is missing"),
+    (lambda e: e["checks"].update(mla="fail"), "checks that did not pass: mla"),
+    (lambda e: e["checks"].update(graphs="skipped"), "checks that did not pass: graphs"),
+    (lambda e: e["checks"].pop("moe"), "checks must list exactly"),
+    (lambda e: e.update(date="yesterday"), "date must be the run's date"),
+])
+def test_npu_verified_needs_exactly_the_record_of_a_passing_hardware_run(tmp_path, edit, problem):
+    with pytest.raises(matrix.MatrixError, match=r"versions\.0\.33\.0\.evidence\.npu: ") as err:
+        matrix.load(_write(tmp_path, _npu_verified(edit)))
+    assert problem in str(err.value)

@@ -1,11 +1,11 @@
 """W8A8 int8 checkpoints on the emulated NPU: msModelSlim's AscendV1 and compressed-tensors.
 
-The checkpoints are built here from the tiny models (scripts/make_quantized_models.py); every
-engine runs in ONE driver process. The oracle is HF transformers running the dequantised
+The checkpoints are built here from the tiny models (ascend_patch/kit/quantized_models.py);
+every engine runs in ONE driver process. The oracle is HF transformers running the dequantised
 weights read back from each checkpoint, with each quantised layer's activation quantisation
-simulated in plain torch in front of it: per-token symmetric int8 for dynamic layers, the
-stored input scale and offset for static ones. fp32 and bf16 engines must track it token by
-token within the logit tolerance of tests/conftest.py. In bf16 fewer tokens are the oracle's
+simulated in plain torch in front of it (ascend_patch/kit/oracle.py): per-token symmetric int8
+for dynamic layers, the stored input scale and offset for static ones. fp32 and bf16 engines must
+track it token by token within the logit tolerance of ``oracle.logit_tracking``. In bf16 fewer tokens are the oracle's
 exact argmax than for a float model (three in four rather than nine in ten), every one still
 within rounding: a bf16 rounding of an activation can move its int8 value by a whole step, and
 the tiny random models are full of near-ties (the bf16 oracle itself picks the fp32 oracle's
@@ -16,21 +16,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import ROOT, assert_tracks_logits, prompt_token_ids, run_engine
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_quantized_models as quantize  # noqa: E402
-
-sys.path.pop(0)
+from ascend_patch.kit import quantized_models as quantize
+from ascend_patch.kit.oracle import dequantized_logits, dynamic_round_trip, read_quantized_layers
+from tests.conftest import assert_tracks_logits, prompt_token_ids, run_engine
 
 PROMPT_LENGTHS = [3, 17, 40]
 MAX_TOKENS = 10
@@ -40,14 +34,6 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "gpu_memory_utilization": 0.9,
           "enable_prefix_caching": False, "enable_chunked_prefill": True,
           "max_num_batched_tokens": 64}
-
-
-def mixed_types(module: str) -> str:
-    """Layer 0: static attention, dynamic MLP; layer 1: float attention, static MLP."""
-    layer = int(module.split(".")[2])
-    if "self_attn" in module:
-        return "W8A8" if layer == 0 else "FLOAT"
-    return "W8A8_DYNAMIC" if layer == 0 else "W8A8"
 
 
 # name -> (how to build it from (float models, calibration prompts, out dir), engine kwargs)
@@ -78,7 +64,7 @@ def _build(models: dict[str, Path], root: Path) -> dict[str, Path]:
     qwen2, moe = models["tiny-qwen2"], models["tiny-qwen3-moe"]
     calibration = prompt_token_ids(qwen2, [64, 64])
     built = {
-        "ascend-mixed": quantize.ascend_v1(qwen2, root / "ascend-mixed", mixed_types, calibration),
+        "ascend-mixed": quantize.ascend_v1(qwen2, root / "ascend-mixed", quantize.mixed_types, calibration),
         "ct-dynamic": quantize.compressed_tensors(qwen2, root / "ct-dynamic"),
         "ct-static-asym": quantize.compressed_tensors(
             qwen2, root / "ct-static-asym", weights="tensor", activations="static",
@@ -143,98 +129,6 @@ def runs(tiny_models, checkpoints, prompts, tmp_path_factory):
     return dict(zip([*GOOD, *BROKEN], result["engines"]))
 
 
-# -- the oracle: HF on the dequantised weights, activation quantisation simulated -------------
-
-
-def _dynamic(x):
-    """Per-token symmetric int8, round trip."""
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x / safe).round().clamp(-127, 127) * scale
-
-
-def _static(scale, zero_point):
-    return lambda x: ((x / scale + zero_point).round().clamp(-128, 127) - zero_point) * scale
-
-
-def _read_layers(checkpoint: Path) -> dict[str, tuple[torch.Tensor, object]]:
-    """module -> (dequantised float weight [N, K], activation round trip), read independently
-    of the engine from the format as written."""
-    layers = {}
-    description = checkpoint / "quant_model_description.json"
-    if description.exists():
-        tensors = load_file(checkpoint / "quant_model_weights.safetensors")
-        for name, kind in json.loads(description.read_text()).items():
-            module = name.removesuffix(".weight")
-            if not name.endswith(".weight") or kind == "FLOAT":
-                continue
-            weight = tensors[name].double()
-            if kind == "W8A8_DYNAMIC":
-                layers[module] = (weight * tensors[f"{module}.weight_scale"].double(), _dynamic)
-                continue
-            deq = tensors[f"{module}.deq_scale"]
-            deq = (deq.to(torch.int32).view(torch.float32) if deq.dtype == torch.int64 else deq)
-            input_scale = float(tensors[f"{module}.input_scale"])
-            offset = float(tensors[f"{module}.input_offset"])
-            layers[module] = (weight * (deq.double() / input_scale)[:, None],
-                              _static(input_scale, offset))
-        return layers
-    tensors = load_file(checkpoint / "model.safetensors")
-    for name in tensors:
-        if not name.endswith(".weight_scale"):
-            continue
-        module = name.removesuffix(".weight_scale")
-        weight = tensors[f"{module}.weight"].double() * tensors[name].double().reshape(-1, 1)
-        if f"{module}.input_scale" in tensors:
-            zero = tensors.get(f"{module}.input_zero_point", torch.zeros(1))
-            layers[module] = (weight, _static(float(tensors[f"{module}.input_scale"]), float(zero)))
-        else:
-            layers[module] = (weight, _dynamic)
-    return layers
-
-
-def _experts_forward(layers, prefix):
-    """A Qwen3-MoE expert block whose experts see their inputs round-tripped like the layers'."""
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for t in range(hidden_states.shape[0]):
-            for j in range(top_k_index.shape[1]):
-                e = int(top_k_index[t, j])
-                x = hidden_states[t]
-                weights = {p: layers[f"{prefix}.{e}.{p}"] for p in ("gate_proj", "up_proj",
-                                                                    "down_proj")}
-                gate = F.linear(weights["gate_proj"][1](x), weights["gate_proj"][0].to(x.dtype))
-                up = F.linear(weights["up_proj"][1](x), weights["up_proj"][0].to(x.dtype))
-                h = self.act_fn(gate) * up
-                down = F.linear(weights["down_proj"][1](h), weights["down_proj"][0].to(x.dtype))
-                out[t] += top_k_weights[t, j] * down
-        return out
-    return forward
-
-
-def oracle_logits(float_dir: Path, checkpoint: Path, sequences, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype)
-    layers = _read_layers(checkpoint)
-    experts = set()
-    for module, (weight, round_trip) in layers.items():
-        if ".experts." in module:
-            experts.add(module.split(".experts.")[0] + ".experts")
-            continue
-        linear = model.get_submodule(module)
-        linear.weight.data = weight.to(dtype)
-        linear.forward = (lambda self, x, rt=round_trip: F.linear(
-            rt(x.double()).to(x.dtype), self.weight, self.bias)).__get__(linear)
-    for prefix in experts:
-        block = model.get_submodule(prefix)
-        block.forward = types.MethodType(_experts_forward(
-            {m: (w, (lambda x, rt=rt: rt(x.double()).to(x.dtype))) for m, (w, rt) in
-             layers.items()}, prefix), block)
-    with torch.no_grad():
-        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
-
-
 def _float_model(name, tiny_models):
     return tiny_models["tiny-qwen3-moe" if "moe" in name else "tiny-qwen2"]
 
@@ -250,10 +144,10 @@ def test_quantised_engine_tracks_the_dequantised_oracle(name, runs, tiny_models,
     generated = engine["runs"][0]["tokens"]
     sequences = [p + t for p, t in zip(prompts, generated)]
     float_dir, checkpoint = _float_model(name, tiny_models), checkpoints[GOOD[name][0]]
-    oracles = [oracle_logits(float_dir, checkpoint, sequences)]
+    oracles = [dequantized_logits(float_dir, checkpoint, sequences)]
     bf16 = "bf16" in name
     if bf16:
-        oracles.append(oracle_logits(float_dir, checkpoint, sequences, torch.bfloat16))
+        oracles.append(dequantized_logits(float_dir, checkpoint, sequences, torch.bfloat16))
     assert_tracks_logits(oracles, prompts, generated, routed="moe" in name,
                          min_exact=0.75 if bf16 else 0.9)
 
@@ -290,11 +184,11 @@ def test_the_hbm_is_charged_the_int8_weights(runs, checkpoints):
     """The KV cache gets what the int8 weights save over fp32, less the int8 copy of a layer's
     input that quantised layers add to the profiled activations (64 tokens × at most 512
     features), to within one block."""
-    layers = _read_layers(checkpoints["ascend-mixed"])
+    layers = read_quantized_layers(checkpoints["ascend-mixed"])
     saved = 0
     for module, (weight, round_trip) in layers.items():
         rows, cols = weight.shape
-        static = round_trip is not _dynamic
+        static = round_trip is not dynamic_round_trip
         # fp32 -> int8 weight; plus the NPU form: fp32 scale per channel, for static layers an
         # int32 bias per channel and the input scale/offset.
         saved += rows * cols * 3 - rows * 4 - (rows * 4 + 2 * 4 if static else 0)

@@ -41,6 +41,14 @@ def _probe(args: argparse.Namespace) -> int:
     )
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ascend_patch.cli import verify
+
+    return verify.run(args.emulate, Path(args.output), Path(args.models) if args.models else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-patch", description="Stock vLLM on Huawei Ascend NPUs, as an overlay."
@@ -87,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="simple-API package index to fetch releases from (default: PyPI, https://pypi.org/simple)",
     )
     probe.set_defaults(func=_probe)
+
+    verify = commands.add_parser(
+        "verify",
+        help="run the hardware acceptance checks on this NPU and write a JSON evidence record",
+        description="Build tiny models locally, run each NPU path (attention, prefix cache, chunked "
+        "prefill, graphs, sampler, MLA, MoE, W8A8, TP) against HF transformers on the CPU, and write "
+        "one JSON evidence record. Exit status: 0 every check passed, 1 one did not, 2 no NPU.",
+    )
+    verify.add_argument("--emulate", action="store_true",
+                        help="run the same checks on the emulated NPU (CPU tensors), as CI does")
+    verify.add_argument("--output", "-o", default="ascend-patch-verify.json",
+                        help="where to write the record (default: ./ascend-patch-verify.json)")
+    verify.add_argument("--models", default=None,
+                        help="where to build the tiny models (default: ASCEND_PATCH_CACHE_DIR/models)")
+    verify.set_defaults(func=_verify)
     return parser
 
 

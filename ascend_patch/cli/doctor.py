@@ -10,31 +10,16 @@ reported as actually applied.
 from __future__ import annotations
 
 import importlib
-import os
 import platform as host
 import site
 import sys
 from pathlib import Path
 
 from ascend_patch import __version__, env
+from ascend_patch.cli import toolchain
 from ascend_patch.overlay import version as versions
 
 PTH_NAME = "a1_ascend_patch.pth"
-_CANN_INFO_FILES = ("version.cfg", "ascend_toolkit_install.info")
-
-
-def cann_version() -> str | None:
-    """The CANN toolkit version from its install info, if a toolkit is present."""
-    home = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH")
-    roots = [Path(home)] if home else []
-    roots.append(Path("/usr/local/Ascend/ascend-toolkit/latest"))
-    for root in roots:
-        for info in (p for name in _CANN_INFO_FILES for p in root.glob(f"**/{name}")):
-            for line in info.read_text(errors="replace").splitlines():
-                key, _, value = line.partition("=")
-                if key.strip() in ("version", "Version") and value.strip():
-                    return value.strip()
-    return None
 
 
 def pth_files() -> list[str]:
@@ -68,6 +53,17 @@ def _quantization(act, apply: bool) -> dict:
     return found
 
 
+def ascend_stack() -> dict:
+    """NNAL (ATB), the SoC and which of the NPU paths need what (the files and npu-smi only)."""
+    return {
+        "nnal": toolchain.nnal(),
+        "soc": toolchain.soc(),
+        "needs_nnal": dict(toolchain.ATB_OPS),
+        "needs_cann": "every other NPU op (attention prefill and cache writes, norms, rotary, "
+                      "sampler, MoE, W8A8): aclnn ops of the CANN toolkit and its ops package",
+    }
+
+
 def report(apply: bool = False) -> dict:
     try:
         requested = env.mode()
@@ -95,6 +91,7 @@ def report(apply: bool = False) -> dict:
                 "error": f"the loader failed ({type(exc).__name__}: {exc}); reinstall ascend-patch"}
 
     quantization = _quantization(act, apply)
+    stack = ascend_stack()
     vllm = act.vllm
     selection = act.selection
     applied = set(loader.REGISTRY.applied_targets())
@@ -128,7 +125,9 @@ def report(apply: bool = False) -> dict:
             "vllm_location": vllm.location if vllm else None,
             "torch": versions.installed_version("torch"),
             "torch_npu": versions.installed_version("torch-npu"),
-            "cann": cann_version(),
+            "cann": toolchain.cann_version(),
+            "nnal": stack["nnal"]["version"],
+            "driver": toolchain.driver_version(),
             "vllm_ascend": loader.vllm_ascend_present(),
         },
         "requested_mode": requested,
@@ -143,11 +142,29 @@ def report(apply: bool = False) -> dict:
         "matrix_status": entry.status if entry else None,
         "targets": targets,
         "quantization": quantization,
+        "ascend": stack,
         "import_failures": import_failures,
         "settings": env.settings(),
         "pth": pth_files(),
         "interpreter": sys.executable,
     }
+
+
+def _nnal_line(found: dict) -> str:
+    if not found["found"]:
+        return (f"not found: paged decode and MLA decode fail at their first call; install NNAL and "
+                f"`source {found['set_env']}`")
+    line = f"{found['version'] or 'version unknown'} ({found['libatb']})"
+    if not found["on_library_path"]:
+        line += f"; libatb.so is not on LD_LIBRARY_PATH: `source {found['set_env']}`"
+    return line
+
+
+def _soc_line(found: dict | None) -> str:
+    if found is None:
+        return "unknown (no npu-smi)"
+    family = f" ({found['family']})" if found["family"] else ""
+    return f"{found['soc'] or 'unknown'}{family} [{found['source']}]"
 
 
 def render(data: dict) -> str:
@@ -162,6 +179,9 @@ def render(data: dict) -> str:
         ("torch", v["torch"] or "not installed"),
         ("torch-npu", v["torch_npu"] or "not installed"),
         ("CANN", v["cann"] or "not found"),
+        ("NNAL (ATB)", _nnal_line(data["ascend"]["nnal"])),
+        ("driver", v["driver"] or "not found"),
+        ("SoC", _soc_line(data["ascend"]["soc"])),
         ("vllm-ascend", v["vllm_ascend"] or "not installed"),
         ("mode", f"{data['requested_mode']} -> {data['mode'] or 'none'}: {data['mode_reason']}"),
         ("patch set", f"{data['patch_set'] or 'none'}" + (f": {data['patch_set_reason']}" if data["patch_set_reason"] else "")),
@@ -180,6 +200,11 @@ def render(data: dict) -> str:
         lines.append(f"{'target'.ljust(tw)}  {'kind':8}  {'state':9}  found")
         for t in data["targets"]:
             lines.append(f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:9}  {t['found']}")
+    lines.append("")
+    lines.append("NNAL (ATB) is needed by:")
+    for op, path in data["ascend"]["needs_nnal"].items():
+        lines.append(f"  {op}: {path}")
+    lines.append(f"  (CANN alone: {data['ascend']['needs_cann']})")
     quantization = data["quantization"]
     lines.append("")
     lines.append(f"quantization ({quantization['declarations']}):")

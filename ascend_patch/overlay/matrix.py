@@ -232,12 +232,13 @@ def parse(data: object, path: Path) -> Matrix:
                 raise _fail(path, f"{where}.date", f"required for status {entry.status}")
             if not isinstance(body.get("evidence"), dict) or not body["evidence"]:
                 raise _fail(path, f"{where}.evidence", f"required for status {entry.status}")
-        if entry.status == "npu-verified" and not entry.evidence.get("npu"):
-            raise _fail(
-                path,
-                f"{where}.evidence.npu",
-                "npu-verified needs the record of a run on Ascend hardware",
-            )
+        if entry.status == "npu-verified":
+            # Only rows that claim hardware pay for this import (standard library only).
+            from ascend_patch.kit import record
+
+            problem = record.evidence_problem(entry.evidence.get("npu"), str(text), entry.patch_set)
+            if problem:
+                raise _fail(path, f"{where}.evidence.npu", problem)
         entries[str(text)] = entry
 
     limitations = []

@@ -242,6 +242,23 @@ def device_name(index: int) -> str:
     return _torch_npu().npu.get_device_name(index)
 
 
+def device_count() -> int:
+    return _torch_npu().npu.device_count()
+
+
+def stack() -> dict:
+    """What torch_npu reports of the device and the stack under it: the first NPU's SoC name
+    and numeric SoC version, and the CANN and driver versions (``npu.utils.get_cann_version``)."""
+    utils = _torch_npu().npu.utils
+    found = {"soc": device_name(0), "soc_version": utils.get_soc_version()}
+    for key, module in (("cann", "CANN"), ("driver", "DRIVER")):
+        try:
+            found[key] = utils.get_cann_version(module) or None
+        except Exception:  # an older torch_npu without this module name: the files answer instead
+            found[key] = None
+    return found
+
+
 def device_uuid(index: int) -> str:
     return _torch_npu().npu.get_device_properties(index).uuid
 

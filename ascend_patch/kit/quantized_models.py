@@ -17,7 +17,7 @@ the formats' documented facts:
 Weights are quantised symmetrically per output channel (or per tensor), static activations
 calibrated per tensor from the float model's inputs to each layer on a few prompts.
 
-    python scripts/make_quantized_models.py MODEL_DIR OUT_DIR {ascend,compressed-tensors}
+    python -m ascend_patch.kit.quantized_models MODEL_DIR OUT_DIR {ascend,compressed-tensors}
 """
 
 from __future__ import annotations
@@ -71,6 +71,15 @@ def activation_params(low: float, high: float) -> tuple[float, int]:
     low, high = min(low, 0.0), max(high, 0.0)
     scale = max(high - low, 1e-8) / 255
     return scale, int(round(-128 - low / scale))
+
+
+def mixed_types(module: str) -> str:
+    """Every AscendV1 layer type in one two-layer model: layer 0 static attention and a dynamic
+    MLP, layer 1 float attention and a static MLP."""
+    layer = int(module.split(".")[2])
+    if "self_attn" in module:
+        return "W8A8" if layer == 0 else "FLOAT"
+    return "W8A8_DYNAMIC" if layer == 0 else "W8A8"
 
 
 def _modules(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Build the tiny test models locally: there is no model hub on these machines.
+"""Build the tiny models locally: there is no model hub on these machines.
 
 Each model is a real Hugging Face checkpoint directory (config, safetensors weights,
 tokenizer) that vLLM and transformers load the normal way:
@@ -17,7 +17,7 @@ tokenizer) that vLLM and transformers load the normal way:
 - weights re-drawn from N(0, 0.2) so greedy decoding does not collapse into one
   repeated token, which would make token-for-token comparisons meaningless.
 
-    python scripts/make_tiny_models.py OUT_DIR      # writes OUT_DIR/tiny-llama, OUT_DIR/tiny-qwen2, ...
+    python -m ascend_patch.kit.tiny_models OUT_DIR   # writes OUT_DIR/tiny-llama, OUT_DIR/tiny-qwen2, ...
 
 Deterministic: the same seed gives byte-identical weights, and an existing output
 with the same recipe is reused.
@@ -197,9 +197,11 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
     model.generation_config.save_pretrained(out)
 
 
-def build(root: Path) -> dict[str, Path]:
+def build(root: Path, names: list[str] | None = None) -> dict[str, Path]:
+    """Build ``names`` (default: every model) under ``root``, reusing what is already built."""
     paths = {}
-    for name, (architecture, overrides) in MODELS.items():
+    for name in names or MODELS:
+        architecture, overrides = MODELS[name]
         stamp = hashlib.sha256(json.dumps([RECIPE, architecture, overrides], sort_keys=True).encode()).hexdigest()[:12]
         out = root / name
         paths[name] = out

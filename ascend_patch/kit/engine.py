@@ -1,0 +1,170 @@
+"""One in-process vLLM engine on the activated NPU platform, and what its requests launched.
+
+Shared by ``ascend-patch verify`` and the engine tests' driver (tests/engine_driver.py): vLLM is
+imported by the caller first, so the overlay is already active when these functions run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import logging
+
+
+@contextlib.contextmanager
+def ascend_patch_log():
+    """Yield the list of messages ascend-patch logs while the block runs. A filter, not a
+    handler: vLLM's logging setup, which also runs when the first engine is built, drops the
+    handlers of the vllm.* loggers but keeps their filters."""
+    messages: list[str] = []
+    logger = logging.getLogger("vllm.ascend_patch")
+
+    def keep(record: logging.LogRecord) -> bool:
+        messages.append(record.getMessage())
+        return True
+
+    logger.addFilter(keep)
+    try:
+        yield messages
+    finally:
+        logger.removeFilter(keep)
+
+
+@contextlib.contextmanager
+def fused_batches(kernels):
+    """Count ``fused_infer_attention_score`` launches by the batch they served, from the query
+    and KV lengths the backend passed: "mixed" holds decode rows (one query token) next to
+    longer queries; "with_context" holds a multi-token query behind KV already in the cache
+    (a chunked-prefill continuation or a prefix-cache hit)."""
+    kinds = collections.Counter()
+    launch = kernels.fused_infer_attention_score
+
+    def classify(*args, **kwargs):
+        ends = kwargs.get("actual_seq_lengths")
+        if ends is None:  # BSH one-token queries (windowed decode): neither kind
+            return launch(*args, **kwargs)
+        query_lens = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+        kv_lens = kwargs["actual_seq_lengths_kv"]
+        kinds["mixed"] += 1 in query_lens and max(query_lens) > 1
+        kinds["with_context"] += any(1 < q < kv for q, kv in zip(query_lens, kv_lens))
+        return launch(*args, **kwargs)
+
+    kernels.fused_infer_attention_score = classify
+    try:
+        yield kinds
+    finally:
+        kernels.fused_infer_attention_score = launch
+
+
+@contextlib.contextmanager
+def measured():
+    """Yield a dict that, once the block ends, holds what the block launched in this process:
+    kernel-seam launches by op ("launches"), fused-attention launches by batch kind
+    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size)."""
+    from ascend_patch.npu import kernels
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    report: dict = {}
+    replays = NPUGraphWrapper.replays.copy()
+    with kernels.count_launches() as launches, fused_batches(kernels) as batches:
+        try:
+            yield report
+        finally:
+            by_size = NPUGraphWrapper.replays - replays
+            report.update(launches=dict(launches), fused_batches=dict(batches),
+                          graph_replays=sum(by_size.values()),
+                          graph_replays_by_size={str(size): n for size, n in sorted(by_size.items())})
+
+
+def start(model: str, **kwargs):
+    """``(llm, facts)``: the engine (seed 0, in-process unless ``kwargs`` pick another executor)
+    and what vLLM settled for it: KV blocks, block size, graph mode, capture sizes, graphs captured."""
+    from vllm import LLM
+
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    captures = NPUGraphWrapper.captures
+    llm = LLM(model=model, **{"distributed_executor_backend": "uni", "seed": 0, **kwargs})
+    config = llm.llm_engine.vllm_config
+    facts = {
+        "num_gpu_blocks": config.cache_config.num_gpu_blocks,
+        "block_size": config.cache_config.block_size,
+        "cudagraph_mode": config.compilation_config.cudagraph_mode.name,
+        "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
+        "graph_captures": NPUGraphWrapper.captures - captures,
+    }
+    return llm, facts
+
+
+def generate(llm, prompts: list[list[int]], sampling: list[dict]):
+    """``llm.generate`` of token-id prompts; one sampling dict applies to every prompt, a list
+    pairs them one by one."""
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                        paired_params(sampling, len(prompts)), use_tqdm=False)
+
+
+def paired_params(sampling: list[dict], count: int) -> list:
+    """``SamplingParams`` for ``count`` requests: one dict applies to all, a list pairs them."""
+    params = [sampling_params(s) for s in sampling]
+    return params * count if len(params) == 1 else params
+
+
+def sampling_params(spec: dict):
+    from vllm import SamplingParams
+
+    spec = dict(spec)
+    if "logit_bias" in spec:  # JSON object keys are strings
+        spec["logit_bias"] = {int(token): bias for token, bias in spec["logit_bias"].items()}
+    structured = spec.pop("structured_outputs", None)
+    if structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        spec["structured_outputs"] = StructuredOutputsParams(**structured)
+    return SamplingParams(**spec)
+
+
+def _logprobs(positions) -> list | None:
+    if positions is None:
+        return None
+    return [None if p is None else [[t, lp.logprob, lp.rank] for t, lp in p.items()] for p in positions]
+
+
+def request_outputs(outputs) -> dict:
+    """Per request: the first completion's tokens ("tokens") and, when asked for, their
+    log-probabilities ("logprobs"), the prompt tokens served from the prefix cache ("cached"),
+    and every completion in full ("outputs")."""
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [[step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                     if o.outputs[0].logprobs else None for o in outputs],
+        "cached": [o.num_cached_tokens or 0 for o in outputs],
+        "outputs": [
+            {
+                "prompt_token_ids": list(o.prompt_token_ids),
+                "prompt_logprobs": _logprobs(o.prompt_logprobs),
+                "completions": [
+                    {"tokens": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": _logprobs(c.logprobs)}
+                    for c in o.outputs
+                ],
+            }
+            for o in outputs
+        ],
+    }
+
+
+def shutdown(llm) -> None:
+    """Free the engine and its device memory before the next one starts."""
+    import torch
+
+    # vLLM <= 0.32 keeps a deleted in-process engine alive unless it is shut down, and
+    # freezes the heap when its engine core starts (gc.freeze()): shut down and unfreeze so
+    # this engine's tensors, and the (emulated) HBM they hold, are freed before the next one.
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.unfreeze()
+    gc.collect()
+    torch.accelerator.empty_cache()  # the device allocator's cached blocks count as used
