@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from ascend_patch.overlay import patching
-from ascend_patch.overlay.patching import Patch, verify
+from ascend_patch.overlay import verification
+from ascend_patch.overlay.declarations import Contract
+from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
 from tests.conftest import ROOT, ascend_patch_lines, clean_env, run_python
 
@@ -202,8 +203,8 @@ def declared(tmp_path):
     (root / "__init__.py").write_text("")
     (root / "mod.py").write_text("def f(a, b=1):\n    return a\n")
     tree = SourceTree(root)
-    patches = [Patch("pkg.mod:f", "t", signature=("(a, b=...)",))]
-    key, _ = patching._verification_key(patches, tree, None)
+    patches = [Contract("pkg.mod:f", "t", signature=("(a, b=...)",))]
+    key, _ = verification._verification_key(patches, tree, None)
     return tree, patches, tmp_path / "verified", key
 
 
@@ -236,7 +237,7 @@ def test_a_hand_edited_entry_is_ignored(declared):
     tree, patches, cache, key = declared
     mod = tree.package_dir / "mod.py"
     mod.write_text("def f(a, b=1, c=2):\n    return a\n")  # the signature no longer matches
-    key, _ = patching._verification_key(patches, SourceTree(tree.package_dir), None)
+    key, _ = verification._verification_key(patches, SourceTree(tree.package_dir), None)
     first = verify(patches, SourceTree(tree.package_dir), cache_dir=cache)
     assert [s.state for s in first] == ["mismatch"]
     entry = cache / f"{key}.json"
@@ -255,7 +256,7 @@ def test_an_entry_is_invalidated_by_a_change_to_a_re_exporting_file(tmp_path):
     (root / "__init__.py").write_text("")
     (root / "mod.py").write_text("from .impl import f\n")
     (root / "impl.py").write_text("def f(a):\n    return a\n")
-    patches = [Patch("pkg.mod:f", "t", signature=("(a)",))]
+    patches = [Contract("pkg.mod:f", "t", signature=("(a)",))]
     cache = tmp_path / "verified"
     assert [s.state for s in verify(patches, SourceTree(root), cache_dir=cache)] == ["verified"]
     (root / "impl.py").write_text("def f(a, b):\n    return a\n")
