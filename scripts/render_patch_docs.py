@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ascend_patch.overlay import matrix
+from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import load_patch_set
 from ascend_patch.overlay.declarations import MODES, Kind
 
@@ -50,7 +51,7 @@ def render(table: matrix.Matrix) -> str:
     for spec in reversed(table.patch_sets):
         declarations = load_patch_set(table, spec.name)
         listed = sorted((v for v, e in table.versions.items() if e.patch_set == spec.name),
-                        key=lambda v: tuple(int(x) for x in v.split(".")))
+                        key=versions.parse)
         lines += [
             f"## Patch set `{spec.name}`: vLLM `{spec.range}`",
             "",

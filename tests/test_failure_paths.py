@@ -115,6 +115,35 @@ def test_an_empty_vllm_ascend_directory_is_not_an_installation(tmp_path):
     assert data["versions"]["vllm_ascend"] is None
 
 
+def test_the_bootstrap_knows_a_deliberate_error_by_its_class():
+    """Any DeliberateError stops ``import vllm`` whatever its name; any other failure of the
+    loader disables the overlay with one line."""
+    proc = run_python("""
+        import ascend_patch.overlay.bootstrap as bootstrap
+
+        class Refusal(bootstrap.DeliberateError):
+            pass
+
+        def deliberate(module):
+            raise Refusal("asked for and cannot be given")
+
+        def fault(module):
+            raise KeyError("a bug")
+
+        try:
+            bootstrap._run_loader(deliberate, None)
+        except Refusal:
+            print("raised")
+        bootstrap._run_loader(fault, None)
+        print("disabled" if bootstrap._loader_failed else "not disabled")
+    """, env=clean_env(ASCEND_PATCH="emulate"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["raised", "disabled"]
+    assert ascend_patch_lines(proc.stderr) == [
+        "ascend-patch: disabled in this process, vLLM stays stock: the loader failed (KeyError: "
+        "'a bug'). Run `ascend-patch doctor`, or reinstall ascend-patch"]
+
+
 def _fake_torch_npu(tmp_path: Path, body: str) -> Path:
     package = tmp_path / "fake" / "torch_npu"
     package.mkdir(parents=True)

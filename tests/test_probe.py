@@ -666,6 +666,48 @@ def test_archive_bombs_are_refused(limit, tree, tmp_path, cache, capsys, monkeyp
     assert cached_names(cache) == []
 
 
+def _hostile_sdist(tree: Path, out_dir: Path) -> Path:
+    """The tree's sdist plus members that name a place outside ``vllm/``, and a link."""
+    path = make_sdist(tree, out_dir)
+    plain = path.read_bytes()
+    top = f"vllm-{INSTALLED}"
+    with tarfile.open(path, "w:gz") as tf:
+        with tarfile.open(fileobj=io.BytesIO(plain), mode="r:gz") as original:
+            for member in original:
+                tf.addfile(member, original.extractfile(member))
+        for name in (f"{top}/vllm/../../escaped.py", f"{top}/vllm/./dot.py", f"/{top}/vllm/absolute.py"):
+            info = tarfile.TarInfo(name)
+            info.size = 4
+            tf.addfile(info, io.BytesIO(b"x=1\n"))
+        link = tarfile.TarInfo(f"{top}/vllm/linked.py")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/hostname"
+        tf.addfile(link)
+    return path
+
+
+def _hostile_wheel(tree: Path, out_dir: Path) -> Path:
+    path = make_wheel(tree, out_dir)
+    with zipfile.ZipFile(path, "a") as zf:
+        for name in ("vllm/../escaped.py", "vllm/./dot.py", "/vllm/absolute.py"):
+            zf.writestr(name, "x = 1\n")
+    return path
+
+
+@pytest.mark.parametrize("build", [_hostile_sdist, _hostile_wheel], ids=["sdist", "wheel"])
+def test_archive_names_outside_vllm_are_never_written(build, tree, tmp_path, cache, capsys):
+    """A member named ``..``, ``.`` or absolute, or a link, is passed over: the release is the
+    tree's files exactly, and nothing appears outside the cache."""
+    archive = build(tree, tmp_path)
+    before = _tree_snapshot(tmp_path, cache)
+    with serve(json_index([archive], [INSTALLED])) as index:
+        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    assert code == 0, data
+    entry = cache / "releases" / f"vllm-{INSTALLED}" / "vllm"
+    assert sorted(p.relative_to(entry).as_posix() for p in entry.rglob("*") if p.is_file()) == \
+        sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*.py"))
+    assert _tree_snapshot(tmp_path, cache) == before
+
+
 def _send(body: bytes, *, length: int | None, content_type: str = "application/octet-stream"):
     """A route that sends ``body`` under a Content-Length of ``length`` (None: none, the
     connection's end ends the body)."""
