@@ -10,6 +10,9 @@
   the time our line runs.
 """
 
+import base64
+import hashlib
+import zipfile
 from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
@@ -25,27 +28,34 @@ class BuildPyWithPth(build_py):
         self.copy_file(str(PTH), str(Path(self.build_lib) / PTH.name), preserve_mode=False)
 
 
-class _AddPth:
-    """Wraps setuptools' editable strategy to also write the .pth into the wheel."""
-
-    def __init__(self, strategy):
-        self._strategy = strategy
-
-    def __enter__(self):
-        self._strategy.__enter__()
-        return self
-
-    def __exit__(self, *exc_info):
-        return self._strategy.__exit__(*exc_info)
-
-    def __call__(self, wheel, files, mapping):
-        self._strategy(wheel, files, mapping)
-        wheel.writestr(PTH.name, PTH.read_bytes())
+def add_to_wheel_root(wheel: Path, name: str, data: bytes) -> None:
+    """Add the file ``name`` at the root of ``wheel`` and to its RECORD (the wheel format,
+    PEP 427: a zip whose RECORD lists every other file with its sha256 and size)."""
+    with zipfile.ZipFile(wheel) as original:
+        members = [(info, original.read(info)) for info in original.infolist()]
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    rewritten = wheel.with_name(wheel.name + ".part")
+    with zipfile.ZipFile(rewritten, "w", zipfile.ZIP_DEFLATED) as out:
+        for info, content in members:
+            if info.filename.endswith(".dist-info/RECORD"):
+                out.writestr(name, data)  # RECORD stays the last member
+                content += f"{name},sha256={digest},{len(data)}\n".encode()
+            out.writestr(info, content)
+    rewritten.replace(wheel)
 
 
 class EditableWheelWithPth(editable_wheel):
-    def _select_strategy(self, *args, **kwargs):
-        return _AddPth(super()._select_strategy(*args, **kwargs))
+    """setuptools' editable wheel, with the .pth added once it is built: no option of the
+    command puts a file at an editable wheel's root (its strategies write only their own), so
+    the finished wheel, in the command's ``dist_dir``, gets it."""
+
+    def run(self):
+        super().run()
+        for wheel in Path(self.dist_dir).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as built:
+                names = built.namelist()
+            if PTH.name not in names and any(n.startswith("__editable__") for n in names):
+                add_to_wheel_root(wheel, PTH.name, PTH.read_bytes())
 
 
 PACKAGES = [

@@ -1,7 +1,11 @@
 """Every ``ASCEND_PATCH*`` environment variable, in one place.
 
-Nothing else in the package reads ``os.environ`` for these names. The README's
-table of variables is checked against :data:`VARIABLES` by the test suite.
+Nothing else in the package reads ``os.environ`` for these names, except the ``.pth``
+bootstrap, which must not import this module at interpreter start: it reads
+``ASCEND_PATCH``, ``ASCEND_PATCH_STRICT`` and ``ASCEND_PATCH_DEBUG`` with the same
+parsers (:func:`~ascend_patch.overlay.bootstrap.read_mode`,
+:func:`~ascend_patch.overlay.bootstrap.read_flag`), defined there. The README's table of
+variables is checked against :data:`VARIABLES` by the test suite.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-MODES = ("auto", "npu", "emulate", "off")
+from ascend_patch.overlay.bootstrap import MODES, DeliberateError, read_flag, read_mode
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ VARIABLES: tuple[Variable, ...] = (
 _BY_NAME = {v.name: v for v in VARIABLES}
 
 
-class SettingError(ValueError):
+class SettingError(DeliberateError, ValueError):
     """An ``ASCEND_PATCH*`` variable holds a value it cannot mean anything by."""
 
 
@@ -81,23 +85,20 @@ def raw(name: str) -> str:
 
 
 def mode() -> str:
-    value = raw("ASCEND_PATCH").lower() or "auto"
-    if value not in MODES:
+    value = read_mode(raw("ASCEND_PATCH"))
+    if value is None:
         raise SettingError(
-            f"ASCEND_PATCH={value!r} is not a mode; expected one of {', '.join(MODES)}"
+            f"ASCEND_PATCH={raw('ASCEND_PATCH').lower()!r} is not a mode; expected one of "
+            f"{', '.join(MODES)}"
         )
     return value
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
-
 def _flag(name: str) -> bool:
-    value = raw(name).lower()
-    if value not in _TRUE + _FALSE:
+    value = read_flag(raw(name))
+    if value is None:
         raise SettingError(f"{name}={raw(name)!r} is not a flag; expected 1 (on) or 0 (off)")
-    return value in _TRUE
+    return value
 
 
 def strict() -> bool:

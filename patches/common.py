@@ -11,7 +11,7 @@ The releases each set serves live in ``compat_matrix.yaml`` only; a declaration
 carries ``vllm=`` just when it applies to part of its set's releases.
 """
 
-from ascend_patch.overlay.patching import Patch, Seam, Setting
+from ascend_patch.overlay.declarations import Contract, Patch, Seam, Setting
 
 PLATFORM = "ascend_patch.npu.platform:NPUPlatform"
 WORKER = "ascend_patch.npu.worker:NPUWorker"
@@ -22,23 +22,25 @@ _PLATFORM_API = "vllm/platforms/interface.py: the out-of-tree platform interface
 _KEEP = "never: vLLM's own extension point; the contract only guards its signature"
 
 
-def _platform_hook(name: str, signature: str, reason: str) -> Patch:
-    return Patch(
+def _platform_hook(name: str, signature: str, reason: str) -> Contract:
+    return Contract(
         f"vllm.platforms.interface:Platform.{name}",
         reason=reason,
         signature=(signature,),
         upstream=_PLATFORM_API,
         remove_when=_KEEP,
-        by=PLATFORM,
+        implementation=PLATFORM,
     )
 
 
-def _contract(target: str, signature: str | tuple[str, ...] | None, reason: str, *, by: str,
-              upstream: str, remove_when: str = _KEEP, vllm: str | None = None) -> Patch:
+def _contract(target: str, signature: str | tuple[str, ...] | None, reason: str, *,
+              implementation: str, upstream: str, remove_when: str = _KEEP,
+              vllm: str | None = None) -> Contract:
+    """A contract; a single signature may be given bare."""
     if isinstance(signature, str):
         signature = (signature,)
-    return Patch(target, reason=reason, signature=signature, upstream=upstream,
-                 remove_when=remove_when, by=by, vllm=vllm)
+    return Contract(target, reason=reason, signature=signature, upstream=upstream,
+                    remove_when=remove_when, implementation=implementation, vllm=vllm)
 
 
 DEVICE_SELECTION = [
@@ -90,77 +92,79 @@ ENGINE_CONTRACTS = [
                "(self, cpu_group, device=..., device_group=..., unique_name=..., global_ranks=..., "
                "global_world_size=..., use_all2all=...)"),
               "NPUCommunicator forwards every constructor variant",
-              by="ascend_patch.npu.distributed.communicator:NPUCommunicator",
+              implementation="ascend_patch.npu.distributed.communicator:NPUCommunicator",
               upstream="vllm/distributed/device_communicators/base_device_communicator.py: the "
                        "communicator base a platform's get_device_communicator_cls names"),
     _contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device",
-              by=WORKER, upstream=_GPU_WORKER + " (init_device hard-codes cuda)",
+              implementation=WORKER, upstream=_GPU_WORKER + " (init_device hard-codes cuda)",
               remove_when="vLLM's worker initialises the device through current_platform"),
     _contract("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", "(self, tag)",
-              "the CuMem pool is CUDA-only", by=WORKER, upstream=_GPU_WORKER,
+              "the CuMem pool is CUDA-only", implementation=WORKER, upstream=_GPU_WORKER,
               remove_when="ascend-patch supports sleep mode (an NPU memory pool)"),
     _contract("vllm.v1.worker.gpu_worker:Worker.sleep", "(self, level=...)", "sleep mode is unsupported",
-              by=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
+              implementation=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
     _contract("vllm.v1.worker.gpu_worker:Worker.wake_up", "(self, tags=...)", "sleep mode is unsupported",
-              by=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
+              implementation=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
     _contract("vllm.v1.worker.gpu_worker:init_worker_distributed_environment",
               "(vllm_config, rank, distributed_init_method=..., local_rank=..., backend=...)",
-              "NPUWorker initialises HCCL/gloo with it", by=WORKER, upstream=_GPU_WORKER),
+              "NPUWorker initialises HCCL/gloo with it", implementation=WORKER, upstream=_GPU_WORKER),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", None,
               "NPUModelRunner charges the loaded weights to the emulated HBM and puts "
-              "NPUGraphWrapper where vLLM built CUDAGraphWrapper for FULL graphs", by=RUNNER,
+              "NPUGraphWrapper where vLLM built CUDAGraphWrapper for FULL graphs", implementation=RUNNER,
               upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own); " + _GPU_RUNNER
               + " (load_model wraps the model in CUDAGraphWrapper, whose capture is torch.cuda.graph)",
               remove_when="never while the emulated NPU exists"),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run", None,
-              "NPUModelRunner measures the profiling pass's activations", by=RUNNER,
+              "NPUModelRunner measures the profiling pass's activations", implementation=RUNNER,
               upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own)",
               remove_when="never while the emulated NPU exists"),
     _contract("vllm.v1.attention.backend:AttentionImpl.forward",
               "(self, layer, query, key, value, kv_cache, attn_metadata, output, "
               "output_scale=..., output_block_scale=...)", "the Ascend attention impl",
-              by=ATTENTION, upstream="vllm/v1/attention/backend.py: the attention backend interface"),
+              implementation=ATTENTION,
+              upstream="vllm/v1/attention/backend.py: the attention backend interface"),
     _contract("vllm.v1.attention.backend:AttentionImpl.__init__",
               "(self, num_heads, head_size, scale, num_kv_heads=..., alibi_slopes=..., "
               "sliding_window=..., kv_cache_dtype=..., logits_soft_cap=..., attn_type=..., "
               "kv_sharing_target_layer_name=...)",
               "the impl takes the sliding window and the logits soft-cap where vLLM's Attention "
-              "passes them (positionally)", by=ATTENTION,
+              "passes them (positionally)", implementation=ATTENTION,
               upstream="vllm/model_executor/layers/attention/attention.py builds impl_cls(num_heads, "
                        "head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype, "
                        "logits_soft_cap, attn_type, kv_sharing_target_layer_name, **extra_impl_args)"),
     *(_contract(f"vllm.config.model:ModelConfig.{name}", None,
-                "refuse models with Mamba or linear-attention layers at start-up", by=PLATFORM,
+                "refuse models with Mamba or linear-attention layers at start-up", implementation=PLATFORM,
                 upstream="vllm/config/model.py: the model's layer kinds")
       for name in ("is_attention_free", "is_hybrid")),
     _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.build",
               "(self, common_prefix_len, common_attn_metadata, fast_build=...)",
-              "the Ascend metadata builder", by="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
+              "the Ascend metadata builder",
+              implementation="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
               upstream="vllm/v1/attention/backend.py: the attention backend interface"),
     _contract("vllm.model_executor.custom_op:CustomOp.register_oot",
               "(cls, _decorated_op_cls=..., name=...)", "register the NPU custom ops",
-              by="ascend_patch.npu.ops:register",
+              implementation="ascend_patch.npu.ops:register",
               upstream="vllm/model_executor/custom_op.py: out-of-tree custom-op registration"),
     _contract("vllm.model_executor.layers.layernorm:RMSNorm.forward_native", "(self, x, residual=...)",
               "AscendRMSNorm.forward_oot takes the same arguments",
-              by="ascend_patch.npu.ops.layernorm:AscendRMSNorm",
+              implementation="ascend_patch.npu.ops.layernorm:AscendRMSNorm",
               upstream="vllm/model_executor/layers/layernorm.py"),
     _contract("vllm.model_executor.layers.activation:SiluAndMul.forward_native", "(x)",
               "AscendSiluAndMul.forward_oot takes the same arguments",
-              by="ascend_patch.npu.ops.activation:AscendSiluAndMul",
+              implementation="ascend_patch.npu.ops.activation:AscendSiluAndMul",
               upstream="vllm/model_executor/layers/activation.py"),
     _contract("vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_native",
               "(self, positions, query, key=...)", "AscendRotaryEmbedding.forward_oot takes the same arguments",
-              by="ascend_patch.npu.ops.rotary_embedding:AscendRotaryEmbedding",
+              implementation="ascend_patch.npu.ops.rotary_embedding:AscendRotaryEmbedding",
               upstream="vllm/model_executor/layers/rotary_embedding/base.py"),
     _contract("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
               "(self, logits, generators, k, p)", "forward_npu finishes sampling through it",
-              by="ascend_patch.npu.sample.sampler:forward_npu",
+              implementation="ascend_patch.npu.sample.sampler:forward_npu",
               upstream="vllm/v1/sample/ops/topk_topp_sampler.py"),
     _contract("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch",
               "(logits, k, p, allow_cpu_sync=...)",
               "the sampler's path for rows whose top-k is above the NPU op's k limit",
-              by="ascend_patch.npu.sample.sampler:filter_top_k_top_p",
+              implementation="ascend_patch.npu.sample.sampler:filter_top_k_top_p",
               upstream="vllm/v1/sample/ops/topk_topp_sampler.py"),
 ]
 
@@ -202,11 +206,13 @@ RUNNER_GLUE = [
         remove_when="kernel_warmup skips platforms that have none of those kernels",
     ),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
-              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout", by=RUNNER,
+              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout",
+              implementation=RUNNER,
               upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
               remove_when="vLLM zeroes blocks through the attention backend"),
     _contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids", "(self, block_ids)",
-              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout", by=RUNNER,
+              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout",
+              implementation=RUNNER,
               upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
               remove_when="vLLM zeroes blocks through the attention backend"),
     Patch(
@@ -219,7 +225,7 @@ RUNNER_GLUE = [
     ),
     _contract("vllm.v1.worker.utils:request_memory",
               ("(init_snapshot, cache_config)", "(init_snapshot, cache_config, external_weight_memory=...)"),
-              "NPUWorker.init_device takes vLLM's memory baseline with it", by=WORKER,
+              "NPUWorker.init_device takes vLLM's memory baseline with it", implementation=WORKER,
               upstream="vllm/v1/worker/utils.py"),
 ]
 
@@ -241,26 +247,26 @@ GRAPH_MODE = [
     _contract("vllm.compilation.cuda_graph:CUDAGraphWrapper.__init__",
               "(self, runnable, vllm_config, runtime_mode, cudagraph_options=...)",
               "NPUGraphWrapper is built like it and keeps its state (runnable, mode, pool, entries)",
-              by=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
+              implementation=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
     _contract("vllm.compilation.cuda_graph:CUDAGraphWrapper.clear_graphs", "(self)",
               "vLLM clears every wrapper's graphs through it; NPUGraphWrapper drops its updates too",
-              by=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
+              implementation=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
     _contract("vllm.compilation.cuda_graph:CUDAGraphEntry", None,
               "NPUGraphWrapper keeps one entry per batch descriptor, as vLLM's wrapper does",
-              by=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
+              implementation=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER),
     _contract("vllm.compilation.monitor:validate_cudagraph_capturing_enabled", "()",
-              "NPUGraphWrapper captures only while vLLM allows captures", by=_GRAPH_WRAPPER,
+              "NPUGraphWrapper captures only while vLLM allows captures", implementation=_GRAPH_WRAPPER,
               upstream="vllm/compilation/monitor.py", remove_when=_REMOVE_WITH_WRAPPER),
     _contract("vllm.forward_context:ForwardContext.cudagraph_runtime_mode", None,
-              "each step's graph mode, which NPUGraphWrapper dispatches on", by=_GRAPH_WRAPPER,
+              "each step's graph mode, which NPUGraphWrapper dispatches on", implementation=_GRAPH_WRAPPER,
               upstream="vllm/forward_context.py", remove_when=_REMOVE_WITH_WRAPPER),
     _contract("vllm.forward_context:ForwardContext.batch_descriptor", None,
-              "each step's padded batch, the key of its graph", by=_GRAPH_WRAPPER,
+              "each step's padded batch, the key of its graph", implementation=_GRAPH_WRAPPER,
               upstream="vllm/forward_context.py", remove_when=_REMOVE_WITH_WRAPPER),
     _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.get_cudagraph_support",
               "(cls, vllm_config, kv_cache_spec)",
               "FULL graphs for single-token decode on the fused kernels, none for composed fp32 "
-              "attention", by="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
+              "attention", implementation="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
               upstream="vllm/v1/attention/backend.py: the attention backend interface"),
     Patch(
         "vllm.distributed.parallel_state:graph_capture",
@@ -273,15 +279,16 @@ GRAPH_MODE = [
         remove_when="GroupCoordinator.graph_capture asks the device communicator for its context",
     ),
     _contract("vllm.distributed.parallel_state:GraphCaptureContext", None,
-              "the capture context graph_capture yields", by="ascend_patch.npu.distributed.graph_capture:graph_capture",
+              "the capture context graph_capture yields",
+              implementation="ascend_patch.npu.distributed.graph_capture:graph_capture",
               upstream="vllm/distributed/parallel_state.py"),
 ]
 
 
-def hybrid_promotion(module: str, vllm: str | None = None) -> Patch:
+def hybrid_promotion(module: str, vllm: str | None = None) -> Contract:
     """vLLM's promotion of sliding-window KV specs to full attention when the hybrid manager is
     off, which the attention backend relies on (it moved to kv_cache_planning.py in 0.33)."""
-    return Patch(
+    return Contract(
         f"vllm.v1.core.{module}:unify_hybrid_kv_cache_specs",
         reason="with support_hybrid_kv_cache False, windowed layers beside full ones keep every "
                "token's blocks; the attention applies the windows itself",
@@ -290,7 +297,7 @@ def hybrid_promotion(module: str, vllm: str | None = None) -> Patch:
         upstream=f"vllm/v1/core/{module}.py: SlidingWindowSpec -> FullAttentionSpec when both kinds "
                  "are present (a uniformly windowed model keeps its SlidingWindowSpec)",
         remove_when="ascend-patch supports the hybrid KV-cache manager",
-        by=ATTENTION,
+        implementation=ATTENTION,
     )
 
 
@@ -303,20 +310,20 @@ _MOE_UPSTREAM = (f"{_MOE.replace('.', '/')}/oracle/unquantized.py: an out-of-tre
 # CustomOp.register_oot by one that routes and runs the experts on the NPU ops.
 MOE_CONTRACTS = [
     _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.__init__", "(self, moe)",
-              "the NPU MoE method is built like vLLM's", by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+              "the NPU MoE method is built like vLLM's", implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
     _contract(f"{_MOE}.oracle.unquantized:select_unquantized_moe_backend", "(moe_config)",
               "gives out-of-tree platforms the OOT backend: no vLLM kernel to set up",
-              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+              implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
     _contract(f"{_MOE}.fused_moe_method_base:FusedMoEMethodBase.is_monolithic", None,
               "the runner hands a monolithic method the router logits: routing runs on the NPU",
-              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+              implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
     _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.apply_monolithic",
               "(self, layer, x, router_logits, input_ids=...)",
               "route, dispatch, run and combine the experts through the kernel seam",
-              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+              implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
     _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.process_weights_after_loading",
               "(self, layer)", "expert weights to the grouped-matmul [experts, in, out] layout, once",
-              by=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+              implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
 ]
 
 _QUANT = "vllm.model_executor.layers.quantization"
@@ -345,38 +352,38 @@ QUANT_CONTRACTS = [
                    "register the `ascend` quantization method before vLLM builds its config"),
     _contract(f"{_QUANT}:register_quantization_config", "(quantization)",
               "the `ascend` method joins vLLM's quantization registry (--quantization ascend)",
-              by=f"{_QUANTIZATION}:register_config", upstream=_QUANT_API),
+              implementation=f"{_QUANTIZATION}:register_config", upstream=_QUANT_API),
     *(_contract(f"{_QUANT}.base_config:QuantizationConfig.{name}", signature,
                 "AscendModelSlimConfig implements the quantization-config interface",
-                by=_MODELSLIM, upstream=_QUANT_API)
+                implementation=_MODELSLIM, upstream=_QUANT_API)
       for name, signature in (("get_quant_method", "(self, layer, prefix)"),
                               ("get_config_filenames", "()"), ("from_config", "(cls, config)"),
                               ("get_supported_act_dtypes", "(self)"),
                               ("get_min_capability", "(cls)"))),
     _contract("vllm.config.vllm:VllmConfig.get_quantization_config", "(model_config, load_config)",
               "a checkpoint detected as AscendV1 gets its quantization config rebuilt",
-              by=f"{_QUANTIZATION}:detect",
+              implementation=f"{_QUANTIZATION}:detect",
               upstream="vllm/config/model.py _verify_quantization detects a method only from an "
                        "HF quantization_config, which msModelSlim removes from config.json",
               remove_when="vLLM lets a quantization method detect its checkpoint by its files"),
     *(_contract(f"vllm.model_executor.layers.linear:LinearMethodBase.{name}", signature,
-                "AscendV1 W8A8 / W8A8_DYNAMIC linear layers", by=_ASCEND_LINEAR,
+                "AscendV1 W8A8 / W8A8_DYNAMIC linear layers", implementation=_ASCEND_LINEAR,
                 upstream="vllm/model_executor/layers/linear.py: the linear-method interface")
       for name, signature in (
           ("create_weights", "(self, layer, input_size_per_partition, output_partition_sizes, "
                              "input_size, output_size, params_dtype, **extra_weight_attrs)"),
           ("apply", "(self, layer, x, bias=...)"))),
     _contract(f"{_INT8_KERNELS}:register_linear_kernel", "(kernel_class, platform, kernel_type=...)",
-              "the NPU int8 kernel for PlatformEnum.OOT", by=f"{_QUANTIZATION}:register_kernels",
+              "the NPU int8 kernel for PlatformEnum.OOT", implementation=f"{_QUANTIZATION}:register_kernels",
               upstream=_INT8_API),
     _contract(f"{_INT8_KERNELS}:init_int8_linear_kernel",
               ("(is_channelwise, is_static_input_scheme, input_symmetric, module_name)",
                "(is_channelwise, is_static_input_scheme, input_symmetric, module_name, "
                "is_fused_module=...)"),  # 0.33
               "vLLM's int8 scheme builds the chosen kernel from its config and parameter names",
-              by=_INT8_KERNEL, upstream=_INT8_API),
+              implementation=_INT8_KERNEL, upstream=_INT8_API),
     *(_contract(f"{_SCALED_MM}:{name}", signature, "the int8 ScaledMM kernel interface",
-                by=_INT8_KERNEL, upstream=_INT8_API)
+                implementation=_INT8_KERNEL, upstream=_INT8_API)
       for name, signature in (
           ("ScaledMMLinearKernel.__init__", "(self, c, layer_param_names)"),
           ("ScaledMMLinearKernel.is_supported", "(cls, compute_capability=...)"),
@@ -387,7 +394,7 @@ QUANT_CONTRACTS = [
     _contract(f"{_CT}.schemes.compressed_tensors_w8a8_int8:CompressedTensorsW8A8Int8.__init__",
               "(self, strategy, is_static_input_scheme, input_symmetric)",
               "check_scheme reads the int8 scheme's is_static_input_scheme and input_symmetric",
-              by=f"{_QUANTIZATION}.compressed_tensors:check_scheme",
+              implementation=f"{_QUANTIZATION}.compressed_tensors:check_scheme",
               upstream=f"{_CT.replace('.', '/')}/schemes/compressed_tensors_w8a8_int8.py"),
     Patch(
         f"{_CT}.compressed_tensors:CompressedTensorsConfig.get_scheme",
@@ -412,17 +419,18 @@ QUANT_CONTRACTS = [
         reason="compressed-tensors int8 experts run on the NPU MoE ops (vLLM's method finds no "
                "int8 MoE kernel for an out-of-tree platform)",
         replacement=f"{_QUANTIZATION}.moe:compressed_tensors_moe_method",
-        by=f"{_QUANTIZATION}.moe:AscendCompressedTensorsW8A8Int8MoEMethod",
+        implementation=f"{_QUANTIZATION}.moe:AscendCompressedTensorsW8A8Int8MoEMethod",
         upstream=_CT_MOE_API,
         remove_when="vLLM's int8 MoE backend selection admits an out-of-tree platform's kernel",
     ),
     _contract(f"{_CT_MOE}.compressed_tensors_moe_w8a8_int8:CompressedTensorsW8A8Int8MoEMethod.__init__",
               "(self, weight_quant, input_quant, moe, layer_name=...)",
               "the NPU method stands in with the same constructor",
-              by=f"{_QUANTIZATION}.moe:AscendCompressedTensorsW8A8Int8MoEMethod", upstream=_CT_MOE_API),
+              implementation=f"{_QUANTIZATION}.moe:AscendCompressedTensorsW8A8Int8MoEMethod",
+              upstream=_CT_MOE_API),
     *(_contract(f"{_MOE}.fused_moe_method_base:FusedMoEMethodBase.{name}", signature,
                 "the W8A8 expert method implements vLLM's MoE-method interface (monolithic)",
-                by=_W8A8_MOE, upstream=f"{_MOE.replace('.', '/')}/fused_moe_method_base.py")
+                implementation=_W8A8_MOE, upstream=f"{_MOE.replace('.', '/')}/fused_moe_method_base.py")
       for name, signature in (
           ("__init__", "(self, moe)"),
           ("create_weights", "(self, layer, num_experts, hidden_size, "
@@ -448,42 +456,42 @@ MLA_CONTRACTS = [
               "kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, "
               "q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, qk_head_dim, "
               "v_head_dim, kv_b_proj, indexer=..., q_pad_num_heads=...)",
-              "MLAAttention builds the Ascend MLA impl with these keywords", by=_MLA_IMPL,
+              "MLAAttention builds the Ascend MLA impl with these keywords", implementation=_MLA_IMPL,
               upstream=_MLA_INTERFACE),
     _contract("vllm.v1.attention.backend:MLAAttentionImpl.do_kv_cache_update",
               ("(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)",
                "(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, "
                "skip_scale=...)"),  # skip_scale: 0.33
               "the MLA cache write: npu_scatter_pa_kv_cache into the latent and rope planes "
-              "(vLLM's default calls CUDA concat_and_cache_mla)", by=_MLA_IMPL,
+              "(vLLM's default calls CUDA concat_and_cache_mla)", implementation=_MLA_IMPL,
               upstream=_MLA_INTERFACE),
     _contract("vllm.v1.attention.backend:MLAAttentionImpl.forward_mqa",
               "(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)",
               "decodes (queries absorbed by the layer): npu_multi_head_latent_attention",
-              by=_MLA_IMPL, upstream=_MLA_INTERFACE),
+              implementation=_MLA_IMPL, upstream=_MLA_INTERFACE),
     _contract("vllm.v1.attention.backend:MLAAttentionImpl.forward_mha",
               ("(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output)",
                "(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, "
                "output_scale=...)"),  # output_scale: 0.24+
               "prefills: npu_fused_infer_attention_score in its MLA form (up-projected, or "
-              "absorbed over the latent cache behind cached context)", by=_MLA_IMPL,
+              "absorbed over the latent cache behind cached context)", implementation=_MLA_IMPL,
               upstream=_MLA_INTERFACE),
     _contract(f"{_MLA_LAYER}:MLAAttention.forward_impl", None,
               "splits the decode-first batch by the counts AscendMLAMetadata carries "
               "(num_actual_tokens, num_decodes, num_decode_tokens, num_prefills, decode)",
-              by="ascend_patch.npu.attention.mla:AscendMLAMetadata",
+              implementation="ascend_patch.npu.attention.mla:AscendMLAMetadata",
               upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
     _contract(f"{_MLA_LAYER}:MLAAttention._v_up_proj", "(self, x, out)",
               "absorbed prefills go through the layer's W_UK_T and back through its W_UV, as "
-              "its decodes do", by=_MLA_IMPL, upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
+              "its decodes do", implementation=_MLA_IMPL, upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
     _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.reorder_batch_threshold", None,
               "AscendMLAMetadataBuilder sets 1: the runner orders each batch decode-first",
-              by="ascend_patch.npu.attention.mla:AscendMLAMetadataBuilder",
+              implementation="ascend_patch.npu.attention.mla:AscendMLAMetadataBuilder",
               upstream="vllm/v1/worker/gpu_model_runner.py reorders by the builders' threshold"),
     _contract("vllm.forward_context:get_forward_context", "()",
               "the MLA impl finds its layer (no_compile_layers) and the step's metadata "
               "(attn_metadata) there: forward_mha and do_kv_cache_update are not given them",
-              by=_MLA_IMPL, upstream="vllm/forward_context.py"),
+              implementation=_MLA_IMPL, upstream="vllm/forward_context.py"),
     Patch(
         "vllm.v1.attention.backends.mla.prefill.selector:get_mla_prefill_backend",
         reason="MLAAttention gets a prefill backend that constructs on Ascend (and is never run: "
@@ -497,7 +505,7 @@ MLA_CONTRACTS = [
     _contract("vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend.__init__",
               "(self, num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
               "v_head_dim, vllm_config)", "AscendMLAPrefillBackend constructs like vLLM's",
-              by="ascend_patch.npu.attention.mla_prefill:AscendMLAPrefillBackend",
+              implementation="ascend_patch.npu.attention.mla_prefill:AscendMLAPrefillBackend",
               upstream=_MLA_PREFILL, vllm=">=0.21"),
 ]
 
@@ -514,7 +522,7 @@ def _device_api(target: str, reason: str, modes: tuple[str, ...] = ("npu", "emul
         upstream=_TORCH_DEVICE_API,
         remove_when="vLLM reaches streams, events and memory through current_platform (or "
                     "torch.accelerator through the NPU's PrivateUse1 backend)",
-        by="ascend_patch.npu.device:Runtime.device_api",
+        implementation="ascend_patch.npu.device:Runtime.device_api",
         modes=modes,
         rebind=False,  # torch's own modules keep their references
     )
@@ -569,15 +577,15 @@ SETTINGS = [
 # Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
 SEAMS = [
     Seam("vllm.ir.ops:fused_add_rms_norm", "the ascend IR implementation of fused_add_rms_norm",
-         since="0.21", used_by="ascend_patch.npu.ops.ir:register"),
+         since="0.21", implementation="ascend_patch.npu.ops.ir:register"),
     Seam("vllm.config.kernel:IrOpPriorityConfig.fused_add_rms_norm",
          "put the ascend fused_add_rms_norm first", since="0.21",
-         used_by="ascend_patch.npu.platform:NPUPlatform.get_default_ir_op_priority"),
+         implementation="ascend_patch.npu.platform:NPUPlatform.get_default_ir_op_priority"),
     Seam("vllm.v1.worker.block_table:SlotMappingMode", "skip slot mapping where vLLM asks for none",
-         since="0.26", used_by="ascend_patch.npu.kv_cache:compute_slot_mapping"),
+         since="0.26", implementation="ascend_patch.npu.kv_cache:compute_slot_mapping"),
     Seam("vllm.v1.worker.gpu_worker:_num_workspace_lanes", "size vLLM's workspace lanes",
-         since="0.28", used_by="ascend_patch.npu.worker:NPUWorker.init_device"),
+         since="0.28", implementation="ascend_patch.npu.worker:NPUWorker.init_device"),
     Seam("vllm.model_executor.layers.fused_moe:RoutedExperts",
          "recognise an expert layer (before 0.22 the class is FusedMoE)", since="0.22",
-         used_by="ascend_patch.npu.quantization.modelslim:AscendModelSlimConfig.get_quant_method"),
+         implementation="ascend_patch.npu.quantization.modelslim:AscendModelSlimConfig.get_quant_method"),
 ]

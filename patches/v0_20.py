@@ -16,7 +16,7 @@ variants rather than probes: ``TopKTopPSampler(use_fp64_gumbel=)`` (0.23) and
 asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 """
 
-from ascend_patch.overlay.patching import Patch
+from ascend_patch.overlay.declarations import Contract, Patch
 from ascend_patch.patches import common
 
 _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
@@ -31,14 +31,14 @@ PATCHES = [
     *common.MLA_CONTRACTS,
     *common.GRAPH_MODE,
     common.hybrid_promotion("kv_cache_utils"),
-    Patch(
+    Contract(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "
                "(AscendMLABackend: [blocks, block, latent + rope], read as two planes)",
         signature=("(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=...)",),
         upstream=_KV_SHAPE,
         remove_when="this set is retired (0.29 removed the hook)",
-        by="ascend_patch.npu.attention.backend:AscendAttentionBackend",
+        implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend",
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._reshape_kv_cache_tensors",
@@ -48,15 +48,15 @@ PATCHES = [
         upstream="NPU-only: the emulated HBM's books; " + _KV_SHAPE,
         remove_when="this set is retired",
     ),
-    Patch(
+    Contract(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
         reason="NPUWorker builds NPUModelRunner(vllm_config, device) itself",
         signature=("(self, vllm_config, device)",),
         upstream="vllm/v1/worker/gpu_worker.py (<0.32) builds the runner inline in init_device",
         remove_when="this set is retired (0.32 added Worker._init_workspace_and_model_runner)",
-        by="ascend_patch.npu.worker:NPUWorker",
+        implementation="ascend_patch.npu.worker:NPUWorker",
     ),
-    Patch(
+    Contract(
         "vllm.v1.worker.workspace:init_workspace_manager",
         reason="NPUWorker.init_device sets up vLLM's workspace before the model runner",
         signature=(
@@ -65,7 +65,7 @@ PATCHES = [
         ),
         upstream="vllm/v1/worker/gpu_worker.py (<0.32) sets the workspace up inline in init_device",
         remove_when="this set is retired",
-        by="ascend_patch.npu.worker:NPUWorker",
+        implementation="ascend_patch.npu.worker:NPUWorker",
     ),
 ]
 

@@ -8,7 +8,7 @@ V planes, so this set's own glue re-views each layer's bytes
 :mod:`.common`.
 """
 
-from ascend_patch.overlay.patching import Patch, Seam
+from ascend_patch.overlay.declarations import Contract, Patch, Seam
 from ascend_patch.patches import common
 
 PATCHES = [
@@ -18,7 +18,7 @@ PATCHES = [
     *common.MOE_CONTRACTS,
     *common.QUANT_CONTRACTS,
     *common.MLA_CONTRACTS,
-    Patch(
+    Contract(
         "vllm.platforms.interface:Platform.get_mla_prefill_backend_cls",
         reason="the MLA prefill backend MLAAttention builds: one that constructs on Ascend (and "
                "is never run: AscendMLAImpl runs prefills)",
@@ -28,7 +28,7 @@ PATCHES = [
                  "platform without a device capability, whose constructor asserts "
                  "flash_attn_varlen_func imports",
         remove_when="never: vLLM's own extension point; the contract only guards its signature",
-        by="ascend_patch.npu.platform:NPUPlatform",
+        implementation="ascend_patch.npu.platform:NPUPlatform",
     ),
     *common.GRAPH_MODE,
     common.hybrid_promotion("kv_cache_utils", vllm="<0.33"),
@@ -42,12 +42,12 @@ PATCHES = [
                  "with strided [blocks, heads, tokens, K|V] layer views",
         remove_when="vLLM lets the attention backend name its per-layer layout again",
     ),
-    *(Patch(f"vllm.v1.kv_cache_interface:{spec}",
+    *(Contract(f"vllm.v1.kv_cache_interface:{spec}",
             reason="allocate_kv_cache's wrapper tells MLA layers (one latent per token, no K|V "
                    "split: vLLM's view kept) by their spec",
             upstream="vllm/v1/kv_cache_interface.py: the KV cache specs of a kv_cache_config",
             remove_when="never: vLLM's spec classes; the contract only guards their presence",
-            by="ascend_patch.npu.kv_cache:allocate_kv_cache")
+            implementation="ascend_patch.npu.kv_cache:allocate_kv_cache")
       for spec in ("MLAAttentionSpec", "UniformTypeKVCacheSpecs")),
 ]
 
@@ -58,10 +58,10 @@ MANIFEST = [
     *common.SEAMS,
     Seam("vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner",
          "build the workspace and model runner through vLLM's own step", since="0.32",
-         used_by="ascend_patch.npu.worker:NPUWorker.init_device"),
+         implementation="ascend_patch.npu.worker:NPUWorker.init_device"),
     Seam("vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
          "AscendAttentionBackend defines get_kv_cache_shape only where vLLM still calls it",
-         until="0.29", used_by="ascend_patch.npu.attention.backend:AscendAttentionBackend"),
+         until="0.29", implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend"),
 ]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

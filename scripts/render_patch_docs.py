@@ -14,16 +14,18 @@ import sys
 from pathlib import Path
 
 from ascend_patch.overlay import matrix
+from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import load_patch_set
+from ascend_patch.overlay.declarations import MODES, Kind
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "patches.md"
 
 _KINDS = {
-    "wrap": "Wrapped: the original still runs inside our wrapper",
-    "replace": "Replaced",
-    "setting": "Forced environment settings",
-    "contract": "Contracts: relied on or overridden by our classes, never touched",
-    "seam": "Version seams: probed for at run time, checked statically",
+    Kind.WRAP: "Wrapped: the original still runs inside our wrapper",
+    Kind.REPLACE: "Replaced",
+    Kind.SETTING: "Forced environment settings",
+    Kind.CONTRACT: "Contracts: relied on or overridden by our classes, never touched",
+    Kind.SEAM: "Version seams: probed for at run time, checked statically",
 }
 
 
@@ -49,7 +51,7 @@ def render(table: matrix.Matrix) -> str:
     for spec in reversed(table.patch_sets):
         declarations = load_patch_set(table, spec.name)
         listed = sorted((v for v, e in table.versions.items() if e.patch_set == spec.name),
-                        key=lambda v: tuple(int(x) for x in v.split(".")))
+                        key=versions.parse)
         lines += [
             f"## Patch set `{spec.name}`: vLLM `{spec.range}`",
             "",
@@ -68,8 +70,8 @@ def render(table: matrix.Matrix) -> str:
                 "|---|---|---|---|---|---|---|",
             ]
             for d in rows:
-                releases = d.vllm or (getattr(d, "expected", lambda: "")() if kind == "seam" else "all")
-                modes = ", ".join(getattr(d, "modes", ("npu", "emulate")))
+                releases = d.vllm or (d.expected() if kind is Kind.SEAM else "all")
+                modes = ", ".join(getattr(d, "modes", MODES))  # contracts and seams: every mode
                 lines.append(
                     f"| `{d.target}` | {_cell(d.reason)} | `{d.implementation}` | "
                     f"{_cell(d.upstream)} | {_cell(d.remove_when)} | {releases} | {modes} |"

@@ -21,10 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-from packaging.version import Version
-
-from ascend_patch.overlay import matrix
 from ascend_patch.cli import probe, releases
+from ascend_patch.overlay import matrix
+from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.source import SourceTree
 
 
@@ -32,7 +31,7 @@ def update(table: matrix.Matrix, set_name: str, local: str | None, index_url: st
     reference = probe.reference_release(table, set_name)
     patches = probe.patches_of(set_name)
     with releases.open_source(local or reference, index_url=index_url) as source:
-        if source.version is None or Version(source.version) != Version(reference):
+        if versions.parse_or_none(source.version) != versions.parse(reference):
             raise releases.ProbeError(
                 f"{local} is vLLM {source.version or 'of unknown version'}, but the reference "
                 f"release of {set_name} is {reference} (the newest the matrix lists in its range)"

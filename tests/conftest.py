@@ -111,7 +111,7 @@ def for_installed_vllm(declarations) -> list:
 
     from packaging.version import Version
 
-    from ascend_patch.overlay.patching import applies_to
+    from ascend_patch.overlay.declarations import applies_to
 
     release = Version(Version(version("vllm")).base_version)
     return [d for d in declarations if applies_to(d, release)]

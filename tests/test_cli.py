@@ -8,8 +8,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from ascend_patch.patches import v0_29
-from tests.conftest import ROOT, clean_env, for_installed_vllm
+from tests.conftest import ROOT, clean_env, for_installed_vllm, run_json
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -86,6 +88,21 @@ def test_doctor_table_and_exit_status():
 
     bad = _cli("doctor", ASCEND_PATCH="sometimes")
     assert bad.returncode == 1 and "is not a mode" in bad.stdout
+
+
+@pytest.mark.parametrize("mode", ["auto", "emulate"])
+def test_doctor_never_imports_torch(mode):
+    """The overlay decides the mode without torch (the NPU wing's torch-free detect module
+    answers it); only torch_npu, where installed, would bring torch in."""
+    code = """
+        import json, sys
+        from ascend_patch.cli import doctor
+        data = doctor.report()
+        print(json.dumps([data["state"], sorted({m.split(".")[0] for m in sys.modules} & {"torch", "vllm"})]))
+    """
+    state, heavy = run_json(code, env=clean_env(ASCEND_PATCH=mode))
+    assert state == ("inert" if mode == "auto" else "verified")
+    assert heavy == []
 
 
 def test_matrix_command():

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from ascend_patch.overlay import patching
-from ascend_patch.overlay.patching import Patch, verify
+from ascend_patch.overlay import verification
+from ascend_patch.overlay.declarations import Contract
+from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
 from tests.conftest import ROOT, ascend_patch_lines, clean_env, run_python
 
@@ -114,6 +115,35 @@ def test_an_empty_vllm_ascend_directory_is_not_an_installation(tmp_path):
     assert data["versions"]["vllm_ascend"] is None
 
 
+def test_the_bootstrap_knows_a_deliberate_error_by_its_class():
+    """Any DeliberateError stops ``import vllm`` whatever its name; any other failure of the
+    loader disables the overlay with one line."""
+    proc = run_python("""
+        import ascend_patch.overlay.bootstrap as bootstrap
+
+        class Refusal(bootstrap.DeliberateError):
+            pass
+
+        def deliberate(module):
+            raise Refusal("asked for and cannot be given")
+
+        def fault(module):
+            raise KeyError("a bug")
+
+        try:
+            bootstrap._run_loader(deliberate, None)
+        except Refusal:
+            print("raised")
+        bootstrap._run_loader(fault, None)
+        print("disabled" if bootstrap._loader_failed else "not disabled")
+    """, env=clean_env(ASCEND_PATCH="emulate"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["raised", "disabled"]
+    assert ascend_patch_lines(proc.stderr) == [
+        "ascend-patch: disabled in this process, vLLM stays stock: the loader failed (KeyError: "
+        "'a bug'). Run `ascend-patch doctor`, or reinstall ascend-patch"]
+
+
 def _fake_torch_npu(tmp_path: Path, body: str) -> Path:
     package = tmp_path / "fake" / "torch_npu"
     package.mkdir(parents=True)
@@ -202,8 +232,8 @@ def declared(tmp_path):
     (root / "__init__.py").write_text("")
     (root / "mod.py").write_text("def f(a, b=1):\n    return a\n")
     tree = SourceTree(root)
-    patches = [Patch("pkg.mod:f", "t", signature=("(a, b=...)",))]
-    key, _ = patching._verification_key(patches, tree, None)
+    patches = [Contract("pkg.mod:f", "t", signature=("(a, b=...)",))]
+    key, _ = verification._verification_key(patches, tree, None)
     return tree, patches, tmp_path / "verified", key
 
 
@@ -236,7 +266,7 @@ def test_a_hand_edited_entry_is_ignored(declared):
     tree, patches, cache, key = declared
     mod = tree.package_dir / "mod.py"
     mod.write_text("def f(a, b=1, c=2):\n    return a\n")  # the signature no longer matches
-    key, _ = patching._verification_key(patches, SourceTree(tree.package_dir), None)
+    key, _ = verification._verification_key(patches, SourceTree(tree.package_dir), None)
     first = verify(patches, SourceTree(tree.package_dir), cache_dir=cache)
     assert [s.state for s in first] == ["mismatch"]
     entry = cache / f"{key}.json"
@@ -255,7 +285,7 @@ def test_an_entry_is_invalidated_by_a_change_to_a_re_exporting_file(tmp_path):
     (root / "__init__.py").write_text("")
     (root / "mod.py").write_text("from .impl import f\n")
     (root / "impl.py").write_text("def f(a):\n    return a\n")
-    patches = [Patch("pkg.mod:f", "t", signature=("(a)",))]
+    patches = [Contract("pkg.mod:f", "t", signature=("(a)",))]
     cache = tmp_path / "verified"
     assert [s.state for s in verify(patches, SourceTree(root), cache_dir=cache)] == ["verified"]
     (root / "impl.py").write_text("def f(a, b):\n    return a\n")

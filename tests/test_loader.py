@@ -31,7 +31,7 @@ import wrapt
 bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
 from ascend_patch.overlay import loader
-from ascend_patch.overlay.patching import applies_to
+from ascend_patch.overlay.declarations import applies_to
 from ascend_patch.patches import v0_29
 from packaging.version import Version
 release = Version(Version(vllm.__version__).base_version)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from packaging.version import Version
 
 from ascend_patch.overlay import matrix
 from ascend_patch.overlay.decision import load_patch_set
-from ascend_patch.overlay.patching import Patch, Seam, Setting
+from ascend_patch.overlay.declarations import Contract, Patch, Seam, Setting
 from tests.conftest import ROOT
 
 TABLE = matrix.load()
@@ -44,7 +45,7 @@ def test_manifest_holds_the_vllm_patches_and_no_target_twice(name):
     targets = [d.target for d in module.MANIFEST]
     assert len(targets) == len(set(targets))
     assert set(p.target for p in module.PATCHES) <= set(targets)
-    assert all(isinstance(p, Patch) and p.module.startswith("vllm") for p in module.PATCHES)
+    assert all(isinstance(p, (Patch, Contract)) and p.module.startswith("vllm") for p in module.PATCHES)
 
 
 def _resolve(path: str):
@@ -57,15 +58,15 @@ def _resolve(path: str):
 
 @pytest.mark.parametrize("name", SETS)
 def test_every_implementation_path_resolves(name):
-    """The wrapper, replacement, overriding class or seam user each declaration names exists
+    """The implementation each declaration names (the wrapper or replacement, the overriding
+    class, the seam's user) exists, and so does a wrapper or replacement named by path
     (imports vLLM, as the engine does)."""
     for d in _declarations(name):
         if isinstance(d, Setting):
             continue
-        if isinstance(d, Patch) and isinstance(d.wrapper or d.replacement, str) and not d.by:
+        _resolve(d.implementation)
+        if isinstance(d, Patch) and isinstance(d.wrapper or d.replacement, str):
             _resolve(d.wrapper or d.replacement)
-        else:
-            _resolve(d.implementation)
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -98,28 +99,51 @@ def test_every_version_probe_in_the_npu_wing_is_a_declared_seam():
                 assert (seam.group(1) if seam else probe.group(1)) in declared, where
 
 
-def _imports(package: str) -> set[str]:
-    found = set()
-    for path in (ROOT / "ascend_patch" / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-    return found
+def _import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+IMPORT_GRAPH = _import_graph()
 
 
 def test_the_wings_do_not_reach_into_each_other():
-    npu = _imports("npu")
-    assert not any(m.startswith("ascend_patch.overlay") or m.startswith("ascend_patch.cli") for m in npu)
-    overlay = _imports("overlay")
-    # The overlay asks the device seam one question (is an NPU usable?) to decide the mode.
-    assert {m for m in overlay if m.startswith("ascend_patch.npu")} <= {"ascend_patch.npu.kernels"}
+    """Every import statement counts, those inside functions too. The overlay asks the NPU
+    wing its one question (which device mode?) through the path loader.DEVICE_CHECK names."""
+    arrows, outside = IMPORT_GRAPH.graph()
+    npu = {t for name, targets in arrows.items() if name.startswith("ascend_patch.npu") for t in targets}
+    assert not any(t.startswith(("ascend_patch.overlay", "ascend_patch.cli")) for t in npu)
+    assert IMPORT_GRAPH.wing_violations(arrows, outside) == []
     manifest = {m for path in (ROOT / "patches").glob("*.py")
                 for node in ast.parse(path.read_text()).body
                 if isinstance(node, ast.ImportFrom) and (m := node.module)}
     assert not any(m.startswith("ascend_patch.npu") for m in manifest), (
         "the manifest names its implementations by path, imported only when applied")
+
+
+def test_the_import_graph_has_no_cycle_but_the_known_ones():
+    """The NPU wing's known cycles are left to issue 25's part B; no other may appear."""
+    arrows, _ = IMPORT_GRAPH.graph()
+    assert set(IMPORT_GRAPH.cycles(arrows)) <= set(IMPORT_GRAPH.KNOWN_CYCLES)
+
+
+def test_the_import_graph_sees_lazy_imports_and_arrows_into_the_npu_wing(tmp_path):
+    """The checks are not blind: an import inside a function of the overlay is an arrow."""
+    (tmp_path / "ascend_patch" / "overlay").mkdir(parents=True)
+    (tmp_path / "ascend_patch" / "npu").mkdir()
+    (tmp_path / "patches").mkdir()
+    for package in ("ascend_patch", "ascend_patch/overlay", "ascend_patch/npu"):
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "ascend_patch" / "overlay" / "loader.py").write_text(
+        "def mode():\n    from ascend_patch.npu import detect\n    import torch\n")
+    (tmp_path / "ascend_patch" / "npu" / "detect.py").write_text("from ..overlay import loader\n")
+    arrows, outside = IMPORT_GRAPH.graph(tmp_path)
+    assert IMPORT_GRAPH.wing_violations(arrows, outside) == [
+        "ascend_patch.overlay.loader -> ascend_patch.npu.detect", "ascend_patch.overlay.loader -> torch"]
+    assert IMPORT_GRAPH.cycles(arrows) == [
+        frozenset({"ascend_patch.overlay.loader", "ascend_patch.npu.detect"})]
 
 
 def test_patch_docs_are_generated_from_the_manifest():

@@ -15,7 +15,9 @@ import uuid
 
 import pytest
 
-from ascend_patch.overlay.patching import Patch, PatchError, Registry, verify
+from ascend_patch.overlay.declarations import Contract, Patch
+from ascend_patch.overlay.registry import PatchError, Registry
+from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree, render_arguments, render_signature
 
 MOD = """
@@ -60,13 +62,13 @@ def tag(wrapped, instance, args, kwargs):
     return ("wrapped", wrapped(*args, **kwargs))
 
 
-def patches(name: str) -> list[Patch]:
+def patches(name: str) -> list[Patch | Contract]:
     return [
         Patch(f"{name}.mod:helper", "t", ">=0", ("(a, b=..., *args, key, flag=..., **extra)",), wrapper=tag),
         Patch(f"{name}.mod:Engine.step", "t", ">=0", ("(self, x)",), wrapper=tag),
         Patch(f"{name}.mod:Engine.build", "t", ">=0", ("(cls, n=...)",), wrapper=tag),
         Patch(f"{name}.mod:Engine.pure", "t", ">=0", ("(y)",), wrapper=tag),
-        Patch(f"{name}.mod:Engine", "contract", ">=0"),
+        Contract(f"{name}.mod:Engine", "contract", ">=0"),
     ]
 
 
@@ -206,6 +208,10 @@ def test_declaration_errors():
         Patch("no_colon", "t", ">=0")
     with pytest.raises(ValueError, match="not both"):
         Patch("a:b", "t", ">=0", wrapper=tag, replacement=lambda o: o)
+    with pytest.raises(ValueError, match="only relied on is a Contract"):
+        Patch("a:b", "t", ">=0")
+    with pytest.raises(ValueError, match="module:qualname"):
+        Contract("no_colon", "t")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from ascend_patch import __version__, env
 from ascend_patch.cli import toolchain
+from ascend_patch.npu import detect
 from ascend_patch.overlay import version as versions
+from ascend_patch.overlay.declarations import State
 
 PTH_NAME = "a1_ascend_patch.pth"
 
@@ -97,7 +99,7 @@ def report(apply: bool = False) -> dict:
     applied = set(loader.REGISTRY.applied_targets())
     targets = []
     for status in act.statuses:
-        state = "applied" if status.patch.target in applied else status.state
+        state = State.APPLIED if status.patch.target in applied else status.state
         targets.append(
             {
                 "target": status.patch.target,
@@ -128,7 +130,7 @@ def report(apply: bool = False) -> dict:
             "cann": toolchain.cann_version(),
             "nnal": stack["nnal"]["version"],
             "driver": toolchain.driver_version(),
-            "vllm_ascend": loader.vllm_ascend_present(),
+            "vllm_ascend": detect.vllm_ascend_present(),
         },
         "requested_mode": requested,
         "mode": act.mode,

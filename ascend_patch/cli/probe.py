@@ -5,7 +5,7 @@ the matrix, need that answer before building a 340 MB environment around the
 release. So the probe never installs or imports vLLM: it reads the release's
 ``vllm/**/*.py`` files and gives the same answer the loader would at
 ``import vllm`` — the patch set :meth:`ascend_patch.overlay.matrix.Matrix.select`
-picks, then :func:`ascend_patch.overlay.patching.verify` over every target, against
+picks, then :func:`ascend_patch.overlay.verification.verify` over every target, against
 :class:`ascend_patch.overlay.source.SourceTree`.
 
 Getting at that source (a release fetched from an index into the cache, an
@@ -26,10 +26,11 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from ascend_patch.cli.releases import ProbeError, Source, open_source, parse_version
+from ascend_patch.cli.releases import ProbeError, Source, open_source
 from ascend_patch.overlay import matrix
+from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import decide, load_patch_set
-from ascend_patch.overlay.patching import Declaration, Patch
+from ascend_patch.overlay.declarations import Contract, Declaration, Patch, State
 from ascend_patch.overlay.source import SourceTree
 
 SCHEMA_VERSION = 1
@@ -52,12 +53,13 @@ def load_digests(set_name: str) -> dict | None:
         return None
 
 
-def digest_targets(declarations: list[Declaration]) -> list[Patch]:
+def digest_targets(declarations: list[Declaration]) -> list[Patch | Contract]:
     """The declarations whose vLLM function bodies the digests track."""
-    return [d for d in declarations if isinstance(d, Patch) and d.module.split(".")[0] == "vllm"]
+    return [d for d in declarations
+            if isinstance(d, (Patch, Contract)) and d.module.split(".")[0] == "vllm"]
 
 
-def compute_digests(patches: list[Patch], tree: SourceTree) -> dict[str, str | None]:
+def compute_digests(patches: list[Patch | Contract], tree: SourceTree) -> dict[str, str | None]:
     """Each target's body digest in ``tree`` (None for classes, values and absent targets)."""
     digests = {}
     for patch in patches:
@@ -77,7 +79,7 @@ def reference_release(table: matrix.Matrix, set_name: str) -> str:
     return str(max(listed))
 
 
-def patches_of(set_name: str, table: matrix.Matrix | None = None) -> list[Patch]:
+def patches_of(set_name: str, table: matrix.Matrix | None = None) -> list[Patch | Contract]:
     """The set's patches on vLLM functions (the ones with body digests)."""
     return digest_targets(load_patch_set(table or matrix.load(), set_name))
 
@@ -85,14 +87,14 @@ def patches_of(set_name: str, table: matrix.Matrix | None = None) -> list[Patch]
 def probe(source: Source, table: matrix.Matrix) -> dict:
     """Everything the loader would decide for ``source``, as a JSON-able report."""
     warnings: list[str] = []
-    decision = decide(source.version if parse_version(source.version) else None,
+    decision = decide(source.version if versions.parse_or_none(source.version) else None,
                       SourceTree(source.package_dir), table)
     selection, checked = decision.selection, decision.checked
     if decision.version is None:
         warnings.append(f"{source.version_source}. Pass --version X to select as for release X")
     elif selection.kind == "newer":
         warnings.append(selection.reason)
-    unreadable = [s for s in decision.statuses if s.state == "unreadable"]
+    unreadable = [s for s in decision.statuses if s.state is State.UNREADABLE]
     if unreadable:
         raise ProbeError(f"{unreadable[0].found}; run the probe with a Python the release supports")
     digests = load_digests(checked.name)
@@ -121,9 +123,9 @@ def probe(source: Source, table: matrix.Matrix) -> dict:
                 "target": patch.target,
                 "kind": patch.kind,
                 "state": status.state,
-                "present": status.state not in ("missing", "unchecked"),
+                "present": status.state not in (State.MISSING, State.UNCHECKED),
                 "signature_match": (None if getattr(patch, "signature", None) is None
-                                    else status.state == "verified"),
+                                    else status.state is State.VERIFIED),
                 "expected": patch.expected(),
                 "found": status.found,
                 "body": body,
@@ -167,7 +169,7 @@ def probe(source: Source, table: matrix.Matrix) -> dict:
         "summary": {
             "targets": len(targets),
             **{state: sum(t["state"] == state for t in targets)
-               for state in ("verified", "missing", "mismatch", "unchecked")},
+               for state in (State.VERIFIED, State.MISSING, State.MISMATCH, State.UNCHECKED)},
             "body_changed": sum(t["body"] == "changed" for t in targets),
         },
         "would_activate": decision.would_activate,
@@ -213,7 +215,7 @@ def render(data: dict) -> str:
         lines.append(
             f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:9}  {t['body'] or '-':7}  {t['found']}"
         )
-    failed = [t for t in targets if t["state"] not in ("verified", "unchecked")]
+    failed = [t for t in targets if t["state"] not in (State.VERIFIED, State.UNCHECKED)]
     if failed:
         lines += ["", "differences (expected, found):"]
         lines += [f"  - {t['target']}: expected {t['expected']}, found {t['found']}" for t in failed]

@@ -2,10 +2,13 @@
 
 Bootstrap glue (:mod:`.bootstrap`, run by the ``.pth`` in every interpreter), version
 discovery (:mod:`.version`), the compat matrix (:mod:`.matrix`), static source
-verification (:mod:`.source`), the patch engine and its registry of originals
-(:mod:`.patching`), the one decision path (:mod:`.decision`) and the loader that acts on
-it at ``import vllm`` (:mod:`.loader`). It knows vLLM releases and patching, and nothing
-about NPUs: what gets patched in, and why, is declared in ``ascend_patch.patches``.
+verification (:mod:`.source`), what a patch set declares (:mod:`.declarations`), its
+verification with a cache of results (:mod:`.verification`), the registry of originals that
+applies and reverts (:mod:`.registry`), the one decision path (:mod:`.decision`) and the
+loader that acts on it at ``import vllm`` (:mod:`.loader`). It knows vLLM releases and
+patching, and nothing about NPUs: what gets patched in, and why, is declared in
+``ascend_patch.patches``, and the one thing it asks of the NPU wing (which device mode?) it
+asks by path. It imports neither ``ascend_patch.npu`` nor torch (``scripts/import_graph.py``).
 
 Kept free of imports: the ``.pth`` imports :mod:`.bootstrap` in every Python process.
 """

@@ -11,8 +11,14 @@ patch vLLM submodules right after they execute.
 No exception may escape :func:`install`; the ``.pth`` line also guards the
 import of this module, so a ``.pth`` left behind by ``pip uninstall`` is inert.
 Once ``vllm`` is imported, a loader that fails for any reason other than the
-ones the user asked to be told about (``AscendPatchError``: forced ``npu`` mode,
-strict mode; a malformed setting) leaves vLLM stock with one line on stderr.
+ones the user asked to be told about (a :class:`DeliberateError`: forced ``npu``
+mode, strict mode, a malformed setting) leaves vLLM stock with one line on stderr.
+
+Being the one module every process loads, and the one that may load nothing else, it
+also holds what the rest of the package builds on at that level: how the
+``ASCEND_PATCH*`` mode and flags read (:func:`read_mode`, :func:`read_flag`, which
+:mod:`ascend_patch.env` uses too), the base of deliberate errors, and :func:`resolve`
+for the ``"module:attribute"`` paths that name code to import only when it runs.
 """
 
 import _thread
@@ -27,29 +33,48 @@ _callbacks = {}
 _lock = _thread.RLock()
 _loader_failed = False
 
-# Errors the loader raises on purpose; anything else from it is a fault of ascend-patch
-# (a damaged install, a bug), which must not take the user's vLLM down with it.
-_DELIBERATE = ("AscendPatchError", "SettingError")
+MODES = ("auto", "npu", "emulate", "off")
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
 
 
-def _debug(message):
-    if os.environ.get("ASCEND_PATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
-        sys.stderr.write(f"ascend-patch: {message}\n")
+def read_mode(text):
+    """An ``ASCEND_PATCH`` value as a mode (empty: ``auto``); None if it is not one."""
+    value = text.strip().lower() or "auto"
+    return value if value in MODES else None
 
 
-def _resolve(callback):
-    if not isinstance(callback, str):
-        return callback
-    module_name, _, attr = callback.partition(":")
+def read_flag(text):
+    """An ``ASCEND_PATCH_*`` flag value as True or False; None if it is not a flag."""
+    value = text.strip().lower()
+    return True if value in _ON else False if value in _OFF else None
+
+
+class DeliberateError(Exception):
+    """An error ascend-patch raises on purpose, with a message meant for the user: it stops
+    ``import vllm``. Anything else the loader raises is a fault of ascend-patch (a damaged
+    install, a bug), which must not take the user's vLLM down with it."""
+
+
+def resolve(target):
+    """``target`` itself, or for a ``"module:attribute"`` path the attribute, imported now."""
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
     __import__(module_name)
     return getattr(sys.modules[module_name], attr)
 
 
+def _debug(message):
+    if read_flag(os.environ.get("ASCEND_PATCH_DEBUG", "")):
+        sys.stderr.write(f"ascend-patch: {message}\n")
+
+
 def _wants_errors():
-    """Whether the user asked for certainty: forced npu mode or strict mode."""
-    mode = os.environ.get("ASCEND_PATCH", "").strip().lower()
-    strict = os.environ.get("ASCEND_PATCH_STRICT", "").strip().lower()
-    return mode == "npu" or strict not in ("", "0", "false", "no", "off")
+    """Whether the user asked for certainty: forced npu mode, or strict mode (a value that
+    is not a flag counts: the loader refuses it)."""
+    return (read_mode(os.environ.get("ASCEND_PATCH", "")) == "npu"
+            or read_flag(os.environ.get("ASCEND_PATCH_STRICT", "")) is not False)
 
 
 def _run_loader(callback, module):
@@ -58,9 +83,9 @@ def _run_loader(callback, module):
     if _loader_failed:
         return
     try:
-        _resolve(callback)(module)
+        resolve(callback)(module)
     except Exception as exc:
-        if type(exc).__name__ in _DELIBERATE or _wants_errors():
+        if isinstance(exc, DeliberateError) or _wants_errors():
             raise
         _loader_failed = True
         sys.stderr.write(
@@ -166,7 +191,7 @@ def unwatch(module_name, callback):
 def install():
     """Entry point of the ``.pth`` file (and of the ``.start`` file on Python 3.15+)."""
     try:
-        if os.environ.get("ASCEND_PATCH", "").strip().lower() == "off":
+        if read_mode(os.environ.get("ASCEND_PATCH", "")) == "off":
             return
         if "vllm" in _callbacks or "vllm" in sys.modules:
             return

@@ -19,7 +19,8 @@ from packaging.version import Version
 
 from ascend_patch.overlay import matrix
 from ascend_patch.overlay import version as versions
-from ascend_patch.overlay.patching import Declaration, Patch, Seam, Setting, TargetStatus, applies_to, verify
+from ascend_patch.overlay.declarations import DECLARATION_TYPES, Declaration, TargetStatus, applies_to
+from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
 
 
@@ -65,11 +66,11 @@ def load_patch_set(table: matrix.Matrix, name: str) -> list[Declaration]:
         ) from None
     declarations = getattr(module, "MANIFEST", None)
     if not isinstance(declarations, (list, tuple)) or not all(
-        isinstance(d, (Patch, Setting, Seam)) for d in declarations
+        isinstance(d, DECLARATION_TYPES) for d in declarations
     ):
         raise matrix.MatrixError(
             f"{table.path}: patch_sets.{name}: ascend_patch.patches.{name}.MANIFEST is not a "
-            "list of Patch, Setting and Seam declarations"
+            "list of Patch, Contract, Setting and Seam declarations"
         )
     return list(declarations)
 

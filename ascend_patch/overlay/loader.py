@@ -5,7 +5,9 @@ Triggers: the ``.pth`` bootstrap calls :func:`on_vllm_imported` right after
 :func:`general_plugin` in every process vLLM starts. Both end in
 :func:`activate`, which runs once per process:
 
-1. the mode (``ASCEND_PATCH``): off, auto (NPU visible?), npu (forced) or emulate;
+1. the mode (``ASCEND_PATCH``): off, auto (NPU visible?), npu (forced) or emulate; what
+   the machine offers is the NPU wing's answer (:data:`DEVICE_CHECK`), the one question
+   the overlay asks it;
 2. the vLLM version, the patch set ``compat_matrix.yaml`` maps it to, and every
    declaration of that set verified against the installed source — the one
    decision path, :func:`ascend_patch.overlay.decision.decide`, which the probe runs too;
@@ -28,15 +30,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ascend_patch import env, release
-from ascend_patch.overlay import matrix
+from ascend_patch.overlay import bootstrap, matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import Decision, decide
-from ascend_patch.overlay.patching import REGISTRY, Declaration, Setting, TargetStatus
+from ascend_patch.overlay.declarations import Declaration, Setting, TargetStatus, TextEnum
+from ascend_patch.overlay.registry import REGISTRY
 from ascend_patch.overlay.source import SourceTree
 
+DEVICE_CHECK = "ascend_patch.npu.detect:check"
+"""What this machine offers the NPU path, asked of the NPU wing by path (as the manifest
+names every implementation), so the overlay imports nothing of that wing, nor torch:
+``check(requested_mode)`` returns a ``Device`` (vllm-ascend installed? which device, why)."""
 
-class AscendPatchError(RuntimeError):
+
+class AscendPatchError(bootstrap.DeliberateError, RuntimeError):
     """The overlay was asked for and cannot be given."""
+
+
+class ActivationState(TextEnum):
+    """Where the loader stands in this process."""
+
+    OFF = "off"
+    INERT = "inert"
+    VERIFIED = "verified"
+    """Decided and verified, not yet applied (``plan``, doctor)."""
+    ACTIVE = "active"
+    REVERTED = "reverted"
 
 
 @dataclass
@@ -45,7 +64,7 @@ class Activation:
 
     requested: str
     trigger: str
-    state: str = "inert"  # "active", "inert", "off" or "reverted"
+    state: ActivationState = ActivationState.INERT
     reason: str = ""
     mode: str | None = None  # "npu" or "emulate" once decided
     mode_reason: str = ""
@@ -57,7 +76,7 @@ class Activation:
 
     @property
     def active(self) -> bool:
-        return self.state == "active"
+        return self.state is ActivationState.ACTIVE
 
     @property
     def selection(self) -> matrix.Selection | None:
@@ -92,62 +111,46 @@ def current() -> Activation | None:
     return _activation
 
 
-def vllm_ascend_present() -> str | None:
-    """The installed vllm-ascend version ("unknown" for a bare source tree), or None.
-    A directory without ``__init__.py`` (a namespace package) is not an installation."""
-    installed = versions.installed_version("vllm-ascend")
-    if installed is None:
-        spec = importlib.util.find_spec("vllm_ascend")
-        if spec is not None and spec.origin not in (None, "namespace"):
-            return "unknown"
-    return installed
-
-
 def _deviation(act: Activation, message: str) -> Activation:
     """An unusual situation: stay stock and say so, or raise under strict mode."""
     if env.strict():
         raise AscendPatchError(f"{message} (ASCEND_PATCH_STRICT=1)")
-    act.state, act.reason, act.deviation = "inert", message, True
+    act.state, act.reason, act.deviation = ActivationState.INERT, message, True
     return act
 
 
 def _decide_mode(act: Activation) -> Activation | None:
     """Set ``act.mode``; return ``act`` early if the overlay stays out of the way."""
-    ascend = vllm_ascend_present()
-    if ascend is not None:
+    device = bootstrap.resolve(DEVICE_CHECK)(act.requested)
+    if device.vllm_ascend is not None:
         if act.requested == "auto":
             return _deviation(
                 act,
-                f"vllm-ascend {ascend} is installed and owns this NPU platform; ascend-patch "
-                "stays inert. Uninstall one of them, or set ASCEND_PATCH=npu to let "
+                f"vllm-ascend {device.vllm_ascend} is installed and owns this NPU platform; "
+                "ascend-patch stays inert. Uninstall one of them, or set ASCEND_PATCH=npu to let "
                 "ascend-patch take over",
             )
         act.warnings.append(
-            f"vllm-ascend {ascend} is installed too; ascend-patch takes over because "
+            f"vllm-ascend {device.vllm_ascend} is installed too; ascend-patch takes over because "
             f"ASCEND_PATCH={act.requested}"
         )
     if act.requested == "emulate":
-        try:
-            env.emulated_hbm_bytes()  # a malformed size is reported now, not mid-engine
-        except ValueError as exc:
-            return _deviation(act, f"{exc}; ascend-patch stays inert")
+        if device.mode is None:  # a malformed HBM size is reported now, not mid-engine
+            return _deviation(act, f"{device.detail}; ascend-patch stays inert")
         act.mode, act.mode_reason = "emulate", "ASCEND_PATCH=emulate"
         return None
-    from ascend_patch.npu.kernels import npu
-
-    usable, detail = npu.probe()
-    if usable:
+    if device.mode == "npu":
         act.mode = "npu"
-        act.mode_reason = f"ASCEND_PATCH={act.requested} and {detail}"
+        act.mode_reason = f"ASCEND_PATCH={act.requested} and {device.detail}"
         return None
     if act.requested == "npu":
         raise AscendPatchError(
-            f"ASCEND_PATCH=npu but no NPU is usable: {detail}. Install the CANN toolkit and "
+            f"ASCEND_PATCH=npu but no NPU is usable: {device.detail}. Install the CANN toolkit and "
             "the torch-npu release matching your torch (`ascend-patch doctor` shows both), "
             "or use ASCEND_PATCH=emulate to run the NPU code path on CPU"
         )
-    act.state, act.reason = "inert", f"ASCEND_PATCH=auto and no NPU: {detail}"
-    if npu.installed():
+    act.state, act.reason = ActivationState.INERT, f"ASCEND_PATCH=auto and no NPU: {device.detail}"
+    if device.torch_npu_unusable:
         # torch_npu is there but unusable (CANN mismatch, no device visible): stock vLLM
         # would run on a machine meant for NPUs, which deserves one line.
         act.deviation = True
@@ -169,14 +172,14 @@ def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Acti
     act = Activation(requested=env.mode(), trigger=trigger)
     env.strict(), env.debug()  # a malformed flag is an error now, like a malformed mode
     if act.requested == "off":
-        act.state, act.reason = "off", "ASCEND_PATCH=off"
+        act.state, act.reason = ActivationState.OFF, "ASCEND_PATCH=off"
         return act
     try:
         act.vllm = vllm_install or versions.find_vllm()
     except versions.VersionError as exc:
         return _deviation(act, str(exc))
     if act.vllm is None:
-        act.state, act.reason = "inert", "vLLM is not installed"
+        act.state, act.reason = ActivationState.INERT, "vLLM is not installed"
         return act
     if _decide_mode(act) is not None:
         return act
@@ -205,7 +208,7 @@ def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Acti
             f"{len(failed)} of {len(act.statuses)} targets differ; nothing was patched"
             f"{details}",
         )
-    act.state = "verified"
+    act.state = ActivationState.VERIFIED
     return act
 
 
@@ -235,7 +238,7 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
         if _activation is not None:
             return _activation
         act = plan(trigger, vllm_install)
-        if act.state == "verified":
+        if act.state is ActivationState.VERIFIED:
             resolved = _platform_already_resolved()
             if resolved is not None:
                 act = _deviation(
@@ -249,7 +252,7 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
                 REGISTRY.schedule([d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))])
                 entry = act.selection.entry
                 release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
-                act.state = "active"
+                act.state = ActivationState.ACTIVE
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
                     f"NPU, patch set {act.selection.patch_set.name}, "
@@ -271,7 +274,7 @@ def deactivate() -> list[str]:
     with _lock:
         restored = REGISTRY.revert_all()
         if _activation is not None:
-            _activation.state = "reverted"
+            _activation.state = ActivationState.REVERTED
         _activation = None
         release.proven_end_to_end = False
         return restored

@@ -9,17 +9,16 @@ it and every error names the file, the key and the problem.
 from __future__ import annotations
 
 import datetime as _dt
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ascend_patch import env
 from ascend_patch.overlay import version as versions
+from ascend_patch.overlay.verification import read_regular_file
 
 SCHEMA_VERSION = 1
 STATUSES = ("npu-verified", "emulated-e2e", "static-probe", "untested", "unsupported")
@@ -199,10 +198,9 @@ def parse(data: object, path: Path) -> Matrix:
     entries: dict[str, VersionEntry] = {}
     for text, body in _require(path, data, "versions", "<top>", dict).items():
         where = f"versions.{text}"
-        try:
-            release = Version(str(text))
-        except InvalidVersion:
-            raise _fail(path, where, "key is not a version") from None
+        release = versions.parse_or_none(str(text))
+        if release is None:
+            raise _fail(path, where, "key is not a version")
         if str(release) != str(text) or str(versions.release(release)) != str(text):
             raise _fail(path, where, "key must be a plain release like 0.33.0")
         if not isinstance(body, dict):
@@ -263,24 +261,12 @@ def parse(data: object, path: Path) -> Matrix:
 _MAX_BYTES = 4 << 20  # the shipped matrix is ~12 KB; a huge file is not a matrix
 
 
-def _read_bounded(path: Path) -> str:
-    """The file's text, refusing what is not a regular file of sane size (a FIFO would block
-    every ``import vllm``)."""
-    with open(path, "rb", buffering=0, opener=lambda p, f: os.open(p, f | getattr(os, "O_NONBLOCK", 0))) as raw:
-        info = os.fstat(raw.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError("not a regular file")
-        data = raw.read(_MAX_BYTES + 1)
-    if len(data) > _MAX_BYTES:
-        raise OSError(f"larger than {_MAX_BYTES >> 20} MiB")
-    return data.decode("utf-8")
-
-
 def load(path: Path | None = None) -> Matrix:
-    """Load ``path``, else ``ASCEND_PATCH_MATRIX``, else the installed matrix."""
+    """Load ``path``, else ``ASCEND_PATCH_MATRIX``, else the installed matrix. Only a regular
+    file of sane size is read: a FIFO would block every ``import vllm``."""
     path = Path(path or env.matrix_path() or default_path())
     try:
-        text = _read_bounded(path)
+        text = read_regular_file(path, _MAX_BYTES).decode("utf-8")
     except OSError as exc:
         raise MatrixError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

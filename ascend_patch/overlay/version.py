@@ -33,14 +33,24 @@ class VersionError(ValueError):
     """A version string that PEP 440 cannot read."""
 
 
-def parse(text: str) -> Version:
+def parse_or_none(text: str | None) -> Version | None:
+    """``text`` as a PEP 440 version, or None for no text or text that is not one: the one
+    place the package reads a version string."""
     try:
-        return Version(text.strip())
+        return Version(text) if text else None
     except InvalidVersion:
+        return None
+
+
+def parse(text: str) -> Version:
+    """``text`` as a PEP 440 version; a vLLM version that is not one is a :class:`VersionError`."""
+    version = parse_or_none(text)
+    if version is None:
         raise VersionError(
             f"cannot read vLLM version {text!r}; set ASCEND_PATCH_VLLM_VERSION to the "
             "release it was built from, e.g. ASCEND_PATCH_VLLM_VERSION=0.33.0"
-        ) from None
+        )
+    return version
 
 
 def release(version: Version) -> Version:
@@ -135,14 +145,12 @@ def find_vllm() -> VllmInstall | None:
     detected = dist.version if dist is not None else source_tree_version(package_dir)
     override = env.vllm_version_override()
     if override:
-        try:
-            Version(override)
-        except InvalidVersion:
+        if parse_or_none(override) is None:
             raise VersionError(
                 f"cannot read vLLM version {override!r} from ASCEND_PATCH_VLLM_VERSION: it is not a "
                 "PEP 440 version; give the "
                 "vLLM release this build comes from, e.g. 0.33.0, or unset it"
-            ) from None
+            )
         version, source = override, "ASCEND_PATCH_VLLM_VERSION"
     elif dist is not None:
         version, source = dist.version, f"metadata of distribution {dist.name!r}"
