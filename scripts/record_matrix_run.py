@@ -147,7 +147,7 @@ def npu_verified(path: Path, version: str | None) -> str:
     its vLLM release (``version``, when given, must be that release); returns the release."""
     from ascend_patch.kit import record
     from ascend_patch.overlay import decision, matrix
-    from ascend_patch.overlay.patching import applies_to
+    from ascend_patch.overlay.declarations import applies_to
 
     try:
         data = json.loads(path.read_text())

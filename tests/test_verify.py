@@ -25,7 +25,7 @@ from packaging.version import Version
 
 from ascend_patch.kit import checks, record
 from ascend_patch.overlay import decision, matrix
-from ascend_patch.overlay.patching import applies_to
+from ascend_patch.overlay.declarations import applies_to
 from tests.conftest import MODELS_DIR, ROOT, clean_env
 
 FIXTURE = "fixture: an emulated record relabelled by tests/test_verify.py, not hardware"

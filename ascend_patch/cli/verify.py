@@ -111,7 +111,7 @@ def run(emulate: bool, output: Path, models_dir: Path | None) -> int:
     from ascend_patch.overlay import loader
 
     act = loader.activate("ascend-patch verify")
-    if act.state != "active" or act.mode != mode:
+    if act.state != loader.ActivationState.ACTIVE or act.mode != mode:
         print(f"ascend-patch verify: the overlay is not active in {mode} mode: {act.reason}; "
               "`ascend-patch doctor` shows why", file=sys.stderr)
         return 1
