@@ -116,12 +116,26 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
 def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
                      group_count=1, group_select_mode=0, renorm=0, norm_type=0,
                      out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
-    return _torch_npu().npu_moe_gating_top_k(
-        x, k, bias=bias, input_ids=input_ids, tid2eid=tid2eid, k_group=k_group,
-        group_count=group_count, group_select_mode=group_select_mode, renorm=renorm,
-        norm_type=norm_type, out_flag=out_flag, routed_scaling_factor=routed_scaling_factor,
-        eps=eps,
+    op = _torch_npu().npu_moe_gating_top_k
+    # The hash-routing inputs came with torch-npu 2.13: the 2.10/2.11 schema has no input_ids or
+    # tid2eid and rejects a call naming them, so they go only to a torch_npu that takes them.
+    hashing = {name: value for name, value in (("input_ids", input_ids), ("tid2eid", tid2eid))
+               if value is not None or name in _argument_names(op)}
+    missing = [name for name in hashing if name not in _argument_names(op)]
+    if missing:
+        raise ValueError(f"npu_moe_gating_top_k: the installed torch_npu takes no {', '.join(missing)}"
+                         " (hash routing needs torch-npu 2.13 or later)")
+    return op(
+        x, k, bias=bias, **hashing, k_group=k_group, group_count=group_count,
+        group_select_mode=group_select_mode, renorm=renorm, norm_type=norm_type,
+        out_flag=out_flag, routed_scaling_factor=routed_scaling_factor, eps=eps,
     )
+
+
+@functools.cache
+def _argument_names(op) -> frozenset[str]:
+    """The argument names of a torch_npu op's schema, read from the installed torch_npu."""
+    return frozenset(argument.name for argument in op.default._schema.arguments)
 
 
 def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,

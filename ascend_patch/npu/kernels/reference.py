@@ -147,7 +147,7 @@ def fused_infer_attention_score(
     single-token queries (decode) over a paged cache with an optional explicit mask.
 
     Returns ``(attn_out, softmax_lse)`` with ``attn_out`` shaped like ``query``; the seam never
-    sets ``softmax_lse_flag``, so ``softmax_lse`` is the documented zero tensor of shape (1,).
+    sets ``softmax_lse_flag``, so ``softmax_lse`` is :func:`no_softmax_lse`.
     """
     op = "npu_fused_infer_attention_score"
     if input_layout == "BSH":
@@ -213,7 +213,16 @@ def fused_infer_attention_score(
             seq_key, seq_value = key[kv_rows], value[kv_rows]
         rows = slice(q_starts[i], q_ends[i])
         out[rows] = attend(query[rows], seq_key, seq_value, scale, pre_tokens=pre, next_tokens=after)
-    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+    return out, no_softmax_lse(query)
+
+
+def no_softmax_lse(query):
+    """FIA's ``softmax_lse`` with ``softmax_lse_flag=False``: an empty fp32 tensor of shape (0,).
+    The op allocates it so (op-plugin ``FusedInferAttentionScoreKernelNpuOpApi.cpp``:
+    ``apply_tensor_without_format({0}, Float)``) and its meta kernel returns it so
+    (torch-npu 2.11-2.14 ``op_plugin/meta/_meta_registrations.py``, ``torch.empty([0], ...)``),
+    which is what tracing sees; [FIA]'s "shape为[1]的值为0的Tensor" is out of date."""
+    return torch.empty(0, dtype=torch.float32, device=query.device)
 
 
 def _check_kv(op, query, key, value):
@@ -336,7 +345,7 @@ def _fia_bsh_decode(op, query, key, value, atten_mask, block_table, actual_seq_l
         out[index] = decode_batch(queries[index], key_cache, value_cache, block_table[rows],
                                   [kv_lens[b] for b in rows], scale,
                                   masked=None if masked is None else masked[rows])
-    return out.view(batch, 1, hidden), torch.zeros(1, dtype=torch.float32, device=query.device)
+    return out.view(batch, 1, hidden), no_softmax_lse(query)
 
 
 def _check_decode_mask(op, atten_mask, batch, width, kv_lens):
