@@ -26,7 +26,10 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   hands the tensor's storage to ATB as is, so every in-place ATB output must be contiguous.
 - [SCATTER] ``torch_npu-npu_scatter_pa_kv_cache.md`` and the schema in
   ``op_plugin/config/op_plugin_functions.yaml``.
-- [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
+- [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [RMS-WHEEL] its docstring in the torch-npu 2.11-2.14
+  wheels' ``_op_plugin_docs.py`` ("gamma：...数据类型需要和self保持一致"; the .md's A2/A3 table also
+  lists an fp32 gamma beside fp16/bf16 self, which the wheels' own doc does not allow);
+  [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
   [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
 - [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
 - The Mixture-of-Experts ops and their sources: :mod:`.moe`; the int8 quantisation ops:
@@ -565,22 +568,14 @@ def _check_causal_mask(op, atten_mask, sparse_mode):
 
 # --- norms and activation -------------------------------------------------------------------------
 
-# [RMS] A2/A3 dtype table (self, gamma).
-_RMS_DTYPES = {
-    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-}
-
-
 def rms_norm(self, gamma, epsilon=1e-6):
     """``y = x / sqrt(mean(x²) + eps) * gamma`` over gamma's trailing dims; returns (y, rstd)."""
     op = "npu_rms_norm"
     check_tensor(op, "self", self)
     check_tensor(op, "gamma", gamma)
     check_dims(op, "self", self, 2, 8)  # [RMS] self: shape 支持 2-8 维
-    if (self.dtype, gamma.dtype) not in _RMS_DTYPES:
-        fail(op, "gamma", "a dtype the A2/A3 table pairs with self (fp16/bf16 self: same or fp32; "
-             "fp32 self: fp32)", f"{gamma.dtype} with self {self.dtype}")
+    check_dtype(op, "self", self, _FLOATS)  # [RMS-WHEEL] float16、bfloat16、float32
+    require(gamma.dtype == self.dtype, op, "gamma", f"{self.dtype} like self", gamma.dtype)  # [RMS-WHEEL]
     _check_trailing(op, "gamma", gamma, self)  # [RMS] gamma_shape = self_shape[n:]
     return _rms(self.float(), gamma, epsilon, self.dtype)
 
