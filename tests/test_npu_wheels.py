@@ -157,3 +157,169 @@ def test_every_recorded_call_binds_and_matches_the_meta_kernel(version, seam_cal
         f"{op}: {problem}\n    e.g. {op}{tuple(layout(call['args']))} "
         f"{ {name: layout(value) for name, value in call['kwargs'].items()} }"
         for (op, problem), call in failures.items())
+
+
+# --- what the wheels settle -----------------------------------------------------------------------
+
+
+def _meta_tensor(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_ops_bind_by_their_schemas_own_names(version):
+    """torch_npu.<op> is torch.ops.npu.<op> itself (finding 10): ``self=`` binds, ``input=``, the
+    name torchgen's Python bindings would give it, does not."""
+    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
+    x, gamma = _meta_tensor(3, 64, dtype=torch.bfloat16), _meta_tensor(64, dtype=torch.bfloat16)
+    y, rstd = torch_npu.npu_rms_norm(self=x, gamma=gamma)
+    assert (y.shape, rstd.shape) == ((3, 64), (3, 1))
+    with pytest.raises(RuntimeError, match="missing value for argument 'self'"):
+        torch_npu.npu_rms_norm(input=x, gamma=gamma)
+    assert torch_npu.npu_rms_norm is getattr(torch.ops, npu_wheels.load(version).namespaces["npu"]).npu_rms_norm
+
+
+def _grouped_routing(**extra):
+    return npu.moe_gating_top_k(_meta_tensor(4, 16), 2, bias=_meta_tensor(16), k_group=1,
+                                group_count=2, group_select_mode=1, norm_type=1, **extra)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_grouped_routing_follows_the_installed_torch_npu(version, monkeypatch):
+    """Finding 1: torch-npu 2.11's npu_moe_gating_top_k has no input_ids/tid2eid; the call leaves
+    them out there and passes them where the schema has them."""
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    hashing = {"input_ids", "tid2eid"} <= {a.name for a in wheel.schema("npu_moe_gating_top_k").arguments}
+    assert hashing == (version != "2.11.0")
+    weights, ids, _ = _grouped_routing()
+    assert (weights.shape, ids.shape, ids.dtype) == ((4, 2), (4, 2), torch.int32)
+    ids_in = {"input_ids": _meta_tensor(4, dtype=torch.int32),
+              "tid2eid": _meta_tensor(8, 2, dtype=torch.int32)}
+    if hashing:
+        assert _grouped_routing(**ids_in)[1].shape == (4, 2)
+    else:
+        with pytest.raises(ValueError, match=re.escape(
+                "npu_moe_gating_top_k: the installed torch_npu takes no input_ids, tid2eid "
+                "(hash routing needs torch-npu 2.13 or later)")):
+            _grouped_routing(**ids_in)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_top_p_only_call_traces(version, monkeypatch):
+    """Finding 8: the wheel's meta kernel of npu_top_k_top_p has no defaults, so ``k=None`` (left
+    out by the dispatcher) broke a traced top-p-only call; eagerly it is still the op's own call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    with FakeTensorMode():
+        logits, p = torch.empty(2, 50, dtype=torch.bfloat16), torch.empty(2, dtype=torch.bfloat16)
+        out = npu.top_k_top_p(logits, p=p)
+    assert out.shape == (2, 50) and out.dtype == torch.bfloat16
+    # Eagerly the call reaches torch_npu's op (bound; it has no CPU kernel).
+    with pytest.raises(NotImplementedError, match=r"Could not run '\w+::npu_top_k_top_p' with "
+                                                  r"arguments from the 'CPU' backend"):
+        npu.top_k_top_p(torch.zeros(2, 50), p=torch.ones(2))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_fia_softmax_lse_without_its_flag_is_empty(version):
+    """Finding 8: the reference's softmax_lse is the meta kernel's (0,) fp32, not the doc's [1]."""
+    wheel = npu_wheels.load(version)
+    query = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
+    key = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+    _, lse = kernels.reference.fused_infer_attention_score(
+        query, key, key, actual_seq_lengths=[5], actual_seq_lengths_kv=[5], num_heads=4,
+        num_key_value_heads=2, scale=0.125)
+    _, meta_lse = wheel.op("npu_fused_infer_attention_score")(
+        query.to("meta"), key.to("meta"), key.to("meta"), actual_seq_lengths=[5],
+        actual_seq_lengths_kv=[5], num_heads=4, num_key_value_heads=2, scale=0.125,
+        input_layout="TND")
+    assert (lse.shape, lse.dtype) == (meta_lse.shape, meta_lse.dtype) == ((0,), torch.float32)
+
+
+def _accepts(call) -> bool:
+    try:
+        call()
+    except (kernels.KernelContractError, RuntimeError):  # the reference's and torch._check's
+        return False
+    return True
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_quant_matmul_bias_dtypes_the_reference_takes_the_meta_kernel_takes(version):
+    """Finding 9: every (output dtype, pertoken_scale, bias dtype) the reference accepts, the
+    wheel's meta kernel accepts; the bf16 bias for fp16 output it used to accept, it refuses."""
+    op = npu_wheels.load(version).op("npu_quant_matmul")
+    x1, x2 = torch.zeros(4, 16, dtype=torch.int8), torch.zeros(16, 8, dtype=torch.int8)
+    accepted = []
+    for output in (torch.float16, torch.bfloat16, torch.int32):
+        for pertoken in (None, torch.ones(4)):
+            for bias_dtype in (torch.int32, torch.float16, torch.bfloat16, torch.float32):
+                arguments = {"pertoken_scale": pertoken, "bias": torch.zeros(8, dtype=bias_dtype),
+                             "output_dtype": output}
+                if not _accepts(lambda: kernels.reference.quant_matmul(x1, x2, torch.ones(8),
+                                                                         **arguments)):
+                    continue
+                accepted.append((output, pertoken is not None, bias_dtype))
+                meta = {name: value.to("meta") if isinstance(value, torch.Tensor) else value
+                        for name, value in arguments.items()}
+                assert _accepts(lambda: op(x1.to("meta"), x2.to("meta"), torch.ones(8, device="meta"),
+                                           **meta)), accepted[-1]
+    assert (torch.float16, True, torch.float16) in accepted
+    assert (torch.float16, True, torch.bfloat16) not in accepted
+
+
+INIT_VARIANTS = [{}, {"active_expert_range": [2, 2]}, {"active_expert_range": [1, 3]},
+                 {"quant_mode": 1}, {"quant_mode": 14}, {"quant_mode": 0}, {"drop_pad_mode": 1},
+                 {"expert_tokens_num_type": 0}, {"expert_tokens_num_flag": False}]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_init_routing_calls_the_reference_takes_the_meta_kernel_takes_alike(version):
+    """Finding 9: each npu_moe_init_routing_v2 call the reference accepts, the wheel's meta kernel
+    accepts with the same output shapes and dtypes (an empty active range it used to accept, the
+    meta refuses; without expert_tokens_num_flag the meta's count is 0-D, a mode the wheel's doc
+    calls unsupported)."""
+    op = npu_wheels.load(version).op("npu_moe_init_routing_v2")
+    x = torch.randn(3, 8)
+    expert_idx = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
+    taken = []
+    for variant in INIT_VARIANTS:
+        arguments = {"active_num": 6, "expert_num": 4, "expert_tokens_num_type": 1,
+                     "expert_tokens_num_flag": True, "active_expert_range": [0, 4], **variant}
+        try:
+            out = kernels.reference.moe_init_routing_v2(x, expert_idx, **arguments)
+        except kernels.KernelContractError:
+            continue
+        taken.append(variant)
+        meta = op(x.to("meta"), expert_idx.to("meta"), **arguments)
+        assert layout(kernels.describe(meta)) == layout(kernels.describe(out)), variant
+    assert taken == [{}, {"active_expert_range": [1, 3]}, {"quant_mode": 1}]
+
+
+def test_the_atb_schemas_built_in_code_are_the_strings_older_wheels_keep_whole():
+    """torch-npu 2.13 and later build the shorter ATB schema strings in code: put back together,
+    they are exactly the strings torch-npu 2.11 keeps in its read-only data."""
+    whole = npu_wheels.load("2.11.0").atb_schemas
+    for version in VERSIONS:
+        schemas = npu_wheels.load(version).atb_schemas
+        for name in ("_npu_paged_attention", "_npu_paged_attention_get_workspace",
+                     "npu_multi_head_latent_attention"):
+            assert schemas[name] == whole[name], (version, name)
+
+
+def test_each_matrix_row_pairs_a_torch_npu_built_for_its_torch():
+    """The torch_npu of each row requires that row's torch (the wheel's METADATA); vLLM 0.20-0.26
+    pin torch 2.11.0, so torch-npu 2.11.0 (not 2.10.x) is theirs."""
+    import zipfile
+
+    from ascend_patch.overlay import matrix
+
+    for release, entry in matrix.load().versions.items():
+        with zipfile.ZipFile(npu_wheels.fetch(entry.torch_npu)) as wheel:
+            metadata = wheel.read(f"torch_npu-{entry.torch_npu}.dist-info/METADATA").decode()
+        pinned = re.search(r"^Requires-Dist: torch ?==(\S+)$", metadata, re.MULTILINE).group(1)
+        assert pinned.removesuffix("+cpu").removesuffix(".*") == entry.torch, release
