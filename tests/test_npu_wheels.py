@@ -29,18 +29,18 @@ VERSIONS = npu_wheels.matrix_versions()
 PROMPT_LENGTHS = [3, 17, 150]
 MAX_TOKENS = 6
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-# One sampling per prompt: top-k and top-p, top-p alone, top-k alone (the sampler's three calls).
-SAMPLED = [{"temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 1, "max_tokens": MAX_TOKENS},
-           {"temperature": 0.8, "top_p": 0.9, "seed": 2, "max_tokens": MAX_TOKENS},
-           {"temperature": 0.8, "top_k": 5, "seed": 3, "max_tokens": MAX_TOKENS}]
+# The sampler's three calls, each a run of its own (a batch mixing them makes one call of both):
+# top-k and top-p, top-p alone, top-k alone.
+SAMPLED = [{"temperature": 0.8, "max_tokens": MAX_TOKENS, "seed": 1, **filters}
+           for filters in ({"top_k": 5, "top_p": 0.9}, {"top_p": 0.9}, {"top_k": 5})]
 # 64-token chunks: the 150-token prompt prefills in three steps beside the others' decodes; the
 # second run is served from the prefix cache.
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "gpu_memory_utilization": 0.9,
           "enable_prefix_caching": True, "enable_chunked_prefill": True,
           "max_num_batched_tokens": 64}
-# family -> (model, dtype, extra engine arguments, samplings of the second run)
+# family -> (model, dtype, extra engine arguments, samplings of the runs after the first)
 FAMILIES = {
-    "dense": ("tiny-llama", "bfloat16", {}, SAMPLED),
+    "dense": ("tiny-llama", "bfloat16", {}, [GREEDY, *SAMPLED]),
     "dense fp16": ("tiny-qwen2", "float16", {}, [GREEDY]),
     "windowed": ("tiny-mistral", "bfloat16", {}, [GREEDY]),
     "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),
@@ -73,9 +73,8 @@ def seam_calls(tiny_models, tmp_path_factory):
     models = _checkpoints(tiny_models, root)
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
     engines = [{"model": str(models[model]), "kwargs": {**ENGINE, "dtype": dtype, **extra},
-                "runs": [{"prompts": prompts, "sampling": [GREEDY]},
-                         {"prompts": prompts, "sampling": second}]}
-               for model, dtype, extra, second in FAMILIES.values()]
+                "runs": [{"prompts": prompts, "sampling": [sampling]} for sampling in [GREEDY, *later]]}
+               for model, dtype, extra, later in FAMILIES.values()]
     result = run_engine({"engines": engines, "record_seam": True}, root, timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
     for family, engine in zip(FAMILIES, result["engines"]):
@@ -85,8 +84,12 @@ def seam_calls(tiny_models, tmp_path_factory):
 
 def test_the_workload_reaches_every_op_the_engine_calls(seam_calls):
     """Every seam op but one is called: moe_finalize_routing has a reference and a real path,
-    but no layer calls it (the MoE path combines with npu_moe_token_unpermute)."""
+    but no layer calls it (the MoE path combines with npu_moe_token_unpermute). The sampler makes
+    all three of its calls."""
     assert {call["op"] for call in seam_calls} == set(kernels.OPS) - {"moe_finalize_routing"}
+    sampler = {tuple(name for name in ("p", "k") if call["kwargs"].get(name) is not None)
+               for call in seam_calls if call["op"] == "top_k_top_p"}
+    assert sampler == {("p", "k"), ("p",), ("k",)}
 
 
 # --- the replay -----------------------------------------------------------------------------------
