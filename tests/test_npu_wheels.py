@@ -326,3 +326,33 @@ def test_each_matrix_row_pairs_a_torch_npu_built_for_its_torch():
             metadata = wheel.read(f"torch_npu-{entry.torch_npu}.dist-info/METADATA").decode()
         pinned = re.search(r"^Requires-Dist: torch ?==(\S+)$", metadata, re.MULTILINE).group(1)
         assert pinned.removesuffix("+cpu").removesuffix(".*") == entry.torch, release
+
+
+# The wheel's own doc sentences the references settle their contracts on (finding 9), by op.
+CITED = {
+    "npu_rms_norm": ["gamma：Tensor类型，数据类型需要和self保持一致"],
+    "npu_quant_matmul": ["bias:int32/None, int32/None, int32/bfloat16/float32/None, "
+                         "int32/float16/float32/None, int32/None, int32/None",
+                         "pertoken_scale:None, None, float32/None, float32, None, None",
+                         "output_dtype:float16, int8, bfloat16, float16, float16, int32"],
+    "npu_moe_init_routing_v2": ["drop_pad_mode：int类型，可选参数，表示是否为drop_pad场景，取值为0和1。0表示"
+                                "dropless场景，该场景下不校验expert_capacity。1表示drop_pad场景。当前仅支持0。",
+                                "当前仅支持1和2。", "默认False表示不输出。当前仅支持True。",
+                                "当前仅支持-1和1。", "其他模式取值范围为(0, 10240]"],
+    "npu_moe_finalize_routing": ["drop_pad_mode: int类型, 可选参数, 表示是否支持丢弃模式, 取值范围为0",
+                                 "skip2参数为None时, skip1参数必须也为None."],
+}
+
+
+def _doc(wheel, op: str) -> str:
+    docs = wheel.text(npu_wheels.DOCS).replace("\r\n", "\n")  # the file has CRLF lines
+    start = docs.index(f'_add_torch_npu_docstr(\n    "{op}",')
+    return docs[start: docs.find("_add_torch_npu_docstr(", start + 1)]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_wheel_documents_what_the_references_cite(version):
+    wheel = npu_wheels.load(version)
+    missing = [(op, sentence) for op, sentences in CITED.items() for sentence in sentences
+               if sentence not in _doc(wheel, op)]
+    assert not missing
