@@ -333,8 +333,8 @@ class TorchNpuWheel:
         suffix = re.sub(r"\W", "_", version)
         self.namespaces = {"npu": f"npu_v{suffix}", "atb": f"atb_v{suffix}"}
         with zipfile.ZipFile(path) as wheel:
-            self._files = {name: wheel.read(name) for name in
-                           (_YAML, _META, _ATB_META, _ATB_OPS, _ATB_SO, _ATB_HEADER, _CUSTOM_OPS, DOCS)}
+            self._files = {name: wheel.read(name) for name in (
+                _YAML, _META, _ATB_META, _ATB_OPS, _ATB_SO, _ATB_HEADER, _CUSTOM_OPS, DOCS)}
         self.undefinable = {}  # schema name -> why CPU torch's parser refused it
         self.meta_skipped = []  # meta kernels of ops the wheel defines nowhere
         self._libraries = []
@@ -404,8 +404,10 @@ class TorchNpuWheel:
             "torch.library": types.SimpleNamespace(Library=library, impl=impl),
             "torch_npu": torch_npu,
             "torch_npu.utils._error_code": error_codes,
-            "torch_npu.npu.utils": types.SimpleNamespace(get_cann_version=_unavailable("get_cann_version")),
-            "torch_npu.npu._backends": types.SimpleNamespace(get_soc_version=_unavailable("get_soc_version")),
+            "torch_npu.npu.utils":
+                types.SimpleNamespace(get_cann_version=_unavailable("get_cann_version")),
+            "torch_npu.npu._backends":
+                types.SimpleNamespace(get_soc_version=_unavailable("get_soc_version")),
         }
 
         def imports(name, globals=None, locals=None, fromlist=(), level=0):

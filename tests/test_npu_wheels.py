@@ -173,13 +173,14 @@ def _meta_tensor(*shape, dtype=torch.float32):
 def test_ops_bind_by_their_schemas_own_names(version):
     """torch_npu.<op> is torch.ops.npu.<op> itself (finding 10): ``self=`` binds, ``input=``, the
     name torchgen's Python bindings would give it, does not."""
-    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
     x, gamma = _meta_tensor(3, 64, dtype=torch.bfloat16), _meta_tensor(64, dtype=torch.bfloat16)
     y, rstd = torch_npu.npu_rms_norm(self=x, gamma=gamma)
     assert (y.shape, rstd.shape) == ((3, 64), (3, 1))
     with pytest.raises(RuntimeError, match="missing value for argument 'self'"):
         torch_npu.npu_rms_norm(input=x, gamma=gamma)
-    assert torch_npu.npu_rms_norm is getattr(torch.ops, npu_wheels.load(version).namespaces["npu"]).npu_rms_norm
+    assert torch_npu.npu_rms_norm is wheel.op("npu_rms_norm")
 
 
 def _grouped_routing(**extra):
@@ -194,7 +195,8 @@ def test_grouped_routing_follows_the_installed_torch_npu(version, monkeypatch):
     wheel = npu_wheels.load(version)
     torch_npu = npu_wheels.stand_in(wheel)
     monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
-    hashing = {"input_ids", "tid2eid"} <= {a.name for a in wheel.schema("npu_moe_gating_top_k").arguments}
+    arguments = {argument.name for argument in wheel.schema("npu_moe_gating_top_k").arguments}
+    hashing = {"input_ids", "tid2eid"} <= arguments
     assert hashing == (version != "2.11.0")
     weights, ids, _ = _grouped_routing()
     assert (weights.shape, ids.shape, ids.dtype) == ((4, 2), (4, 2), torch.int32)

@@ -427,6 +427,27 @@ def test_count_launches_counts_per_op_and_restores_the_originals():
     assert all(getattr(kernels, name) is fn for name, fn in originals.items())
 
 
+def test_record_calls_keeps_each_distinct_call_with_its_result_and_restores_the_originals():
+    originals = {name: getattr(kernels, name) for name in kernels.OPS}
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with kernels.record_calls() as records:
+        kernels.swiglu(x)
+        kernels.swiglu(torch.randn(4, 16, dtype=torch.bfloat16))
+        kernels.rms_norm(x[:, :8].t(), torch.ones(4, dtype=torch.bfloat16), epsilon=1e-5)
+    assert all(getattr(kernels, name) is fn for name, fn in originals.items())
+    swiglu, rms_norm = records.values()
+    assert swiglu == {"op": "swiglu", "count": 2, "kwargs": {},
+                      "args": {"tuple": [{"tensor": {
+                          "shape": [4, 16], "stride": [16, 1], "offset": 0, "dtype": "bfloat16",
+                          "device": "cpu", "contiguous": True}}]},
+                      "out": {"tensor": {"shape": [4, 8], "stride": [8, 1], "offset": 0,
+                                         "dtype": "bfloat16", "device": "cpu", "contiguous": True}}}
+    view = rms_norm["args"]["tuple"][0]["tensor"]
+    assert (view["shape"], view["stride"], view["contiguous"]) == ([8, 4], [1, 16], False)
+    assert rms_norm["kwargs"] == {"epsilon": 1e-5}
+    assert [t["tensor"]["dtype"] for t in rms_norm["out"]["tuple"]] == ["bfloat16", "float32"]
+
+
 def test_count_launches_on_the_real_path(torch_npu):
     with kernels.count_launches() as counts:
         kernels.swiglu(torch.zeros(2, 8))
