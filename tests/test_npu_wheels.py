@@ -212,6 +212,20 @@ def test_grouped_routing_follows_the_installed_torch_npu(version, monkeypatch):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+def test_finalize_routing_binds_on_every_wheel(version, monkeypatch):
+    """The one seam op no engine layer calls: its real call binds on every release (2.11's schema
+    has no ``k``, which the call leaves at its default) with the reference's result layout."""
+    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    rows, skip2, scales = torch.randn(6, 8), torch.randn(3, 8), torch.rand(3, 2)
+    src, ids = torch.randperm(6).int(), torch.zeros(3, 2, dtype=torch.int32)
+    expected = kernels.reference.moe_finalize_routing(rows, None, skip2, None, scales, src, ids)
+    out = npu.moe_finalize_routing(*(t if t is None else t.to("meta")
+                                     for t in (rows, None, skip2, None, scales, src, ids)))
+    assert (out.shape, out.dtype) == (expected.shape, expected.dtype) == ((3, 8), torch.float32)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_a_top_p_only_call_traces(version, monkeypatch):
     """Finding 8: the wheel's meta kernel of npu_top_k_top_p has no defaults, so ``k=None`` (left
     out by the dispatcher) broke a traced top-p-only call; eagerly it is still the op's own call."""
