@@ -9,6 +9,10 @@ the sampler's top-k/top-p, sliding-window attention, MLA, MoE (softmax and group
 and W8A8 (static, dynamic and MoE). The replay runs on meta tensors: binding is the real
 dispatcher's, the shapes and dtypes the wheel's meta kernels'. Ops the wheel has no meta kernel for
 (the ATB paged attention) are checked for binding only.
+
+The tests after the replay check, per release, what the wheels settle about single ops: binding
+by the schema's own names, the release-dependent npu_moe_gating_top_k, the traced top-p-only
+call, and the reference contracts against the meta kernels and the wheels' own docs.
 """
 
 from __future__ import annotations
