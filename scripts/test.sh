@@ -10,4 +10,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export TMPDIR="$ROOT/.tmp" XDG_CACHE_HOME="$ROOT/.cache" VLLM_CACHE_ROOT="$ROOT/.cache/vllm"
 mkdir -p "$TMPDIR" "$XDG_CACHE_HOME"
 cd "$ROOT"
+# The torch-npu wheel of every release the matrix names, for the conformance tests: downloaded
+# once into a cache outside the checkout (ASCEND_PATCH_WHEEL_CACHE), sha256-checked on every run.
+"$ROOT/.venv/bin/python" -m tests.npu_wheels
 exec "$ROOT/.venv/bin/python" -m pytest "$@"

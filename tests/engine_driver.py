@@ -30,6 +30,8 @@ negative control of the graph tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
 then the run reports {"error": "Type: message"} and the engine goes on to the next run.
+With "record_seam": true in SPEC, the report also holds "seam_calls": every distinct kernel-seam
+call of the whole run, engine start-up and graph capture included (``kernels.record_calls``).
 """
 
 from __future__ import annotations
@@ -97,21 +99,37 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def _seam_records(enabled: bool):
+    """Every distinct kernel-seam call of the whole driver run (``kernels.record_calls``), engine
+    start-up and graph capture included, or None when not asked for."""
+    if not enabled:
+        yield None
+        return
+    from vllm.platforms import current_platform
+
+    current_platform.device_type  # noqa: B018 - resolving the platform binds the kernel backend
+    from ascend_patch.npu import kernels
+
+    with kernels.record_calls() as records:
+        yield records
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    results = [_run_engine(one, spec.get("report_errors", False)) for one in spec["engines"]]
+    with _seam_records(spec.get("record_seam", False)) as records:
+        results = [_run_engine(one, spec.get("report_errors", False)) for one in spec["engines"]]
     from vllm.platforms import current_platform
 
-    print(
-        json.dumps(
-            {
-                "platform": type(current_platform).__name__,
-                "vllm_C_imported": any(m == "vllm._C" or m.startswith("vllm._C.") for m in sys.modules),
-                "engines": results,
-            }
-        )
-    )
+    report = {
+        "platform": type(current_platform).__name__,
+        "vllm_C_imported": any(m == "vllm._C" or m.startswith("vllm._C.") for m in sys.modules),
+        "engines": results,
+    }
+    if records is not None:
+        report["seam_calls"] = list(records.values())
+    print(json.dumps(report))
     return 0
 
 

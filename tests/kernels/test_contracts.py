@@ -242,7 +242,11 @@ VIOLATIONS = {
         "npu_rms_norm: self must be 2-D to 8-D, got 1-D (64,)"),
     "rms_norm bf16 gamma for fp32 input": (
         lambda: kernels.rms_norm(torch.zeros(2, 64), torch.ones(64, dtype=BF16)),
-        "npu_rms_norm: gamma must be a dtype the A2/A3 table pairs with self"),
+        "npu_rms_norm: gamma must be torch.float32 like self, got torch.bfloat16"),
+    # [RMS-WHEEL] gamma's dtype is self's: the fp32 gamma the .md's table lists is not allowed.
+    "rms_norm fp32 gamma for bf16 input": (
+        lambda: kernels.rms_norm(torch.zeros(2, 64, dtype=BF16), torch.ones(64)),
+        "npu_rms_norm: gamma must be torch.bfloat16 like self, got torch.float32"),
     "rms_norm gamma not trailing": (
         lambda: kernels.rms_norm(torch.zeros(2, 64), torch.ones(32)),
         "npu_rms_norm: gamma must be trailing dims of (2, 64), got (32,)"),

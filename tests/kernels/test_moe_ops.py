@@ -228,10 +228,9 @@ def routing_oracle(expert_idx, start, end):
 @settings(max_examples=50, deadline=None)
 @given(tokens=st.integers(1, 12), k=st.integers(1, 4), experts=st.integers(1, 12),
        pattern=st.sampled_from(["all", "one", "few"]), dtype=float_dtypes, data=st.data(),
-       row_idx_type=st.sampled_from([0, 1]), tokens_num_type=st.sampled_from([0, 1]),
-       with_scale=st.booleans(), seed=seeds)
+       row_idx_type=st.sampled_from([0, 1]), with_scale=st.booleans(), seed=seeds)
 def test_init_routing_v2_sorts_pairs_by_expert(tokens, k, experts, pattern, dtype, data,
-                                               row_idx_type, tokens_num_type, with_scale, seed):
+                                               row_idx_type, with_scale, seed):
     start = data.draw(st.integers(0, experts - 1))
     end = data.draw(st.integers(start + 1, experts))
     generator = torch.Generator().manual_seed(seed)
@@ -241,7 +240,7 @@ def test_init_routing_v2_sorts_pairs_by_expert(tokens, k, experts, pattern, dtyp
 
     expanded_x, expanded_row_idx, counts, expanded_scale = kernels.moe_init_routing_v2(
         x, expert_idx, scale=scale, active_num=tokens * k, expert_num=experts,
-        expert_tokens_num_type=tokens_num_type, expert_tokens_num_flag=True,
+        expert_tokens_num_type=1, expert_tokens_num_flag=True,
         active_expert_range=[start, end], row_idx_type=row_idx_type)
 
     order, expected_counts = routing_oracle(expert_idx, start, end)
@@ -257,9 +256,8 @@ def test_init_routing_v2_sorts_pairs_by_expert(tokens, k, experts, pattern, dtyp
         assert expanded_row_idx.tolist() == expected
     else:
         assert expanded_row_idx[:available].tolist() == order
-    running = [sum(expected_counts[:i + 1]) for i in range(len(expected_counts))]
     assert counts.dtype == torch.int64
-    assert counts.tolist() == (running if tokens_num_type == 0 else expected_counts)
+    assert counts.tolist() == expected_counts
     if with_scale:
         assert torch.equal(expanded_scale[:available], scale[[pair // k for pair in order]])
 
@@ -402,15 +400,16 @@ def test_token_unpermute_gathers_and_weights_each_tokens_rows(tokens, k, dtype, 
 
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 10), k=st.integers(1, 4), experts=st.integers(1, 6),
-       dtype=float_dtypes, drop_pad_mode=st.sampled_from([0, 2]), skips=st.integers(0, 2),
-       with_bias=st.booleans(), with_scales=st.booleans(), seed=seeds)
-def test_finalize_routing_follows_its_formula(tokens, k, experts, dtype, drop_pad_mode, skips,
-                                              with_bias, with_scales, seed):
+       dtype=float_dtypes, skips=st.integers(0, 2), with_bias=st.booleans(),
+       with_scales=st.booleans(), seed=seeds)
+def test_finalize_routing_follows_its_formula(tokens, k, experts, dtype, skips, with_bias,
+                                              with_scales, seed):
     if not with_scales:
         k = 1
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens * k, 8, generator=generator).to(dtype)
-    skip1, skip2 = (torch.randn(tokens, 8, generator=generator).to(dtype) if skips > i else None
+    # [FINALIZE-WHEEL] skip1 only beside skip2: none, skip2 alone, or both.
+    skip2, skip1 = (torch.randn(tokens, 8, generator=generator).to(dtype) if skips > i else None
                     for i in range(2))
     bias = torch.randn(experts, 8, generator=generator).to(dtype) if with_bias else None
     scales = torch.rand(tokens, k, generator=generator).to(dtype) if with_scales else None
@@ -418,7 +417,7 @@ def test_finalize_routing_follows_its_formula(tokens, k, experts, dtype, drop_pa
     expert_for_row = torch.randint(experts, (tokens, k), generator=generator, dtype=torch.int32)
 
     out = kernels.moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst,
-                                           expert_for_row, drop_pad_mode=drop_pad_mode)
+                                           expert_for_row)
 
     expected = torch.zeros(tokens, 8, dtype=torch.float64)
     for i in range(tokens):
@@ -426,8 +425,7 @@ def test_finalize_routing_follows_its_formula(tokens, k, experts, dtype, drop_pa
             if skip is not None:
                 expected[i] += skip[i].double()
         for slot in range(k):
-            position = slot * tokens + i if drop_pad_mode == 0 else i * k + slot
-            value = rows[int(src_to_dst[position])].double()
+            value = rows[int(src_to_dst[slot * tokens + i])].double()
             if with_bias:
                 value = value + bias[int(expert_for_row[i, slot])].double()
             expected[i] += (float(scales[i, slot]) if with_scales else 1.0) * value
@@ -476,9 +474,10 @@ def test_moe_layer_built_from_the_ops_equals_the_dense_definition(tokens, layout
         k = weights.shape[1]
 
     expanded, expanded_row_idx, counts, _ = kernels.moe_init_routing_v2(
-        hidden, ids, active_num=tokens * k, expert_num=experts, expert_tokens_num_type=list_type,
+        hidden, ids, active_num=tokens * k, expert_num=experts, expert_tokens_num_type=1,
         expert_tokens_num_flag=True, active_expert_range=[0, experts])
-    gemm = dict(group_list=counts, group_list_type=list_type, group_type=0, split_item=2)
+    group_list = counts if list_type == 1 else counts.cumsum(0)
+    gemm = dict(group_list=group_list, group_list_type=list_type, group_type=0, split_item=2)
     (gate_up,) = kernels.grouped_matmul([expanded], [w13.transpose(1, 2)], **gemm)
     (down,) = kernels.grouped_matmul([kernels.swiglu(gate_up)], [w2.transpose(1, 2)], **gemm)
     out = kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights)
@@ -529,11 +528,10 @@ def unpermute(**overrides):
 
 
 def finalize(**overrides):
-    args = dict(expanded_permuted_rows=torch.zeros(6, 8), skip1=torch.zeros(3, 8), skip2=None,
+    args = dict(expanded_permuted_rows=torch.zeros(6, 8), skip1=None, skip2=torch.zeros(3, 8),
                 bias=torch.zeros(4, 8), scales=torch.ones(3, 2),
                 expanded_src_to_dst_row=torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32),
-                expert_for_source_row=torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32),
-                drop_pad_mode=2)
+                expert_for_source_row=torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32))
     args.update(overrides)
     return kernels.moe_finalize_routing(**args)
 
@@ -572,10 +570,33 @@ VIOLATIONS = {
         f"{INIT}: expert_idx must be expert ids ≤ expert_num=4, got max 5"),
     "init routing range past expert_num": (
         lambda: init_routing(active_expert_range=[0, 6]),
-        f"{INIT}: active_expert_range must be [start, end) with 0 ≤ start ≤ end ≤ expert_num=4"),
+        f"{INIT}: active_expert_range must be [start, end) with 0 ≤ start < end ≤ expert_num=4"),
+    "init routing empty range": (
+        lambda: init_routing(active_expert_range=[2, 2]),
+        f"{INIT}: active_expert_range must be [start, end) with 0 ≤ start < end ≤ expert_num=4, "
+        "got [2, 2]"),
+    "init routing no experts": (
+        lambda: init_routing(expert_num=0, active_expert_range=[]),
+        f"{INIT}: expert_num must be in (0, 10240] (pass the expert count), got 0"),
+    "init routing cumsum counts": (
+        lambda: init_routing(expert_tokens_num_type=0),
+        f"{INIT}: expert_tokens_num_type must be 1 (count) or 2 (key_value), the modes supported, "
+        "got 0"),
+    "init routing no counts": (
+        lambda: init_routing(expert_tokens_num_flag=False),
+        f"{INIT}: expert_tokens_num_flag must be True (the only value supported), got False"),
+    "init routing drop/pad": (
+        lambda: init_routing(drop_pad_mode=1),
+        f"{INIT}: drop_pad_mode must be 0 (dropless, the only mode supported), got 1"),
+    "init routing static int8": (
+        lambda: init_routing(quant_mode=0),
+        f"{INIT}: quant_mode must be -1 (none) or 1 (dynamic int8), the modes supported, got 0"),
+    "init routing FP8 quant mode": (
+        lambda: init_routing(quant_mode=14),
+        f"{INIT}: quant_mode must be -1 (none) or 1 (dynamic int8), the modes supported, got 14"),
     "init routing default expert_num": (
         lambda: init_routing(expert_num=-1, active_expert_range=[]),
-        f"{INIT}: expert_num must be in [0, 10240] (pass the expert count), got -1"),
+        f"{INIT}: expert_num must be in (0, 10240] (pass the expert count), got -1"),
     "init routing range as a tensor": (
         lambda: init_routing(active_expert_range=torch.tensor([0, 4])),
         f"{INIT}: active_expert_range must be a host list[int], got Tensor"),
@@ -651,9 +672,15 @@ VIOLATIONS = {
     "finalize scales in another dtype": (
         lambda: finalize(scales=torch.ones(3, 2, dtype=torch.bfloat16)),
         f"{FINALIZE}: scales must be torch.float32 of shape (3, 2), got torch.bfloat16 (3, 2)"),
-    "finalize skip2 without skip1": (
-        lambda: finalize(skip1=None, skip2=torch.zeros(3, 8)),
-        f"{FINALIZE}: skip2 must be None when skip1 is None, got a tensor"),
+    "finalize skip1 without skip2": (
+        lambda: finalize(skip1=torch.zeros(3, 8), skip2=None),
+        f"{FINALIZE}: skip1 must be None when skip2 is None, got a tensor"),
+    "finalize row layout (drop_pad_mode 2)": (
+        lambda: finalize(drop_pad_mode=2),
+        f"{FINALIZE}: drop_pad_mode must be 0 (the only value supported), got 2"),
+    "finalize drop/pad": (
+        lambda: finalize(drop_pad_mode=1),
+        f"{FINALIZE}: drop_pad_mode must be 0 (the only value supported), got 1"),
     "finalize index -1 in dropless mode": (
         lambda: finalize(expanded_src_to_dst_row=torch.tensor([3, 0, -1, 1, 4, 2],
                                                               dtype=torch.int32)),
@@ -681,9 +708,6 @@ NOT_IMPLEMENTED = {
     "grouped top-k hash routing": (
         lambda: gating(input_ids=torch.zeros(4, dtype=torch.int32),
                        tid2eid=torch.zeros(8, 4, dtype=torch.int32)), "hash routing"),
-    "init routing drop/pad": (lambda: init_routing(drop_pad_mode=1), "drop_pad_mode=1"),
-    "init routing static int8": (lambda: init_routing(quant_mode=0), "quant_mode=0"),
-    "init routing MXFP8": (lambda: init_routing(quant_mode=3), "quant_mode=3"),
     "init routing key_value counts": (
         lambda: init_routing(expert_tokens_num_type=2), "expert_tokens_num_type=2"),
     "init routing Active scenario": (lambda: init_routing(active_num=4), "active_num=4"),
@@ -694,7 +718,6 @@ NOT_IMPLEMENTED = {
         lambda: grouped_matmul(x=[torch.zeros(5, 8, dtype=torch.int8)],
                                weight=[torch.zeros(3, 8, 6, dtype=torch.int8)],
                                scale=[torch.ones(3, 6, dtype=torch.int64)]), "int64"),
-    "finalize drop/pad": (lambda: finalize(drop_pad_mode=1), "drop_pad_mode=1"),
 }
 
 

@@ -126,8 +126,10 @@ def test_quant_matmul_takes_the_transposed_view_of_an_n_by_k_weight():
 
 @pytest.mark.parametrize("kwargs, error", [
     ({"output_dtype": FP16, "bias": torch.zeros(8, dtype=FP16)}, "bias must be int32"),
-    ({"output_dtype": FP16, "pertoken_scale": torch.ones(4), "bias": torch.zeros(8, dtype=FP16)},
-     "bias must be int32 or bfloat16 or float32"),
+    # [QMM-WHEEL] fp16 output with pertoken_scale: no bf16 bias (the meta kernel: a bf16 bias
+    # needs bf16 output).
+    ({"output_dtype": FP16, "pertoken_scale": torch.ones(4), "bias": torch.zeros(8, dtype=BF16)},
+     "bias must be int32 or float16 or float32"),
     ({"output_dtype": torch.int32, "pertoken_scale": torch.ones(4)}, "pertoken_scale must be None"),
     ({"output_dtype": BF16, "pertoken_scale": torch.ones(5)}, "pertoken_scale must be shape (4,)"),
     ({"output_dtype": FP32}, "output_dtype must be float16, bfloat16 or int32"),
@@ -140,6 +142,17 @@ def test_quant_matmul_contract(kwargs, error):
     x1, x2, scale = arguments.pop("x1"), arguments.pop("x2"), arguments.pop("scale")
     with pytest.raises(KernelContractError, match=__import__("re").escape(error)):
         kernels.quant_matmul(x1, x2, scale, **arguments)
+
+
+def test_quant_matmul_takes_an_fp16_bias_for_fp16_output_with_pertoken_scale():
+    """[QMM-WHEEL] 表1 column 4: a float bias is added after dequantisation."""
+    x1, x2 = _int8(4, 16), _int8(16, 8, seed=1)
+    scale, token_scale, bias = torch.rand(8) / 50, torch.rand(4) / 50, torch.randn(8).to(FP16)
+    out = kernels.quant_matmul(x1, x2, scale, pertoken_scale=token_scale, bias=bias,
+                               output_dtype=FP16)
+    expected = (x1.double() @ x2.double()) * scale.double() * token_scale.double()[:, None]
+    assert out.dtype == FP16
+    torch.testing.assert_close(out, (expected + bias.double()).to(FP16))
 
 
 def test_quant_matmul_unimplemented_forms_say_so():

@@ -3,6 +3,7 @@ the launch counter, lazy import."""
 
 import ast
 import collections
+import functools
 import importlib.machinery
 import inspect
 import re
@@ -16,137 +17,28 @@ import torch
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import npu, reference
+from tests import npu_wheels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # --- the published schemas ------------------------------------------------------------------------
 
-OP_PLUGIN = "Ascend/op-plugin@517f2e7d0f202f38b76310706cb977ca2388ad21"
-_FUNCTIONS_YAML = "op_plugin/config/op_plugin_functions.yaml"
+# The torch_npu op each real-path function calls, by its name on torch_npu. The schemas are the
+# wheel's own (tests/npu_wheels.py): the yaml ops' from npu_native_functions_by_codegen.yaml, the
+# ATB ops' from libop_plugin_atb.so, of the newest torch-npu the matrix names.
+OPS_CALLED = (
+    "npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "npu_rms_norm",
+    "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_top_k_top_p",
+    "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
+    "npu_grouped_matmul", "npu_moe_token_unpermute", "npu_moe_finalize_routing",
+    "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "_npu_paged_attention",
+    "_npu_paged_attention_get_workspace", "atb.npu_multi_head_latent_attention",
+)
+NEWEST = npu_wheels.matrix_versions()[-1]
 
-# op name -> (path:line in OP_PLUGIN, schema text verbatim). The yaml entries are from its
-# `custom:` section (its `func:` values); the ATB op from the TORCH_LIBRARY_FRAGMENT(atb) m.def.
-PUBLISHED_SCHEMAS = {
-    "npu_scatter_pa_kv_cache": (f"{_FUNCTIONS_YAML}:6950", (
-        'npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, '
-        'Tensor(b!) value_cache, Tensor slot_mapping, *, Tensor? compress_lens=None, '
-        'Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, '
-        "str? cache_mode='PA_NZ') -> ()"
-    )),
-    "npu_fused_infer_attention_score": (f"{_FUNCTIONS_YAML}:6177", (
-        'npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, '
-        'Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, '
-        'SymInt[]? actual_seq_lengths_kv=None, Tensor? dequant_scale1=None, '
-        'Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, '
-        'Tensor? quant_offset2=None, Tensor? antiquant_scale=None, '
-        'Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, '
-        'Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, '
-        'Tensor? value_antiquant_offset=None, Tensor? block_table=None, '
-        'Tensor? query_padding_size=None, Tensor? kv_padding_size=None, '
-        'Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, '
-        'SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, '
-        'Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, '
-        'float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, '
-        'str input_layout="BSH", int num_key_value_heads=0, int sparse_mode=0, '
-        'int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, '
-        'int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)'
-    )),
-    "npu_rms_norm": (f"{_FUNCTIONS_YAML}:6865", (
-        'npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)'
-    )),
-    "npu_add_rms_norm": (f"{_FUNCTIONS_YAML}:5805", (
-        'npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, '
-        'Tensor, Tensor)'
-    )),
-    "npu_swiglu": (f"{_FUNCTIONS_YAML}:7014", (
-        'npu_swiglu(Tensor self, int dim=-1) -> Tensor'
-    )),
-    "npu_rotary_mul": (f"{_FUNCTIONS_YAML}:6886", (
-        "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', "
-        'Tensor? rotate=None) -> Tensor'
-    )),
-    "npu_top_k_top_p": (f"{_FUNCTIONS_YAML}:7424", (
-        'npu_top_k_top_p(Tensor logits, Tensor? p=None, Tensor? k=None) -> Tensor'
-    )),
-    "npu_moe_gating_top_k_softmax": (f"{_FUNCTIONS_YAML}:6576", (
-        'npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, '
-        'Tensor, Tensor)'
-    )),
-    "npu_moe_gating_top_k": (f"{_FUNCTIONS_YAML}:6584", (
-        'npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, '
-        'Tensor? tid2eid=None, int k_group=1, int group_count=1, int group_select_mode=0, int '
-        'renorm=0, int norm_type=0, bool out_flag=False, float routed_scaling_factor=1.0, float '
-        'eps=1e-20) -> (Tensor, Tensor, Tensor)'
-    )),
-    "npu_moe_init_routing_v2": (f"{_FUNCTIONS_YAML}:6600", (
-        'npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? '
-        'offset=None, int active_num=-1, int expert_capacity=-1, int expert_num=-1, int '
-        'drop_pad_mode=0, int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int '
-        'quant_mode=-1, int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) -> '
-        '(Tensor, Tensor, Tensor, Tensor)'
-    )),
-    "npu_grouped_matmul": (f"{_FUNCTIONS_YAML}:6346", (
-        'npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? '
-        'scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? '
-        'antiquant_offset=None, Tensor[]? per_token_scale=None, Tensor? group_list=None, '
-        'Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, Tensor[]? '
-        'activation_quant_offset=None, int? split_item=0, int? group_type=None, int? '
-        'group_list_type=0, int? act_type=0, int[]? tuning_config=None, int? output_dtype=None, '
-        'int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, int? '
-        'per_token_scale_dtype=None) -> Tensor[]'
-    )),
-    "npu_moe_token_unpermute": (f"{_FUNCTIONS_YAML}:7465", (
-        'npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? '
-        'probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor'
-    )),
-    "npu_moe_finalize_routing": (f"{_FUNCTIONS_YAML}:6572", (
-        'npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, '
-        'Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? '
-        'export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor'
-    )),
-    "npu_dynamic_quant": (f"{_FUNCTIONS_YAML}:6128", (
-        'npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, '
-        'int? dst_type=None, str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, '
-        'Tensor)'
-    )),
-    "npu_quantize": (f"{_FUNCTIONS_YAML}:6827", (
-        'npu_quantize(Tensor self, Tensor scales, Tensor? zero_points, int dtype, int axis=1, '
-        'bool div_mode=True) -> Tensor'
-    )),
-    "npu_quant_matmul": (f"{_FUNCTIONS_YAML}:6787", (
-        'npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, Tensor? '
-        'pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, int? x1_dtype=None, '
-        'int? x2_dtype=None, int? pertoken_scale_dtype=None, int? scale_dtype=None, int[]? '
-        'group_sizes=None, Tensor? y_scale=None) -> Tensor'
-    )),
-    "_npu_paged_attention": ("op_plugin/ops/atb/PagedAttentionAtb.cpp:106", (
-        '_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, '
-        'int num_kv_heads, int num_heads, float scale_value, Tensor block_table, '
-        'Tensor context_lens, Tensor(a!) out, *,Tensor? workspace=None) -> ()'
-    )),
-    # torch_npu.atb.<name> (ATB_API_LIST in op_plugin/python/atb/_atb_ops.py): the two string
-    # pieces of the m.def at lines 372-373, joined.
-    "atb.npu_multi_head_latent_attention": ("op_plugin/ops/atb/MultiHeadLatentAttentionAtb.cpp:372", (
-        'npu_multi_head_latent_attention(Tensor q_nope, Tensor q_rope, Tensor ctkv, '
-        'Tensor k_rope, Tensor block_tables, SymInt[] context_lens, int q_headnum, '
-        'float qk_scale, int kv_headnum, *, Tensor? mask=None, SymInt[]? qseqlen=None, '
-        'Tensor? qk_descale=None, Tensor? pv_descale=None, str? mask_type=None, '
-        'str? calc_type=None, str? cache_mode=None) -> Tensor'
-    )),
-    "_npu_paged_attention_get_workspace": ("op_plugin/ops/atb/PagedAttentionAtb.cpp:108", (
-        '_npu_paged_attention_get_workspace(Tensor query, Tensor key_cache, Tensor value_cache, '
-        'int num_kv_heads, int num_heads, float scale_value, Tensor block_table, '
-        'Tensor context_lens, Tensor(a!) out) -> Tensor'
-    )),
-}
-
-# How each family reaches Python (which decides the keyword names a call may use):
-# - the yaml ops are torch_npu functions generated with torchgen, whose Python signatures spell a
-#   leading `Tensor self` as `input` ("s/self/input/ outside method bindings",
-#   torchgen/api/python.py, PythonArgument.argument_str); the torch_npu docs show it so, e.g.
-#   `torch_npu.npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None)`;
-# - the ATB ops are `torch.ops.atb.<name>` set on torch_npu (op_plugin/python/atb/_atb_ops.py,
-#   `_patch_atb_ops`), which bind by the schema's own argument names.
+# How torch_npu binds them (read from the wheel by npu_wheels.stand_in): every op is
+# torch.ops.npu.<name> or torch.ops.atb.<name> itself, so a call binds by the schema's own
+# argument names: a leading `Tensor self` is `self=`, never torchgen's `input=` (finding 10).
 _PYTHON_TYPES = {"Tensor": torch.Tensor, "int": int, "SymInt": int, "float": (int, float),
                  "bool": bool, "str": str}
 # An `int` that names a dtype takes a torch.dtype: the torch_npu docs call these ops so, e.g.
@@ -175,7 +67,7 @@ def _split_arguments(text: str) -> list[str]:
     return [argument for argument in (*arguments, current.strip()) if argument]
 
 
-def parse_schema(schema: str, *, python_binding: bool) -> tuple[str, inspect.Signature]:
+def parse_schema(schema: str) -> tuple[str, inspect.Signature]:
     """``name(Type arg, *, Type? arg=default) -> returns`` as a Python signature whose annotations
     are the schema types; arguments after ``*`` are keyword-only."""
     name, arguments = re.fullmatch(r"(\w+)\((.*)\) -> .+", schema).groups()
@@ -186,8 +78,6 @@ def parse_schema(schema: str, *, python_binding: bool) -> tuple[str, inspect.Sig
             continue
         declaration, has_default, default = argument.partition("=")
         schema_type, arg_name = declaration.rsplit(" ", 1)
-        if python_binding and arg_name == "self" and schema_type == "Tensor":
-            arg_name = "input"
         parameters.append(inspect.Parameter(
             arg_name, kind, annotation=schema_type,
             default=ast.literal_eval(default) if has_default else inspect.Parameter.empty))
@@ -213,22 +103,24 @@ def accepts(schema_type: str, value, name: str = "") -> bool:
     return isinstance(value, _PYTHON_TYPES[base])
 
 
-def _signatures() -> dict[str, inspect.Signature]:
-    signatures = {}
-    for op, (source, schema) in PUBLISHED_SCHEMAS.items():
-        name, signature = parse_schema(schema, python_binding=source.startswith(_FUNCTIONS_YAML))
-        assert name == op.rpartition(".")[2], source
-        signatures[op] = signature
-    return signatures
+@functools.cache
+def published() -> dict[str, str]:
+    """Each called op's schema text, from the newest wheel."""
+    wheel = npu_wheels.load(NEWEST)
+    return {op: (wheel.atb_schemas if op.startswith("atb.") or op.startswith("_npu_")
+                 else wheel.schemas)[op.rpartition(".")[2]] for op in OPS_CALLED}
 
 
-SIGNATURES = _signatures()
+@functools.cache
+def signatures() -> dict[str, inspect.Signature]:
+    return {op: parse_schema(schema)[1] for op, schema in published().items()}
 
 
 class PublishedTorchNpu(types.ModuleType):
     """Stands in for torch_npu with exactly the ops whose published schema is above. A call binds
     as the real binding does (argument names, positional vs keyword-only, required arguments,
-    argument types) or raises, and is recorded as its bound arguments by schema name."""
+    argument types) or raises, and is recorded as its bound arguments by schema name. Each op
+    carries its schema as ``op.default._schema``, as a torch.ops packet does."""
 
     def __init__(self):
         super().__init__("torch_npu")
@@ -238,13 +130,13 @@ class PublishedTorchNpu(types.ModuleType):
     def __getattr__(self, name):
         if name == "atb":  # the torch_npu.atb module of ATB ops
             return types.SimpleNamespace(**{op.partition(".")[2]: self._op(op)
-                                            for op in SIGNATURES if op.startswith("atb.")})
+                                            for op in signatures() if op.startswith("atb.")})
         return self._op(name)
 
     def _op(self, name):
-        if name not in SIGNATURES:
+        if name not in signatures():
             raise AttributeError(f"torch_npu has no published schema for {name!r} here")
-        signature = SIGNATURES[name]
+        signature = signatures()[name]
 
         def op(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
@@ -256,6 +148,7 @@ class PublishedTorchNpu(types.ModuleType):
             self.calls.append((name, arguments))
             return self.results.get(name)
 
+        op.default = types.SimpleNamespace(_schema=torch._C.parse_schema(published()[name]))
         return op
 
     def only_call(self, name):
@@ -288,16 +181,16 @@ def torch_npu(monkeypatch):
 
 
 def test_schemas_parse_into_the_bindings_signatures():
-    assert str(SIGNATURES["npu_swiglu"]) == "(input: 'Tensor', dim: 'int' = -1)"
-    scatter = SIGNATURES["npu_scatter_pa_kv_cache"].parameters
+    assert str(signatures()["npu_swiglu"]) == "(self: 'Tensor', dim: 'int' = -1)"
+    scatter = signatures()["npu_scatter_pa_kv_cache"].parameters
     assert [p.name for p in scatter.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == [
         "key", "value", "key_cache", "value_cache", "slot_mapping"]
     assert scatter["cache_mode"].kind is inspect.Parameter.KEYWORD_ONLY
     assert (scatter["cache_mode"].annotation, scatter["cache_mode"].default) == ("str?", "PA_NZ")
-    paged = SIGNATURES["_npu_paged_attention"].parameters  # torch.ops: no self/input renaming
+    paged = signatures()["_npu_paged_attention"].parameters
     assert paged["out"].annotation == "Tensor(a!)" and paged["out"].default is inspect.Parameter.empty
     assert paged["workspace"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert SIGNATURES["npu_fused_infer_attention_score"].parameters["input_layout"].default == "BSH"
+    assert signatures()["npu_fused_infer_attention_score"].parameters["input_layout"].default == "BSH"
 
 
 X, GAMMA = torch.zeros(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
@@ -305,7 +198,7 @@ SLOTS = torch.tensor([0, 1, 2], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("call, error", [
-    (lambda t: t.npu_rms_norm(self=X, gamma=GAMMA), "missing a required argument: 'input'"),
+    (lambda t: t.npu_rms_norm(input=X, gamma=GAMMA), "missing a required argument: 'self'"),
     (lambda t: t.npu_scatter_pa_kv_cache(X, X, X, X, SLOTS, "Norm"), "too many positional"),
     (lambda t: t.npu_scatter_pa_kv_cache(X, X, X, X, SLOTS, block_size=128),
      "unexpected keyword argument 'block_size'"),
@@ -408,16 +301,16 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
 
     kernels.rms_norm(X, GAMMA, 1e-5)
     assert_arguments(torch_npu.only_call("npu_rms_norm"),
-                     {"input": X, "gamma": GAMMA, "epsilon": 1e-5})
+                     {"self": X, "gamma": GAMMA, "epsilon": 1e-5})
     kernels.add_rms_norm(X, X, GAMMA, 1e-5)
     assert_arguments(torch_npu.only_call("npu_add_rms_norm"),
                      {"x1": X, "x2": X, "gamma": GAMMA, "epsilon": 1e-5})
     kernels.swiglu(X)
-    assert_arguments(torch_npu.only_call("npu_swiglu"), {"input": X, "dim": -1})
+    assert_arguments(torch_npu.only_call("npu_swiglu"), {"self": X, "dim": -1})
     x, cos, sin = X[None], X[None] / 2, X[None] / 3
     kernels.rotary_mul(x, cos, sin, "interleave")
     assert_arguments(torch_npu.only_call("npu_rotary_mul"),
-                     {"input": x, "r1": cos, "r2": sin, "rotary_mode": "interleave"})
+                     {"self": x, "r1": cos, "r2": sin, "rotary_mode": "interleave"})
 
     # MoE: npu_moe_finalize_routing's tensors go positionally, as its schema spells the last one
     # "export_for_source_row" (the doc: expert_for_source_row).
@@ -470,7 +363,7 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     scales, offsets = torch.ones(1, dtype=bf16), torch.zeros(1, dtype=bf16)
     kernels.quantize(x, scales, offsets, torch.qint8, axis=-1, div_mode=False)
     assert_arguments(torch_npu.only_call("npu_quantize"), {
-        "input": x, "scales": scales, "zero_points": offsets, "dtype": torch.qint8, "axis": -1,
+        "self": x, "scales": scales, "zero_points": offsets, "dtype": torch.qint8, "axis": -1,
         "div_mode": False})
     weight, channel_scale = torch.zeros(64, 32, dtype=torch.int8), torch.ones(32)
     bias32 = torch.zeros(32, dtype=int32)
@@ -532,6 +425,27 @@ def test_count_launches_counts_per_op_and_restores_the_originals():
             kernels.swiglu(torch.zeros(3, 5))
     assert counts == collections.Counter(swiglu=1)
     assert all(getattr(kernels, name) is fn for name, fn in originals.items())
+
+
+def test_record_calls_keeps_each_distinct_call_with_its_result_and_restores_the_originals():
+    originals = {name: getattr(kernels, name) for name in kernels.OPS}
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with kernels.record_calls() as records:
+        kernels.swiglu(x)
+        kernels.swiglu(torch.randn(4, 16, dtype=torch.bfloat16))
+        kernels.rms_norm(x[:, :8].t(), torch.ones(4, dtype=torch.bfloat16), epsilon=1e-5)
+    assert all(getattr(kernels, name) is fn for name, fn in originals.items())
+    swiglu, rms_norm = records.values()
+    assert swiglu == {"op": "swiglu", "count": 2, "kwargs": {},
+                      "args": {"tuple": [{"tensor": {
+                          "shape": [4, 16], "stride": [16, 1], "offset": 0, "dtype": "bfloat16",
+                          "device": "cpu", "contiguous": True}}]},
+                      "out": {"tensor": {"shape": [4, 8], "stride": [8, 1], "offset": 0,
+                                         "dtype": "bfloat16", "device": "cpu", "contiguous": True}}}
+    view = rms_norm["args"]["tuple"][0]["tensor"]
+    assert (view["shape"], view["stride"], view["contiguous"]) == ([8, 4], [1, 16], False)
+    assert rms_norm["kwargs"] == {"epsilon": 1e-5}
+    assert [t["tensor"]["dtype"] for t in rms_norm["out"]["tuple"]] == ["bfloat16", "float32"]
 
 
 def test_count_launches_on_the_real_path(torch_npu):

@@ -18,6 +18,7 @@ per-call dispatch. Call them through the module (``kernels.rms_norm(...)``): a n
 import collections
 import contextlib
 import functools
+import json
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
@@ -116,29 +117,82 @@ def active_backend() -> str | None:
 
 
 @contextlib.contextmanager
-def count_launches():
-    """Count seam calls per op while the block runs; on the real path each is one op launch.
-
-    Yields a ``collections.Counter`` keyed by op name. The op functions are swapped for counting
-    wrappers and the exact originals are restored on exit, so do not call :func:`use` inside.
-    """
-    counts = collections.Counter()
+def _wrapped(wrap):
+    """Swap every op for ``wrap(name, fn)`` while the block runs; the exact originals are
+    restored on exit, so do not call :func:`use` inside."""
     originals = {name: globals()[name] for name in OPS}
-    globals().update({name: _counting(name, fn, counts) for name, fn in originals.items()})
+    globals().update({name: functools.wraps(fn)(wrap(name, fn)) for name, fn in originals.items()})
     try:
-        yield counts
+        yield
     finally:
         globals().update(originals)
 
 
-def _counting(name, fn, counts):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        counts[name] += 1
-        return fn(*args, **kwargs)
+@contextlib.contextmanager
+def count_launches():
+    """Count seam calls per op while the block runs; on the real path each is one op launch.
 
-    return wrapper
+    Yields a ``collections.Counter`` keyed by op name.
+    """
+    counts = collections.Counter()
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    with _wrapped(counting):
+        yield counts
+
+
+@contextlib.contextmanager
+def record_calls():
+    """Record every distinct seam call while the block runs, for checking the calls against the
+    real torch_npu schemas and meta kernels off-hardware (tests/npu_wheels.py).
+
+    Yields a dict of records keyed by their JSON text, each ``{"op", "args", "kwargs", "out",
+    "count"}``: the arguments and what the active backend returned, as :func:`describe` puts
+    them. Outside the block the ops are the plain functions again.
+    """
+    records = {}
+
+    def recording(name, fn):
+        def wrapper(*args, **kwargs):
+            described = {"op": name, "args": describe(args), "kwargs": describe(kwargs)}
+            out = fn(*args, **kwargs)
+            described["out"] = describe(out)
+            key = json.dumps(described, sort_keys=True)
+            records.setdefault(key, {**described, "count": 0})["count"] += 1
+            return out
+
+        return wrapper
+
+    with _wrapped(recording):
+        yield records
+
+
+def describe(value):
+    """A seam argument or result as JSON: a tensor as its layout (shape, stride, offset, dtype,
+    device, contiguity), a dtype as ``{"dtype": name}``, containers item by item, scalars, strings
+    and None as they are."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": {"shape": list(value.shape), "stride": list(value.stride()),
+                           "offset": value.storage_offset(), "dtype": _dtype_name(value.dtype),
+                           "device": value.device.type, "contiguous": value.is_contiguous()}}
+    if isinstance(value, torch.dtype):
+        return {"dtype": _dtype_name(value)}
+    if isinstance(value, dict):
+        return {key: describe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return {"tuple" if isinstance(value, tuple) else "list": [describe(item) for item in value]}
+    return value
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 __all__ = [*OPS, "KernelBackendError", "KernelContractError", "OPS", "active_backend",
-           "count_launches", "use"]
+           "count_launches", "describe", "record_calls", "use"]

@@ -51,7 +51,13 @@ from .contracts import (
     check_tensor,
     require,
 )
-from .reference import _check_block_ids, _check_causal_mask, _check_tnd_lengths, _lengths_from_cumulative
+from .reference import (
+    _check_block_ids,
+    _check_causal_mask,
+    _check_tnd_lengths,
+    _lengths_from_cumulative,
+    no_softmax_lse,
+)
 
 _HALF = (torch.float16, torch.bfloat16)
 # [FIA] MLA约束, D = 512: "要求query的N为1/2/4/8/16/32/64/128".
@@ -136,8 +142,9 @@ def fused_infer_attention_score_mla(
       ``[num_blocks, block_size, 512]`` and ``key_rope [num_blocks, block_size, 64]``, one KV
       head, per-sequence KV lengths.
 
-    Returns ``(attn_out [T, N, Dv], softmax_lse)``, ``softmax_lse`` the documented zero tensor of
-    shape (1,) (the seam never sets ``softmax_lse_flag``; D = 512 does not support it).
+    Returns ``(attn_out [T, N, Dv], softmax_lse)``, ``softmax_lse`` the empty tensor of
+    ``reference.no_softmax_lse`` (the seam never sets ``softmax_lse_flag``; D = 512 does not
+    support it).
     """
     op = "npu_fused_infer_attention_score"
     if input_layout != "TND":
@@ -205,7 +212,7 @@ def fused_infer_attention_score_mla(
             k_nope, k_rope, v = key[kv_rows], key_rope[kv_rows], value[kv_rows]
         out[rows] = latent_attention(query[rows], query_rope[rows], k_nope, k_rope, v, scale,
                                      causal=sparse_mode == 3)
-    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+    return out, no_softmax_lse(query)
 
 
 def _check_latent_paged(op, query, key, key_rope, block_table, kv_lens, num_key_value_heads,

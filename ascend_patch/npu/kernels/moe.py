@@ -28,8 +28,8 @@ An unquantised MoE layer (dropless, all experts local) calls them in this order,
 
 ``npu_moe_token_unpermute`` is the combine step to use: it takes init_routing_v2's
 ``expanded_row_idx`` as is, runs on A2 and A3, and is what vllm-ascend uses.
-``npu_moe_finalize_routing`` (also here, ``drop_pad_mode=2`` for that index layout) is documented
-for A2 only, takes ``scales`` in the rows' dtype (bf16 weights), and vllm-ascend reports accuracy
+``npu_moe_finalize_routing`` (also here; its only supported ``drop_pad_mode`` is 0, the column
+layout of init_routing v1, not v2's gather index) is documented for A2 only, takes ``scales`` in the rows' dtype (bf16 weights), and vllm-ascend reports accuracy
 problems with it (``vllm_ascend/ops/fused_moe/moe_comm_method.py``).
 
 Dynamic int8 (W8A8): ``npu_moe_init_routing_v2(..., quant_mode=1)`` returns int8 rows and their
@@ -65,14 +65,20 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   algorithm); [GATING-ACLNN] ``moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md`` (normalisation
   rule per norm_type and renorm; no empty input).
 - [INIT-V2] ``torch_npu-npu_moe_init_routing_v2.md`` (its equivalent code is the algorithm) and
-  ``op_plugin/ops/opapi/MoeInitRoutingV2KernelNpuOpApi.cpp`` (output shapes).
+  ``op_plugin/ops/opapi/MoeInitRoutingV2KernelNpuOpApi.cpp`` (output shapes); [INIT-V2-WHEEL] its
+  docstring in the torch-npu 2.11-2.14 wheels' ``_op_plugin_docs.py`` ("当前仅支持" lists: drop_pad_mode
+  0, expert_tokens_num_type 1 and 2, expert_tokens_num_flag True, quant_mode -1 and 1; expert_num
+  in (0, 10240]) and the wheels' meta kernel (``op_plugin/meta/_meta_registrations.py``: a given
+  active_expert_range "must be increasing").
 - [GMM] ``torch_npu-npu_grouped_matmul.md`` (table 2 dtypes, the single-single-single row);
   [GMM-ACLNN] ``gmm/grouped_matmul/docs/aclnnGroupedMatmulV4_en.md`` (int8 → int32 row,
   per-channel scale ``[g, n]`` for a single weight tensor).
 - [UNPERMUTE] no torch_npu doc page: schema in the yaml, ``MoeTokenUnpermuteKernelNpuOpApi.cpp``,
   ``test/test_custom_ops/test_npu_moe_token_permute_and_unpermute.py`` and
   ``moe/moe_token_unpermute/docs/aclnnMoeTokenUnpermute.md``.
-- [FINALIZE] ``torch_npu-npu_moe_finalize_routing.md``.
+- [FINALIZE] ``torch_npu-npu_moe_finalize_routing.md``; [FINALIZE-WHEEL] its docstring in the
+  torch-npu 2.11-2.14 wheels' ``_op_plugin_docs.py`` (drop_pad_mode "取值范围为0"; "skip2参数为None时,
+  skip1参数必须也为None").
 
 Outputs the docs leave undefined (rows past the valid count, a count tensor that was not asked
 for, ``norm_out`` without ``out_flag``) are filled with NaN, or the dtype's minimum for integers,
@@ -219,10 +225,6 @@ def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1
 
 # --- permute --------------------------------------------------------------------------------------
 
-# [INIT-V2] quant_mode: -1 none, 0 static, 1 dynamic int8, the rest MX/HiF8/FP8/INT4 formats.
-_QUANT_MODES = {-1, 0, 1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 16, 17}
-
-
 def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
                         expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
                         expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
@@ -233,26 +235,24 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     Only pairs whose expert lies in ``active_expert_range`` (default ``[0, expert_num)``) are
     valid: they fill the first ``available`` rows, in expert order and, within an expert, in
     (token, slot) order. ``expanded_row_idx`` with ``row_idx_type=0`` maps pair ``t*K + j`` to its
-    row (-1 if not valid); with 1 it lists the pairs of rows ``0..available-1``. Counts (or their
-    cumsum) are int64 over the active range. ``quant_mode=1`` quantises each row to int8 with
+    row (-1 if not valid); with 1 it lists the pairs of rows ``0..available-1``. Counts are int64
+    over the active range. ``quant_mode=1`` quantises each row to int8 with
     ``scale = rowmax|x (* smooth scale)| / 127`` returned as ``expanded_scale``.
     """
     op = "npu_moe_init_routing_v2"
-    if drop_pad_mode == 1:
-        raise NotImplementedError(f"{op}: drop_pad_mode=1 (drop/pad with expert_capacity) is not "
-                                  "implemented; the seam uses the dropless mode 0")
-    require(drop_pad_mode == 0, op, "drop_pad_mode", "0 (dropless) or 1 (drop/pad)",
+    # [INIT-V2-WHEEL] the modes the op supports today (its meta kernel takes more, for formats
+    # later CANN releases add); key_value counts are documented but not emulated.
+    require(drop_pad_mode == 0, op, "drop_pad_mode", "0 (dropless, the only mode supported)",
             drop_pad_mode)
-    require(quant_mode in _QUANT_MODES, op, "quant_mode",
-            f"one of {sorted(_QUANT_MODES)}", quant_mode)
-    if quant_mode not in (-1, 1):
-        raise NotImplementedError(f"{op}: quant_mode={quant_mode} is not implemented; the seam "
-                                  "implements -1 (none) and 1 (dynamic int8)")
+    require(quant_mode in (-1, 1), op, "quant_mode", "-1 (none) or 1 (dynamic int8), the modes "
+            "supported", quant_mode)
+    require(expert_tokens_num_flag is True, op, "expert_tokens_num_flag", "True (the only value "
+            "supported)", expert_tokens_num_flag)
+    require(expert_tokens_num_type in (1, 2), op, "expert_tokens_num_type", "1 (count) or 2 "
+            "(key_value), the modes supported", expert_tokens_num_type)
     if expert_tokens_num_type == 2:
         raise NotImplementedError(f"{op}: expert_tokens_num_type=2 (key_value) is not implemented; "
-                                  "use 0 (cumsum) or 1 (count)")
-    require(expert_tokens_num_type in (0, 1), op, "expert_tokens_num_type",
-            "0 (cumsum), 1 (count) or 2 (key_value)", expert_tokens_num_type)
+                                  "use 1 (count)")
     require(row_idx_type in (0, 1), op, "row_idx_type", "0 (gather) or 1 (scatter)", row_idx_type)
 
     check_tensor(op, "x", x)
@@ -267,17 +267,18 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     top_k = expert_idx.shape[1]
     pairs = rows_in * top_k
 
-    # [INIT-V2] expert_num: [0, 10240]; the default -1 only works with an explicit range, whose
-    # end must not exceed it anyway, so it is required.
+    # [INIT-V2-WHEEL] expert_num: (0, 10240]; the default -1 only works with an explicit range,
+    # whose end must not exceed it anyway, so it is required.
     _check_int(op, "expert_num", expert_num)
-    require(0 <= expert_num <= 10240, op, "expert_num", "in [0, 10240] (pass the expert count)",
+    require(0 < expert_num <= 10240, op, "expert_num", "in (0, 10240] (pass the expert count)",
             expert_num)
     expert_range = check_int_list(op, "active_expert_range", active_expert_range)
     if not expert_range:
         expert_range = [0, expert_num]
-    # [INIT-V2] [expert_start, expert_end): 值大于等于 0, expert_end 不大于 expert_num.
-    require(len(expert_range) == 2 and 0 <= expert_range[0] <= expert_range[1] <= expert_num, op,
-            "active_expert_range", f"[start, end) with 0 ≤ start ≤ end ≤ expert_num={expert_num}",
+    # [INIT-V2] [expert_start, expert_end): 值大于等于 0, expert_end 不大于 expert_num; not empty
+    # ([INIT-V2-WHEEL] meta: "must be increasing").
+    require(len(expert_range) == 2 and 0 <= expert_range[0] < expert_range[1] <= expert_num, op,
+            "active_expert_range", f"[start, end) with 0 ≤ start < end ≤ expert_num={expert_num}",
             expert_range)
     start, end = expert_range
     # [INIT-V2] dropless: active_num ≥ -1; -1 and 0 mean all rows.
@@ -322,10 +323,6 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
         expanded_row_idx[:available] = order.to(torch.int32)
 
     counts = torch.bincount(flat_experts[valid] - start, minlength=end - start)
-    if not expert_tokens_num_flag:
-        counts = _undefined(counts.shape, torch.int64, device)
-    elif expert_tokens_num_type == 0:
-        counts = counts.cumsum(0)
 
     rows = x[source_rows]
     expanded_scale = _undefined((pairs,), torch.float32, device)
@@ -565,15 +562,13 @@ def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                          expanded_src_to_dst_row, expert_for_source_row, drop_pad_mode=0):
     """``out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src[i, k]] + bias[e[i, k]])``.
 
-    ``src[i, k]`` is ``expanded_src_to_dst_row[k * N + i]`` with ``drop_pad_mode=0`` (column
-    layout, init_routing v1) and ``[i * K + k]`` with 2 (row layout, init_routing_v2's gather
-    index). Missing skips, bias or scales (None) drop their terms; without scales ``K = 1``.
+    ``src[i, k]`` is ``expanded_src_to_dst_row[k * N + i]`` (``drop_pad_mode=0``, the column layout
+    of init_routing v1). Missing skips, bias or scales (None) drop their terms; without scales
+    ``K = 1``.
     """
     op = "npu_moe_finalize_routing"
-    if drop_pad_mode in (1, 3):
-        raise NotImplementedError(f"{op}: drop_pad_mode={drop_pad_mode} (drop/pad, rows (E, C, H))"
-                                  " is not implemented")
-    require(drop_pad_mode in (0, 2), op, "drop_pad_mode", "in [0, 3]", drop_pad_mode)
+    # [FINALIZE-WHEEL] drop_pad_mode: 取值范围为0 (the column layout of init_routing v1).
+    require(drop_pad_mode == 0, op, "drop_pad_mode", "0 (the only value supported)", drop_pad_mode)
     rows_name = "expanded_permuted_rows"
     check_tensor(op, rows_name, expanded_permuted_rows)
     check_dims(op, rows_name, expanded_permuted_rows, 2)  # [FINALIZE] (NUM_ROWS * K, H)
@@ -600,8 +595,8 @@ def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                 f"(N, K) with N * K = {pairs}", tuple(scales.shape))
         check_float("scales", scales, tuple(scales.shape))
     tokens = pairs // top_k
-    # [FINALIZE] skip1 为 None 时, skip2 也必须为 None.
-    require(skip1 is not None or skip2 is None, op, "skip2", "None when skip1 is None", "a tensor")
+    # [FINALIZE-WHEEL] skip2参数为None时, skip1参数必须也为None.
+    require(skip2 is not None or skip1 is None, op, "skip1", "None when skip2 is None", "a tensor")
     for name, skip in (("skip1", skip1), ("skip2", skip2)):
         if skip is not None:
             check_tensor(op, name, skip)
@@ -623,13 +618,12 @@ def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
             require(0 <= low and high < bias.shape[0], op, "expert_for_source_row",
                     f"within [0, {bias.shape[0] - 1}] (bias rows)", f"range [{low}, {high}]")
     if pairs:
-        # [FINALIZE] drop_pad_mode 0/2: 取值范围 [0, NUM_ROWS * K - 1].
+        # [FINALIZE] drop_pad_mode 0: 取值范围 [0, NUM_ROWS * K - 1].
         low, high = (int(v) for v in expanded_src_to_dst_row.aminmax())
         require(0 <= low and high < pairs, op, "expanded_src_to_dst_row",
                 f"within [0, {pairs - 1}]", f"range [{low}, {high}]")
 
-    index = expanded_src_to_dst_row.long()
-    index = index.view(top_k, tokens).t() if drop_pad_mode == 0 else index.view(tokens, top_k)
+    index = expanded_src_to_dst_row.long().view(top_k, tokens).t()
     contributions = expanded_permuted_rows.float()[index]  # (N, K, H)
     if bias is not None:
         contributions = contributions + bias.float()[expert_for_source_row.long()]

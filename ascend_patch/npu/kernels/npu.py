@@ -5,9 +5,12 @@ This is the only module in the project that touches torch_npu.
 torch_npu is imported on the first call, never at import time: importing it initialises the NPU
 runtime (and without the CANN toolkit it breaks ``import torch`` itself), so merely selecting this
 backend must stay free. Each kernel keeps the signature of its ``reference`` twin; arguments go to
-torch_npu under the names the op schemas use (``op_plugin/config/op_plugin_functions.yaml`` and the
-ATB bindings in ``op_plugin/ops/atb/``), except the leading tensor of ops whose schema calls it
-``self``, which goes positionally: the generated Python binding renames it ``input``.
+torch_npu under the names the op schemas use (``csrc/aten/npu_native_functions_by_codegen.yaml``
+and the ATB ``m.def`` strings in ``lib/libop_plugin_atb.so`` of the wheel): torch_npu sets each op
+as the dispatcher's own ``torch.ops.npu.<op>`` / ``torch.ops.atb.<op>`` (``_init/core/_exports.py``,
+``utils/custom_ops.py``, ``op_plugin/atb/_atb_ops.py``), which binds by those names, ``self``
+included. tests/test_npu_wheels.py replays every call the emulated engine makes against each
+torch-npu wheel the matrix names.
 
 The device-runtime queries at the end (probe, names, memory, seeding) live here for the same
 reason: they are torch_npu calls; :mod:`ascend_patch.npu.device` and the loader reach the NPU through
@@ -101,8 +104,30 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
 
 
 def top_k_top_p(logits, p=None, k=None):
+    if k is None:
+        return _top_p_only()(logits, p)
     # By keyword: the positional order is (logits, p, k), easy to get backwards.
     return _torch_npu().npu_top_k_top_p(logits, p=p, k=k)
+
+
+@functools.cache
+def _top_p_only():
+    """``npu_top_k_top_p(logits, p=p)`` as an op whose fake kernel tracing can run. torch_npu's
+    meta kernel is ``npu_top_k_top_p_meta(logits, p, k)`` without defaults, and the dispatcher
+    leaves an argument at its default out of the call, so a traced (FakeTensor or meta) top-p-only
+    call raises "missing 1 required positional argument: 'k'" (torch-npu 2.11-2.14
+    ``op_plugin/meta/_meta_registrations.py``). Run eagerly, the op is the torch_npu call."""
+    import torch
+
+    @torch.library.custom_op("ascend_patch::npu_top_p", mutates_args=())
+    def npu_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return _torch_npu().npu_top_k_top_p(logits, p=p)
+
+    @npu_top_p.register_fake
+    def _(logits, p):
+        return torch.empty_like(logits)
+
+    return npu_top_p
 
 
 
@@ -116,12 +141,26 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
 def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
                      group_count=1, group_select_mode=0, renorm=0, norm_type=0,
                      out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
-    return _torch_npu().npu_moe_gating_top_k(
-        x, k, bias=bias, input_ids=input_ids, tid2eid=tid2eid, k_group=k_group,
-        group_count=group_count, group_select_mode=group_select_mode, renorm=renorm,
-        norm_type=norm_type, out_flag=out_flag, routed_scaling_factor=routed_scaling_factor,
-        eps=eps,
+    op = _torch_npu().npu_moe_gating_top_k
+    # The hash-routing inputs came with torch-npu 2.13: the 2.10/2.11 schema has no input_ids or
+    # tid2eid and rejects a call naming them, so they go only to a torch_npu that takes them.
+    hashing = {name: value for name, value in (("input_ids", input_ids), ("tid2eid", tid2eid))
+               if value is not None or name in _argument_names(op)}
+    missing = [name for name in hashing if name not in _argument_names(op)]
+    if missing:
+        raise ValueError(f"npu_moe_gating_top_k: the installed torch_npu takes no {', '.join(missing)}"
+                         " (hash routing needs torch-npu 2.13 or later)")
+    return op(
+        x, k, bias=bias, **hashing, k_group=k_group, group_count=group_count,
+        group_select_mode=group_select_mode, renorm=renorm, norm_type=norm_type,
+        out_flag=out_flag, routed_scaling_factor=routed_scaling_factor, eps=eps,
     )
+
+
+@functools.cache
+def _argument_names(op) -> frozenset[str]:
+    """The argument names of a torch_npu op's schema, read from the installed torch_npu."""
+    return frozenset(argument.name for argument in op.default._schema.arguments)
 
 
 def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,

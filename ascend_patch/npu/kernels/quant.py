@@ -31,6 +31,10 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   dtype rows implemented here. [QMM-ACLNN] ``matmul/quant_batch_matmul_v4/docs/
   aclnnQuantMatmulV5.md``: x2 may be the transposed view of a contiguous [n, k] tensor; with
   int32 output and an int32 or no bias the scales do not take part (``out = x1 @ x2 + bias``).
+  [QMM-WHEEL] the docstring in the torch-npu 2.11-2.14 wheels' ``_op_plugin_docs.py``, 表1 (A2/A3):
+  fp16 output with pertoken_scale takes an int32, float16 or float32 bias (not bfloat16); the
+  wheels' meta kernel (``quant_matmul_bias_dtype_check``) agrees: "When bias dtype is bfloat16,
+  output_dtype must be bfloat16".
 
 Assumptions the docs leave open: rounding is half-to-even (torch.round) and casts to int8
 saturate at [-128, 127]; an all-zero row in npu_dynamic_quant gets scale 0 and zeros (its 0/0 is
@@ -114,7 +118,8 @@ _QMM_ROWS = {
                      (torch.int32, torch.bfloat16, torch.float32), "optional"),
     torch.int32: ((torch.float32, torch.bfloat16), (torch.int32,), "forbidden"),
 }
-_QMM_FP16_PER_TOKEN = ((torch.float32,), (torch.int32, torch.bfloat16, torch.float32), "required")
+# [QMM-WHEEL] 表1 column 4: fp16 output, pertoken_scale float32.
+_QMM_FP16_PER_TOKEN = ((torch.float32,), (torch.int32, torch.float16, torch.float32), "required")
 
 
 def quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,

@@ -26,7 +26,10 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   hands the tensor's storage to ATB as is, so every in-place ATB output must be contiguous.
 - [SCATTER] ``torch_npu-npu_scatter_pa_kv_cache.md`` and the schema in
   ``op_plugin/config/op_plugin_functions.yaml``.
-- [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
+- [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [RMS-WHEEL] its docstring in the torch-npu 2.11-2.14
+  wheels' ``_op_plugin_docs.py`` ("gamma：...数据类型需要和self保持一致"; the .md's A2/A3 table also
+  lists an fp32 gamma beside fp16/bf16 self, which the wheels' own doc does not allow);
+  [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
   [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
 - [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
 - The Mixture-of-Experts ops and their sources: :mod:`.moe`; the int8 quantisation ops:
@@ -147,7 +150,7 @@ def fused_infer_attention_score(
     single-token queries (decode) over a paged cache with an optional explicit mask.
 
     Returns ``(attn_out, softmax_lse)`` with ``attn_out`` shaped like ``query``; the seam never
-    sets ``softmax_lse_flag``, so ``softmax_lse`` is the documented zero tensor of shape (1,).
+    sets ``softmax_lse_flag``, so ``softmax_lse`` is :func:`no_softmax_lse`.
     """
     op = "npu_fused_infer_attention_score"
     if input_layout == "BSH":
@@ -213,7 +216,16 @@ def fused_infer_attention_score(
             seq_key, seq_value = key[kv_rows], value[kv_rows]
         rows = slice(q_starts[i], q_ends[i])
         out[rows] = attend(query[rows], seq_key, seq_value, scale, pre_tokens=pre, next_tokens=after)
-    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+    return out, no_softmax_lse(query)
+
+
+def no_softmax_lse(query):
+    """FIA's ``softmax_lse`` with ``softmax_lse_flag=False``: an empty fp32 tensor of shape (0,).
+    The op allocates it so (op-plugin ``FusedInferAttentionScoreKernelNpuOpApi.cpp``:
+    ``apply_tensor_without_format({0}, Float)``) and its meta kernel returns it so
+    (torch-npu 2.11-2.14 ``op_plugin/meta/_meta_registrations.py``, ``torch.empty([0], ...)``),
+    which is what tracing sees; [FIA]'s "shape为[1]的值为0的Tensor" is out of date."""
+    return torch.empty(0, dtype=torch.float32, device=query.device)
 
 
 def _check_kv(op, query, key, value):
@@ -336,7 +348,7 @@ def _fia_bsh_decode(op, query, key, value, atten_mask, block_table, actual_seq_l
         out[index] = decode_batch(queries[index], key_cache, value_cache, block_table[rows],
                                   [kv_lens[b] for b in rows], scale,
                                   masked=None if masked is None else masked[rows])
-    return out.view(batch, 1, hidden), torch.zeros(1, dtype=torch.float32, device=query.device)
+    return out.view(batch, 1, hidden), no_softmax_lse(query)
 
 
 def _check_decode_mask(op, atten_mask, batch, width, kv_lens):
@@ -556,22 +568,14 @@ def _check_causal_mask(op, atten_mask, sparse_mode):
 
 # --- norms and activation -------------------------------------------------------------------------
 
-# [RMS] A2/A3 dtype table (self, gamma).
-_RMS_DTYPES = {
-    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-}
-
-
 def rms_norm(self, gamma, epsilon=1e-6):
     """``y = x / sqrt(mean(x²) + eps) * gamma`` over gamma's trailing dims; returns (y, rstd)."""
     op = "npu_rms_norm"
     check_tensor(op, "self", self)
     check_tensor(op, "gamma", gamma)
     check_dims(op, "self", self, 2, 8)  # [RMS] self: shape 支持 2-8 维
-    if (self.dtype, gamma.dtype) not in _RMS_DTYPES:
-        fail(op, "gamma", "a dtype the A2/A3 table pairs with self (fp16/bf16 self: same or fp32; "
-             "fp32 self: fp32)", f"{gamma.dtype} with self {self.dtype}")
+    check_dtype(op, "self", self, _FLOATS)  # [RMS-WHEEL] float16、bfloat16、float32
+    require(gamma.dtype == self.dtype, op, "gamma", f"{self.dtype} like self", gamma.dtype)  # [RMS-WHEEL]
     _check_trailing(op, "gamma", gamma, self)  # [RMS] gamma_shape = self_shape[n:]
     return _rms(self.float(), gamma, epsilon, self.dtype)
 

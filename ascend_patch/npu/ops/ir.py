@@ -14,9 +14,12 @@ OPS = ("rms_norm", "fused_add_rms_norm")
 def register() -> None:
     from vllm import ir
 
+    # npu_rms_norm and npu_add_rms_norm take gamma in x's dtype only (the torch-npu wheels' own
+    # docs), so Gemma's fp32 (1 + w) weight under a bf16/fp16 model stays with vLLM's native
+    # implementation.
     @ir.ops.rms_norm.register_impl(
         PROVIDER, supports_args=lambda x, weight, epsilon, variance_size=None: (
-            variance_size is None and weight is not None
+            variance_size is None and weight is not None and weight.dtype == x.dtype
         )
     )
     def rms_norm(
@@ -27,8 +30,6 @@ def register() -> None:
     if not hasattr(ir.ops, "fused_add_rms_norm"):  # seam: vLLM 0.21+
         return
 
-    # npu_add_rms_norm takes gamma in x1's dtype only, so Gemma's fp32 (1 + w) weight under a
-    # bf16/fp16 model stays with vLLM's native implementation.
     @ir.ops.fused_add_rms_norm.register_impl(
         PROVIDER, supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
             variance_size is None and weight is not None and weight.dtype == x.dtype

@@ -1,0 +1,378 @@
+"""The NPU path against the real torch-npu wheels (tests/npu_wheels.py): every call the emulated
+engine makes through the kernel seam, replayed through ``ascend_patch/npu/kernels/npu.py`` into a
+stand-in torch_npu whose ops are the wheel's own schemas and meta kernels, must bind on every
+torch-npu release the matrix names and return the shapes and dtypes the reference returned.
+
+The calls are recorded (``kernels.record_calls``) from one engine-driver process running a compact
+workload per family: dense with prefix caching, chunked prefill and decode graphs (bf16 and fp16),
+the sampler's top-k/top-p, sliding-window attention, MLA, MoE (softmax and grouped biased routing)
+and W8A8 (static, dynamic and MoE). The replay runs on meta tensors: binding is the real
+dispatcher's, the shapes and dtypes the wheel's meta kernels'. Ops the wheel has no meta kernel for
+(the ATB paged attention) are checked for binding only.
+
+The tests after the replay check, per release, what the wheels settle about single ops: binding
+by the schema's own names, the release-dependent npu_moe_gating_top_k, the traced top-p-only
+call, and the reference contracts against the meta kernels and the wheels' own docs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import npu
+from tests import npu_wheels
+from tests.conftest import ROOT, prompt_token_ids, run_engine
+
+VERSIONS = npu_wheels.matrix_versions()
+
+PROMPT_LENGTHS = [3, 17, 150]
+MAX_TOKENS = 6
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+# The sampler's three calls, each a run of its own (a batch mixing them makes one call of both):
+# top-k and top-p, top-p alone, top-k alone.
+SAMPLED = [{"temperature": 0.8, "max_tokens": MAX_TOKENS, "seed": 1, **filters}
+           for filters in ({"top_k": 5, "top_p": 0.9}, {"top_p": 0.9}, {"top_k": 5})]
+# 64-token chunks: the 150-token prompt prefills in three steps beside the others' decodes; the
+# second run is served from the prefix cache.
+ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "gpu_memory_utilization": 0.9,
+          "enable_prefix_caching": True, "enable_chunked_prefill": True,
+          "max_num_batched_tokens": 64}
+# family -> (model, dtype, extra engine arguments, samplings of the runs after the first)
+FAMILIES = {
+    "dense": ("tiny-llama", "bfloat16", {}, [GREEDY, *SAMPLED]),
+    "dense fp16": ("tiny-qwen2", "float16", {}, [GREEDY]),
+    "windowed": ("tiny-mistral", "bfloat16", {}, [GREEDY]),
+    "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),
+    "moe grouped": ("tiny-deepseek-v3-moe", "bfloat16", {}, [GREEDY]),
+    "moe softmax": ("tiny-qwen3-moe", "bfloat16", {}, [GREEDY]),
+    "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
+    "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
+}
+
+
+def _checkpoints(tiny_models, root):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import make_quantized_models as quantize
+    finally:
+        sys.path.pop(0)
+    qwen2 = tiny_models["tiny-qwen2"]
+    # Static W8A8 attention (npu_quantize before the matmul), dynamic W8A8 MLP (npu_dynamic_quant).
+    w8a8 = quantize.ascend_v1(qwen2, root / "w8a8",
+                              lambda module: "W8A8" if "self_attn" in module else "W8A8_DYNAMIC",
+                              prompt_token_ids(qwen2, [64, 64]), bf16_model=True)
+    moe = quantize.ascend_v1(tiny_models["tiny-qwen3-moe"], root / "w8a8-moe",
+                             lambda module: "W8A8_DYNAMIC")
+    return {**tiny_models, "w8a8": w8a8, "w8a8-moe": moe}
+
+
+@pytest.fixture(scope="module")
+def seam_calls(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("npu-wheels")
+    models = _checkpoints(tiny_models, root)
+    prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
+    engines = [{"model": str(models[model]), "kwargs": {**ENGINE, "dtype": dtype, **extra},
+                "runs": [{"prompts": prompts, "sampling": [sampling]} for sampling in [GREEDY, *later]]}
+               for model, dtype, extra, later in FAMILIES.values()]
+    result = run_engine({"engines": engines, "record_seam": True}, root, timeout=1200)
+    assert result["platform"] == "EmulatedNPUPlatform"
+    for family, engine in zip(FAMILIES, result["engines"]):
+        assert "error" not in engine, (family, engine["error"])
+    return result["seam_calls"]
+
+
+def test_the_workload_reaches_every_op_the_engine_calls(seam_calls):
+    """Every seam op but one is called: moe_finalize_routing has a reference and a real path,
+    but no layer calls it (the MoE path combines with npu_moe_token_unpermute). The sampler makes
+    all three of its calls."""
+    assert {call["op"] for call in seam_calls} == set(kernels.OPS) - {"moe_finalize_routing"}
+    sampler = {tuple(name for name in ("p", "k") if call["kwargs"].get(name) is not None)
+               for call in seam_calls if call["op"] == "top_k_top_p"}
+    assert sampler == {("p", "k"), ("p",), ("k",)}
+
+
+# --- the replay -----------------------------------------------------------------------------------
+
+
+def _meta(description):
+    """A recorded argument as a meta tensor of the same layout (or the value itself)."""
+    if isinstance(description, dict):
+        if "tensor" in description:
+            t = description["tensor"]
+            size = 1 + sum((n - 1) * s for n, s in zip(t["shape"], t["stride"]) if n)
+            storage = torch.empty(t["offset"] + size, dtype=getattr(torch, t["dtype"]),
+                                  device="meta")
+            return storage.as_strided(t["shape"], t["stride"], t["offset"])
+        if "dtype" in description:
+            return getattr(torch, description["dtype"])
+        if "list" in description:
+            return [_meta(item) for item in description["list"]]
+        return tuple(_meta(item) for item in description["tuple"])
+    return description
+
+
+def layout(description):
+    """Shapes and dtypes of a result, tensor by tensor, as ``shape/dtype`` strings."""
+    if isinstance(description, dict):
+        if "tensor" in description:
+            t = description["tensor"]
+            return f"{tuple(t['shape'])}/{t['dtype']}"
+        if "dtype" in description:
+            return description["dtype"]
+        return [layout(item) for item in description.get("list", description.get("tuple", []))]
+    return description
+
+
+# What the dispatcher says when an op has no Meta kernel (the op's qualified name first).
+_NO_META_KERNEL = re.compile(r"^\w+::(\w+): attempted to run this operator with Meta tensors")
+
+
+def replay(wheel, torch_npu, call) -> str | None:
+    """Make the recorded call through the exact real-path function with ``torch_npu`` installed;
+    None if it binds and the meta kernel's shapes and dtypes are the reference's, else why not."""
+    args = _meta(call["args"])
+    kwargs = {name: _meta(value) for name, value in call["kwargs"].items()}
+    try:
+        out = getattr(npu, call["op"])(*args, **kwargs)
+    except NotImplementedError as exc:
+        missing = _NO_META_KERNEL.match(str(exc))
+        if missing and missing.group(1) not in wheel.meta:
+            return None  # bound; the wheel has no meta kernel to give shapes
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, with the call
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    found, expected = layout(kernels.describe(out)), layout(call["out"])
+    return None if found == expected else f"returns {found}, the reference {expected}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_recorded_call_binds_and_matches_the_meta_kernel(version, seam_calls, monkeypatch):
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    failures = {}
+    for call in seam_calls:
+        problem = replay(wheel, torch_npu, call)
+        if problem:
+            failures.setdefault((call["op"], problem), call)
+    assert not failures, f"torch-npu {version}:\n" + "\n".join(
+        f"{op}: {problem}\n    e.g. {op}{tuple(layout(call['args']))} "
+        f"{ {name: layout(value) for name, value in call['kwargs'].items()} }"
+        for (op, problem), call in failures.items())
+
+
+# --- what the wheels settle -----------------------------------------------------------------------
+
+
+def _meta_tensor(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_ops_bind_by_their_schemas_own_names(version):
+    """torch_npu.<op> is torch.ops.npu.<op> itself (finding 10): ``self=`` binds, ``input=``, the
+    name torchgen's Python bindings would give it, does not."""
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    x, gamma = _meta_tensor(3, 64, dtype=torch.bfloat16), _meta_tensor(64, dtype=torch.bfloat16)
+    y, rstd = torch_npu.npu_rms_norm(self=x, gamma=gamma)
+    assert (y.shape, rstd.shape) == ((3, 64), (3, 1))
+    with pytest.raises(RuntimeError, match="missing value for argument 'self'"):
+        torch_npu.npu_rms_norm(input=x, gamma=gamma)
+    assert torch_npu.npu_rms_norm is wheel.op("npu_rms_norm")
+
+
+def _grouped_routing(**extra):
+    return npu.moe_gating_top_k(_meta_tensor(4, 16), 2, bias=_meta_tensor(16), k_group=1,
+                                group_count=2, group_select_mode=1, norm_type=1, **extra)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_grouped_routing_follows_the_installed_torch_npu(version, monkeypatch):
+    """Finding 1: torch-npu 2.11's npu_moe_gating_top_k has no input_ids/tid2eid; the call leaves
+    them out there and passes them where the schema has them."""
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    arguments = {argument.name for argument in wheel.schema("npu_moe_gating_top_k").arguments}
+    hashing = {"input_ids", "tid2eid"} <= arguments
+    assert hashing == (version != "2.11.0")
+    weights, ids, _ = _grouped_routing()
+    assert (weights.shape, ids.shape, ids.dtype) == ((4, 2), (4, 2), torch.int32)
+    ids_in = {"input_ids": _meta_tensor(4, dtype=torch.int32),
+              "tid2eid": _meta_tensor(8, 2, dtype=torch.int32)}
+    if hashing:
+        assert _grouped_routing(**ids_in)[1].shape == (4, 2)
+    else:
+        with pytest.raises(ValueError, match=re.escape(
+                "npu_moe_gating_top_k: the installed torch_npu takes no input_ids, tid2eid "
+                "(hash routing needs torch-npu 2.13 or later)")):
+            _grouped_routing(**ids_in)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_finalize_routing_binds_on_every_wheel(version, monkeypatch):
+    """The one seam op no engine layer calls: its real call binds on every release (2.11's schema
+    has no ``k``, which the call leaves at its default) with the reference's result layout."""
+    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    rows, skip2, scales = torch.randn(6, 8), torch.randn(3, 8), torch.rand(3, 2)
+    src, ids = torch.randperm(6).int(), torch.zeros(3, 2, dtype=torch.int32)
+    expected = kernels.reference.moe_finalize_routing(rows, None, skip2, None, scales, src, ids)
+    out = npu.moe_finalize_routing(*(t if t is None else t.to("meta")
+                                     for t in (rows, None, skip2, None, scales, src, ids)))
+    assert (out.shape, out.dtype) == (expected.shape, expected.dtype) == ((3, 8), torch.float32)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_top_p_only_call_traces(version, monkeypatch):
+    """Finding 8: the wheel's meta kernel of npu_top_k_top_p has no defaults, so ``k=None`` (left
+    out by the dispatcher) broke a traced top-p-only call; eagerly it is still the op's own call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    with FakeTensorMode():
+        logits, p = torch.empty(2, 50, dtype=torch.bfloat16), torch.empty(2, dtype=torch.bfloat16)
+        out = npu.top_k_top_p(logits, p=p)
+    assert out.shape == (2, 50) and out.dtype == torch.bfloat16
+    # Eagerly the call reaches torch_npu's op (bound; it has no CPU kernel).
+    with pytest.raises(NotImplementedError, match=r"Could not run '\w+::npu_top_k_top_p' with "
+                                                  r"arguments from the 'CPU' backend"):
+        npu.top_k_top_p(torch.zeros(2, 50), p=torch.ones(2))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_fia_softmax_lse_without_its_flag_is_empty(version):
+    """Finding 8: the reference's softmax_lse is the meta kernel's (0,) fp32, not the doc's [1]."""
+    wheel = npu_wheels.load(version)
+    query = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
+    key = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+    _, lse = kernels.reference.fused_infer_attention_score(
+        query, key, key, actual_seq_lengths=[5], actual_seq_lengths_kv=[5], num_heads=4,
+        num_key_value_heads=2, scale=0.125)
+    _, meta_lse = wheel.op("npu_fused_infer_attention_score")(
+        query.to("meta"), key.to("meta"), key.to("meta"), actual_seq_lengths=[5],
+        actual_seq_lengths_kv=[5], num_heads=4, num_key_value_heads=2, scale=0.125,
+        input_layout="TND")
+    assert (lse.shape, lse.dtype) == (meta_lse.shape, meta_lse.dtype) == ((0,), torch.float32)
+
+
+def _accepts(call) -> bool:
+    try:
+        call()
+    except (kernels.KernelContractError, RuntimeError):  # the reference's and torch._check's
+        return False
+    return True
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_quant_matmul_bias_dtypes_the_reference_takes_the_meta_kernel_takes(version):
+    """Finding 9: every (output dtype, pertoken_scale, bias dtype) the reference accepts, the
+    wheel's meta kernel accepts; the bf16 bias for fp16 output it used to accept, it refuses."""
+    op = npu_wheels.load(version).op("npu_quant_matmul")
+    x1, x2 = torch.zeros(4, 16, dtype=torch.int8), torch.zeros(16, 8, dtype=torch.int8)
+    accepted = []
+    for output in (torch.float16, torch.bfloat16, torch.int32):
+        for pertoken in (None, torch.ones(4)):
+            for bias_dtype in (torch.int32, torch.float16, torch.bfloat16, torch.float32):
+                arguments = {"pertoken_scale": pertoken, "bias": torch.zeros(8, dtype=bias_dtype),
+                             "output_dtype": output}
+                if not _accepts(lambda: kernels.reference.quant_matmul(x1, x2, torch.ones(8),
+                                                                         **arguments)):
+                    continue
+                accepted.append((output, pertoken is not None, bias_dtype))
+                meta = {name: value.to("meta") if isinstance(value, torch.Tensor) else value
+                        for name, value in arguments.items()}
+                assert _accepts(lambda: op(x1.to("meta"), x2.to("meta"), torch.ones(8, device="meta"),
+                                           **meta)), accepted[-1]
+    assert (torch.float16, True, torch.float16) in accepted
+    assert (torch.float16, True, torch.bfloat16) not in accepted
+
+
+INIT_VARIANTS = [{}, {"active_expert_range": [2, 2]}, {"active_expert_range": [1, 3]},
+                 {"quant_mode": 1}, {"quant_mode": 14}, {"quant_mode": 0}, {"drop_pad_mode": 1},
+                 {"expert_tokens_num_type": 0}, {"expert_tokens_num_flag": False}]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_init_routing_calls_the_reference_takes_the_meta_kernel_takes_alike(version):
+    """Finding 9: each npu_moe_init_routing_v2 call the reference accepts, the wheel's meta kernel
+    accepts with the same output shapes and dtypes (an empty active range it used to accept, the
+    meta refuses; without expert_tokens_num_flag the meta's count is 0-D, a mode the wheel's doc
+    calls unsupported)."""
+    op = npu_wheels.load(version).op("npu_moe_init_routing_v2")
+    x = torch.randn(3, 8)
+    expert_idx = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
+    taken = []
+    for variant in INIT_VARIANTS:
+        arguments = {"active_num": 6, "expert_num": 4, "expert_tokens_num_type": 1,
+                     "expert_tokens_num_flag": True, "active_expert_range": [0, 4], **variant}
+        try:
+            out = kernels.reference.moe_init_routing_v2(x, expert_idx, **arguments)
+        except kernels.KernelContractError:
+            continue
+        taken.append(variant)
+        meta = op(x.to("meta"), expert_idx.to("meta"), **arguments)
+        assert layout(kernels.describe(meta)) == layout(kernels.describe(out)), variant
+    assert taken == [{}, {"active_expert_range": [1, 3]}, {"quant_mode": 1}]
+
+
+def test_the_atb_schemas_built_in_code_are_the_strings_older_wheels_keep_whole():
+    """torch-npu 2.13 and later build the shorter ATB schema strings in code: put back together,
+    they are exactly the strings torch-npu 2.11 keeps in its read-only data."""
+    whole = npu_wheels.load("2.11.0").atb_schemas
+    for version in VERSIONS:
+        schemas = npu_wheels.load(version).atb_schemas
+        for name in ("_npu_paged_attention", "_npu_paged_attention_get_workspace",
+                     "npu_multi_head_latent_attention"):
+            assert schemas[name] == whole[name], (version, name)
+
+
+def test_each_matrix_row_pairs_a_torch_npu_built_for_its_torch():
+    """The torch_npu of each row requires that row's torch (the wheel's METADATA); vLLM 0.20-0.26
+    pin torch 2.11.0, so torch-npu 2.11.0 (not 2.10.x) is theirs."""
+    import zipfile
+
+    from ascend_patch.overlay import matrix
+
+    for release, entry in matrix.load().versions.items():
+        with zipfile.ZipFile(npu_wheels.fetch(entry.torch_npu)) as wheel:
+            metadata = wheel.read(f"torch_npu-{entry.torch_npu}.dist-info/METADATA").decode()
+        pinned = re.search(r"^Requires-Dist: torch ?==(\S+)$", metadata, re.MULTILINE).group(1)
+        assert pinned.removesuffix("+cpu").removesuffix(".*") == entry.torch, release
+
+
+# The wheel's own doc sentences the references settle their contracts on (finding 9), by op.
+CITED = {
+    "npu_rms_norm": ["gamma：Tensor类型，数据类型需要和self保持一致"],
+    "npu_quant_matmul": ["bias:int32/None, int32/None, int32/bfloat16/float32/None, "
+                         "int32/float16/float32/None, int32/None, int32/None",
+                         "pertoken_scale:None, None, float32/None, float32, None, None",
+                         "output_dtype:float16, int8, bfloat16, float16, float16, int32"],
+    "npu_moe_init_routing_v2": ["drop_pad_mode：int类型，可选参数，表示是否为drop_pad场景，取值为0和1。0表示"
+                                "dropless场景，该场景下不校验expert_capacity。1表示drop_pad场景。当前仅支持0。",
+                                "当前仅支持1和2。", "默认False表示不输出。当前仅支持True。",
+                                "当前仅支持-1和1。", "其他模式取值范围为(0, 10240]"],
+    "npu_moe_finalize_routing": ["drop_pad_mode: int类型, 可选参数, 表示是否支持丢弃模式, 取值范围为0",
+                                 "skip2参数为None时, skip1参数必须也为None."],
+}
+
+
+def _doc(wheel, op: str) -> str:
+    docs = wheel.text(npu_wheels.DOCS).replace("\r\n", "\n")  # the file has CRLF lines
+    start = docs.index(f'_add_torch_npu_docstr(\n    "{op}",')
+    return docs[start: docs.find("_add_torch_npu_docstr(", start + 1)]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_wheel_documents_what_the_references_cite(version):
+    wheel = npu_wheels.load(version)
+    missing = [(op, sentence) for op, sentences in CITED.items() for sentence in sentences
+               if sentence not in _doc(wheel, op)]
+    assert not missing
