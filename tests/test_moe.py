@@ -27,7 +27,9 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "gpu_memory_utilization": 0.9,
           "enable_prefix_caching": True, "enable_chunked_prefill": True,
           "max_num_batched_tokens": 64}
-MOE_OPS = ("moe_init_routing_v2", "grouped_matmul", "moe_token_unpermute")
+MOE_OPS = ("moe_init_routing_v2", "grouped_matmul")
+# The combine op per dtype: the envelopes of their docs (bf16 unpermute, fp16/fp32 finalize).
+COMBINE = {"float32": "moe_finalize_routing", "bfloat16": "moe_token_unpermute"}
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +77,19 @@ def test_fp32_greedy_equals_hf_token_for_token(name, runs, tiny_models, prompts)
     assert_greedy_equals_hf(engine, tiny_models[name], prompts, MAX_TOKENS)
 
 
+@pytest.mark.parametrize("dtype", list(COMBINE))
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_experts_run_on_the_npu_moe_ops(name, runs):
-    launches = runs[(name, "float32")]["runs"][0]["launches"]
-    for op in (GATING[name], *MOE_OPS):
+def test_experts_run_on_the_npu_moe_ops(name, dtype, runs):
+    launches = runs[(name, dtype)]["runs"][0]["launches"]
+    combine = COMBINE[dtype]
+    (other,) = set(COMBINE.values()) - {combine}
+    for op in (GATING[name], *MOE_OPS, combine):
         assert launches.get(op, 0) > 0, (op, launches)
+    assert other not in launches
     # Per MoE layer and forward pass: one routing, one dispatch, two grouped matmuls, one
     # combine; the tiny models have two MoE layers.
     assert launches["grouped_matmul"] == 2 * launches["moe_init_routing_v2"]
-    assert launches["moe_token_unpermute"] == launches["moe_init_routing_v2"] == launches[GATING[name]]
+    assert launches[combine] == launches["moe_init_routing_v2"] == launches[GATING[name]]
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
@@ -128,12 +134,18 @@ def _expert_case(tokens=48, experts=8, hidden=64, inter=32, top_k=2, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_expert_path_matches_the_moe_definition(dtype):
+    """fp16 and fp32 combine on npu_moe_finalize_routing, bf16 on npu_moe_token_unpermute:
+    each inside its documented dtypes (the references refuse the rest)."""
+    from ascend_patch.npu import kernels
     from ascend_patch.npu.ops.fused_moe import fused_experts
 
     x, w13, w2, weights, ids = _expert_case()
     expected = _dense_moe(x, w13, w2, weights, ids)
-    got = fused_experts(x.to(dtype), w13.transpose(1, 2).contiguous().to(dtype),
-                        w2.transpose(1, 2).contiguous().to(dtype), weights, ids).double()
+    with kernels.count_launches() as launches:
+        got = fused_experts(x.to(dtype), w13.transpose(1, 2).contiguous().to(dtype),
+                            w2.transpose(1, 2).contiguous().to(dtype), weights, ids).double()
+    combine = "moe_token_unpermute" if dtype == torch.bfloat16 else "moe_finalize_routing"
+    assert launches[combine] == 1 and sum(launches.values()) == 5, launches
     # fp32: summation order only; half precision: the inputs' own rounding (8 or 11 bits).
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
     assert (got - expected).norm() <= tolerance * expected.norm()

@@ -15,7 +15,8 @@ used up to 0.27), and it routes, dispatches, computes and combines on the NPU:
    the rows each expert gets;
 3. experts: ``npu_grouped_matmul`` (gate and up projections) → ``npu_swiglu`` →
    ``npu_grouped_matmul`` (down projection), the counts as the group list;
-4. combine: ``npu_moe_token_unpermute`` weighs each copy by its routing weight and sums
+4. combine: ``npu_moe_token_unpermute`` (bf16) or ``npu_moe_finalize_routing`` (fp16,
+   fp32; the envelopes their docs give) weighs each copy by its routing weight and sums
    them back per token.
 
 Shared experts (Qwen2-MoE's gated one, DeepSeek's) stay vLLM's: its runner runs them
@@ -189,5 +190,18 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
         down = kernels.grouped_matmul([hidden], [w2], scale=[w2_scale],
                                       per_token_scale=[hidden_scale], output_dtype=out_dtype,
                                       **groups)[0]
-    out = kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights.to(down.dtype))
+    out = combine(down, expanded_row_idx, weights.to(down.dtype))
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def combine(rows, expanded_row_idx, weights):
+    """``out[t] = sum_j weights[t, j] * rows[expanded_row_idx[t * k + j]]``, on the op whose
+    documented envelope holds the rows' dtype (kernels/moe.py): ``npu_moe_token_unpermute``
+    for bf16, ``npu_moe_finalize_routing`` for fp16 and fp32, whose only documented mode
+    (``drop_pad_mode=0``) reads the index by column."""
+    if rows.dtype == torch.bfloat16:
+        return kernels.moe_token_unpermute(rows, expanded_row_idx, probs=weights)
+    tokens, top_k = weights.shape
+    by_column = expanded_row_idx.view(tokens, top_k).t().contiguous().view(-1)
+    return kernels.moe_finalize_routing(rows, None, None, None, weights, by_column, None,
+                                        drop_pad_mode=0)
