@@ -150,17 +150,17 @@ def _fused_batches(kernels):
 
 
 def _run_engine(spec: dict, report_errors: bool) -> dict:
-    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+    from ascend_patch.npu.compilation import acl_graph
 
-    reissue = NPUGraphWrapper._reissue
+    reissue = acl_graph._reissue
     if spec.get("stale_host_params"):
-        NPUGraphWrapper._reissue = lambda self, update, params, buffer: None
+        acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
     recorder = _Recorder()
     logging.getLogger("vllm.ascend_patch").addFilter(recorder)
     try:
-        result = _generate(spec, NPUGraphWrapper, report_errors)
+        result = _generate(spec, acl_graph.NPUGraphWrapper, report_errors)
     finally:
-        NPUGraphWrapper._reissue = reissue
+        acl_graph._reissue = reissue
         logging.getLogger("vllm.ascend_patch").removeFilter(recorder)
     return {**result, "log": recorder.messages}
 
