@@ -3,7 +3,9 @@
 Four MoE families with different routing: Qwen3-MoE (softmax top-2, renormalised),
 Qwen2-MoE (softmax top-2, not renormalised, plus a gated shared expert that stays vLLM's),
 Mixtral (softmax top-2) and GLM-4.5 (DeepSeek-V3 routing: sigmoid scores, a correction
-bias that only selects, grouped top-k, routed scaling; a shared expert). Each runs fp32 (equal to HF token for token) and bf16 (the
+bias that only selects, grouped top-k, routed scaling; a shared expert). Two more GLM-4.5
+configurations the NPU gating op cannot take (groups of 2 experts; sigmoid weights not
+renormalised) route with vLLM's own grouped top-k. Each runs fp32 (equal to HF token for token) and bf16 (the
 fused attention kernels, within bf16 rounding of HF's fp32 logits), with prefix caching and
 chunked prefill on, in ONE driver process: every engine shares the vLLM import.
 """
@@ -39,12 +41,23 @@ def prompts(tiny_models):
 
 # Configurations the NPU MoE path refuses, each with the message a user gets at start-up.
 REFUSED = {
-    "unnormalised sigmoid routing": (
-        "tiny-glm4-moe-unnormalised", {},
-        "uses sigmoid scores without renormalisation (npu_moe_gating_top_k always renormalises "
-        "sigmoid weights); ascend-patch cannot run it on the NPU"),
+    "ungrouped unnormalised sigmoid routing": (
+        "tiny-glm4-moe-ungrouped-unnormalised", {},
+        "uses routing the NPU gating op cannot take (sigmoid scores without renormalisation: "
+        "npu_moe_gating_top_k always renormalises sigmoid weights); ascend-patch cannot run it "
+        "on the NPU"),
     "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
 }
+# Grouped routing npu_moe_gating_top_k cannot take, which vLLM's own grouped top-k (torch ops)
+# routes instead, with one warning per model naming the layers and the op's limit.
+NATIVE_ROUTING = {
+    "tiny-glm4-moe-pairs": "npu_moe_gating_top_k: group_count must be a grouping with more than "
+                           "2 experts per group, got 4 groups of 2",
+    "tiny-glm4-moe-unnormalised": "sigmoid scores without renormalisation: npu_moe_gating_top_k "
+                                  "always renormalises sigmoid weights",
+}
+ENGINES = [*((name, dtype) for name in MOE_MODELS for dtype in ("float32", "bfloat16")),
+           *((name, "float32") for name in NATIVE_ROUTING), ("tiny-glm4-moe-pairs", "bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +65,13 @@ def runs(tiny_models, prompts, tmp_path_factory):
     engines = [
         {"model": str(tiny_models[name]), "kwargs": {**ENGINE, "dtype": dtype},
          "runs": [{"prompts": prompts, "sampling": [GREEDY]}, {"prompts": prompts, "sampling": [GREEDY]}]}
-        for name in MOE_MODELS for dtype in ("float32", "bfloat16")
+        for name, dtype in ENGINES
     ]
     engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
                 for name, kwargs, _ in REFUSED.values()]
     result = run_engine({"engines": engines}, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    keys = [(n, d) for n in MOE_MODELS for d in ("float32", "bfloat16")] + list(REFUSED)
-    return dict(zip(keys, result["engines"]))
+    return dict(zip(ENGINES + list(REFUSED), result["engines"]))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -69,6 +81,33 @@ def test_what_the_npu_path_cannot_run_is_refused_clearly(case, runs):
     assert message in error, error
     if "LoRA" not in case:
         assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
+
+
+@pytest.mark.parametrize("name", list(NATIVE_ROUTING))
+def test_routing_the_npu_gating_op_cannot_take_runs_vllms_grouped_top_k(name, runs, tiny_models,
+                                                                        prompts):
+    """fp32 equals HF token for token; the experts still run on the NPU MoE ops, the routing
+    on no NPU gating op; one warning names the model, the layers and the op's limit."""
+    engine = runs[(name, "float32")]
+    assert_greedy_equals_hf(engine, tiny_models[name], prompts, MAX_TOKENS)
+    launches = engine["runs"][0]["launches"]
+    assert not {"moe_gating_top_k", "moe_gating_top_k_softmax"} & set(launches), launches
+    assert launches["grouped_matmul"] == 2 * launches["moe_finalize_routing"] > 0
+    (warning,) = [line for line in engine["log"] if "MoE" in line]
+    assert warning == (f"ascend-patch: {tiny_models[name]}: MoE layer(s) "
+                       "'model.layers.0.mlp.experts', 'model.layers.1.mlp.experts' (2 of 2) route "
+                       "with vLLM's grouped top-k in torch ops instead of the NPU gating op: "
+                       f"{NATIVE_ROUTING[name]}")
+
+
+def test_vllms_grouped_top_k_replays_in_bf16_graphs(runs, tiny_models, prompts):
+    engine = runs[("tiny-glm4-moe-pairs", "bfloat16")]
+    assert "error" not in engine, engine.get("error")
+    first, cached = engine["runs"]
+    assert first["graph_replays"] > 0 and "moe_gating_top_k" not in first["launches"]
+    for run in (first, cached):
+        assert_tracks_hf_logits(tiny_models["tiny-glm4-moe-pairs"], prompts, run["tokens"],
+                                routed=True)
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)

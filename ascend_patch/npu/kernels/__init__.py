@@ -114,6 +114,17 @@ def active_backend() -> str:
     return _active
 
 
+def contract_violation(name: str, *args, **kwargs) -> str | None:
+    """What op ``name``'s documented contract refuses in these arguments (its reference twin's
+    message), or None: whether an op can take a configuration, decided before any step runs.
+    Host tensors stand in for device ones."""
+    try:
+        getattr(reference, name)(*args, **kwargs)
+    except KernelContractError as exc:
+        return str(exc)
+    return None
+
+
 @contextlib.contextmanager
 def count_launches():
     """Count seam calls per op while the block runs; on the real path each is one op launch.
@@ -141,4 +152,5 @@ def _counting(name, fn, counts):
 
 use("reference")  # the names above, as the device sees them
 
-__all__ = [*OPS, "KernelContractError", "OPS", "active_backend", "count_launches", "use"]
+__all__ = [*OPS, "KernelContractError", "OPS", "active_backend", "contract_violation",
+           "count_launches", "use"]
