@@ -3,11 +3,11 @@
 Four MoE families with different routing: Qwen3-MoE (softmax top-2, renormalised),
 Qwen2-MoE (softmax top-2, not renormalised, plus a gated shared expert that stays vLLM's),
 Mixtral (softmax top-2) and GLM-4.5 (DeepSeek-V3 routing: sigmoid scores, a correction
-bias that only selects, grouped top-k, routed scaling; a shared expert). Two more GLM-4.5
-configurations the NPU gating op cannot take (groups of 2 experts; sigmoid weights not
-renormalised) route with vLLM's own grouped top-k. Each runs fp32 (equal to HF token for token) and bf16 (the
-fused attention kernels, within bf16 rounding of HF's fp32 logits), with prefix caching and
-chunked prefill on, in ONE driver process: every engine shares the vLLM import.
+bias that only selects, grouped top-k, routed scaling; a shared expert). Each runs fp32 (equal
+to HF token for token) and bf16 (the fused attention kernels, within bf16 rounding of HF's fp32
+logits), with prefix caching and chunked prefill on, in ONE driver process: every engine shares
+the vLLM import. Two more GLM-4.5 configurations the NPU gating op cannot take (groups of 2
+experts; sigmoid weights not renormalised) route with vLLM's own grouped top-k.
 """
 
 from __future__ import annotations
