@@ -324,6 +324,17 @@ MOE_CONTRACTS = [
     _contract(f"{_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.process_weights_after_loading",
               "(self, layer)", "expert weights to the grouped-matmul [experts, in, out] layout, once",
               implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
+    _contract(f"{_MOE}.router.grouped_topk_router:grouped_topk",
+              "(hidden_states, gating_output, topk, renormalize, num_expert_group=..., "
+              "topk_group=..., scoring_func=..., routed_scaling_factor=..., "
+              "e_score_correction_bias=...)",
+              "routes, as vLLM's GroupedTopKRouter does, the grouped layers npu_moe_gating_top_k "
+              "cannot take (2 or fewer experts per group, sigmoid weights without renormalisation)",
+              implementation="ascend_patch.npu.ops.fused_moe:Routing",
+              upstream=f"{_MOE.replace('.', '/')}/router/grouped_topk_router.py: vLLM's grouped "
+                       "top-k in torch (DeepSeek-V2/V3), called by name by GroupedTopKRouter",
+              remove_when="the NPU gating op takes every grouping and normalisation vLLM's "
+                          "grouped top-k does"),
 ]
 
 _QUANT = "vllm.model_executor.layers.quantization"

@@ -65,16 +65,16 @@ def _run(llm, run: dict) -> dict:
 
 
 def _run_engine(spec: dict, report_errors: bool) -> dict:
-    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+    from ascend_patch.npu.compilation import acl_graph
 
-    reissue = NPUGraphWrapper._reissue
+    reissue = acl_graph._reissue
     if spec.get("stale_host_params"):
-        NPUGraphWrapper._reissue = lambda self, update, params, buffer: None
+        acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
     try:
         with engine.ascend_patch_log() as log:
             result = _generate(spec, report_errors)
     finally:
-        NPUGraphWrapper._reissue = reissue
+        acl_graph._reissue = reissue
     return {**result, "log": log}
 
 

@@ -7,12 +7,14 @@ within the NPU's stream budget (vllm-ascend's formula) for a 36-layer model.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ascend_patch.npu import device, kernels
+from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.compilation import emulated_graph as eg
 from ascend_patch.npu.compilation.acl_graph import sample_sizes
 from tests.conftest import clean_env, run_json
@@ -103,6 +105,7 @@ def test_host_arguments_are_captured_by_value_and_renewed_by_a_task_update():
     with eg.graph(graph):
         stream = eg.current_stream()
         event.wait(stream)
+        event.reset(stream)
         eg.graph_task_group_begin(stream)
         _paged(query, keys, values, table, captured, out)
         handle = eg.graph_task_group_end(stream)
@@ -130,13 +133,62 @@ def test_a_replay_waits_for_the_event_its_update_records():
     graph, event, lengths = eg.NPUGraph(), eg.ExternalEvent(), _lengths(5, 9)
     with eg.graph(graph):
         event.wait(eg.current_stream())
+        event.reset(eg.current_stream())
         _paged(query, keys, values, table, lengths, out)
     with pytest.raises(eg.GraphReplayError, match="wait here forever"):
         graph.replay()
     event.record()
     graph.replay()
     with pytest.raises(eg.GraphReplayError, match="wait here forever"):
-        graph.replay()  # the wait consumed the record
+        graph.replay()  # the captured reset cleared the record
+
+
+def test_a_wait_keeps_the_event_set_until_a_reset():
+    """torch_npu's ExternalEvent: a wait does not clear the flag, reset() does. A graph that
+    captures the wait alone passes its next replay's wait on the previous record: the record
+    that step's update issues lands on an event still set, which the emulation reports."""
+    query, keys, values, table, out = _paged_case()
+    graph, event, lengths = eg.NPUGraph(), eg.ExternalEvent(), _lengths(5, 9)
+    with eg.graph(graph):
+        event.wait(eg.current_stream())
+        _paged(query, keys, values, table, lengths, out)
+    event.record()
+    graph.replay()
+    event.record()
+    with pytest.raises(eg.GraphReplayError, match="recorded twice without a reset"):
+        graph.replay()
+    event.reset()
+    event.record()
+    graph.replay()
+
+
+def test_captured_host_parameter_launches_replay_each_steps_values(monkeypatch):
+    """The NPU graph wrapper's protocol: acl_graph.launch captures a paged-attention launch behind
+    an ExternalEvent wait and reset; before each replay renew_host_params re-issues it with the
+    step's context lengths and records the event. Every replay computes its own step's attention,
+    and every wait has a record of its own (capture the wait without the reset and the second
+    replay fails: it could pass on the first step's record)."""
+    runtime = device.runtime(emulated=True)
+    monkeypatch.setattr(acl_graph, "current_platform", SimpleNamespace(runtime=lambda: runtime))
+    query, keys, values, table, out = _paged_case()
+
+    def issue(lengths, workspace):
+        _paged(query, keys, values, table, lengths, out, workspace)
+
+    def workspace(lengths):
+        return kernels.paged_attention_workspace(query, keys, values, 2, 8, 0.125, table,
+                                                 lengths, out)
+
+    graph, captured = eg.NPUGraph(), _lengths(5, 9)
+    with acl_graph._collect_host_param_launches() as updates, eg.graph(graph):
+        acl_graph.launch("layer", captured, issue, workspace)
+    stream = eg.Stream()
+    for lengths in ((5, 130), (77, 256), (1, 2)):
+        acl_graph.renew_host_params(eg, stream, updates, {"layer": _lengths(*lengths)})
+        graph.replay()
+        replayed = out.clone()
+        _paged(query, keys, values, table, _lengths(*lengths), out)
+        torch.testing.assert_close(replayed, out)
 
 
 def test_a_task_update_reissues_exactly_the_captured_launches():

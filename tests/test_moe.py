@@ -3,9 +3,11 @@
 Four MoE families with different routing: Qwen3-MoE (softmax top-2, renormalised),
 Qwen2-MoE (softmax top-2, not renormalised, plus a gated shared expert that stays vLLM's),
 Mixtral (softmax top-2) and GLM-4.5 (DeepSeek-V3 routing: sigmoid scores, a correction
-bias that only selects, grouped top-k, routed scaling; a shared expert). Each runs fp32 (equal to HF token for token) and bf16 (the
-fused attention kernels, within bf16 rounding of HF's fp32 logits), with prefix caching and
-chunked prefill on, in ONE driver process: every engine shares the vLLM import.
+bias that only selects, grouped top-k, routed scaling; a shared expert). Each runs fp32 (equal
+to HF token for token) and bf16 (the fused attention kernels, within bf16 rounding of HF's fp32
+logits), with prefix caching and chunked prefill on, in ONE driver process: every engine shares
+the vLLM import. Two more GLM-4.5 configurations the NPU gating op cannot take (groups of 2
+experts; sigmoid weights not renormalised) route with vLLM's own grouped top-k.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "gpu_memory_utilization": 0.9,
           "enable_prefix_caching": True, "enable_chunked_prefill": True,
           "max_num_batched_tokens": 64}
-MOE_OPS = ("moe_init_routing_v2", "grouped_matmul", "moe_token_unpermute")
+MOE_OPS = ("moe_init_routing_v2", "grouped_matmul")
+# The combine op per dtype: the envelopes of their docs (bf16 unpermute, fp16/fp32 finalize).
+COMBINE = {"float32": "moe_finalize_routing", "bfloat16": "moe_token_unpermute"}
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +41,40 @@ def prompts(tiny_models):
 
 # Configurations the NPU MoE path refuses, each with the message a user gets at start-up.
 REFUSED = {
-    "unnormalised sigmoid routing": (
-        "tiny-glm4-moe-unnormalised", {},
-        "uses sigmoid scores without renormalisation (npu_moe_gating_top_k always renormalises "
-        "sigmoid weights); ascend-patch cannot run it on the NPU"),
+    "ungrouped unnormalised sigmoid routing": (
+        "tiny-glm4-moe-ungrouped-unnormalised", {},
+        "uses routing the NPU gating op cannot take (sigmoid scores without renormalisation: "
+        "npu_moe_gating_top_k always renormalises sigmoid weights); ascend-patch cannot run it "
+        "on the NPU"),
     "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
 }
+# Grouped routing npu_moe_gating_top_k cannot take, which vLLM's own grouped top-k (torch ops)
+# routes instead, with one warning per model naming the layers and the op's limit.
+NATIVE_ROUTING = {
+    "tiny-glm4-moe-pairs": "npu_moe_gating_top_k: group_count must be a grouping with more than "
+                           "2 experts per group, got 4 groups of 2",
+    "tiny-glm4-moe-unnormalised": "sigmoid scores without renormalisation: npu_moe_gating_top_k "
+                                  "always renormalises sigmoid weights",
+}
+MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+         "bfloat16 eager": {"dtype": "bfloat16", "enforce_eager": True}}
+ENGINES = [*((name, mode) for name in MOE_MODELS for mode in ("float32", "bfloat16")),
+           *((name, "float32") for name in NATIVE_ROUTING),
+           ("tiny-glm4-moe-pairs", "bfloat16"), ("tiny-glm4-moe-pairs", "bfloat16 eager")]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_models, prompts, tmp_path_factory):
     engines = [
-        {"model": str(tiny_models[name]), "kwargs": {**ENGINE, "dtype": dtype},
+        {"model": str(tiny_models[name]), "kwargs": {**ENGINE, **MODES[mode]},
          "runs": [{"prompts": prompts, "sampling": [GREEDY]}, {"prompts": prompts, "sampling": [GREEDY]}]}
-        for name in MOE_MODELS for dtype in ("float32", "bfloat16")
+        for name, mode in ENGINES
     ]
     engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
                 for name, kwargs, _ in REFUSED.values()]
     result = run_engine({"engines": engines}, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    keys = [(n, d) for n in MOE_MODELS for d in ("float32", "bfloat16")] + list(REFUSED)
-    return dict(zip(keys, result["engines"]))
+    return dict(zip(ENGINES + list(REFUSED), result["engines"]))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -69,21 +86,53 @@ def test_what_the_npu_path_cannot_run_is_refused_clearly(case, runs):
         assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
 
 
+@pytest.mark.parametrize("name", list(NATIVE_ROUTING))
+def test_routing_the_npu_gating_op_cannot_take_runs_vllms_grouped_top_k(name, runs, tiny_models,
+                                                                        prompts):
+    """fp32 equals HF token for token; the experts still run on the NPU MoE ops, the routing
+    on no NPU gating op; one warning names the model, the layers and the op's limit."""
+    engine = runs[(name, "float32")]
+    assert_greedy_equals_hf(engine, tiny_models[name], prompts, MAX_TOKENS)
+    launches = engine["runs"][0]["launches"]
+    assert not {"moe_gating_top_k", "moe_gating_top_k_softmax"} & set(launches), launches
+    assert launches["grouped_matmul"] == 2 * launches["moe_finalize_routing"] > 0
+    (warning,) = [line for line in engine["log"] if "MoE" in line]
+    assert warning == (f"ascend-patch: {tiny_models[name]}: MoE layer(s) "
+                       "'model.layers.0.mlp.experts', 'model.layers.1.mlp.experts' (2 of 2) route "
+                       "with vLLM's grouped top-k in torch ops instead of the NPU gating op: "
+                       f"{NATIVE_ROUTING[name]}")
+
+
+def test_vllms_grouped_top_k_replays_in_bf16_graphs_as_it_runs_eagerly(runs):
+    """Decode in FULL graphs (on by default in bf16) holds vLLM's grouped top-k too: the
+    replayed graphs give the eager engine's tokens, from the prefix cache as well."""
+    graph, eager = (runs[("tiny-glm4-moe-pairs", mode)] for mode in ("bfloat16", "bfloat16 eager"))
+    for engine in (graph, eager):
+        assert "error" not in engine, engine.get("error")
+    assert all(run["graph_replays"] > 0 for run in graph["runs"])
+    assert "moe_gating_top_k" not in graph["runs"][0]["launches"]
+    assert [run["tokens"] for run in graph["runs"]] == [run["tokens"] for run in eager["runs"]]
+
+
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_fp32_greedy_equals_hf_token_for_token(name, runs, tiny_models, prompts):
     engine = runs[(name, "float32")]
     assert_greedy_equals_hf(engine, tiny_models[name], prompts, MAX_TOKENS)
 
 
+@pytest.mark.parametrize("dtype", list(COMBINE))
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_experts_run_on_the_npu_moe_ops(name, runs):
-    launches = runs[(name, "float32")]["runs"][0]["launches"]
-    for op in (GATING[name], *MOE_OPS):
+def test_experts_run_on_the_npu_moe_ops(name, dtype, runs):
+    launches = runs[(name, dtype)]["runs"][0]["launches"]
+    combine = COMBINE[dtype]
+    (other,) = set(COMBINE.values()) - {combine}
+    for op in (GATING[name], *MOE_OPS, combine):
         assert launches.get(op, 0) > 0, (op, launches)
+    assert other not in launches
     # Per MoE layer and forward pass: one routing, one dispatch, two grouped matmuls, one
     # combine; the tiny models have two MoE layers.
     assert launches["grouped_matmul"] == 2 * launches["moe_init_routing_v2"]
-    assert launches["moe_token_unpermute"] == launches["moe_init_routing_v2"] == launches[GATING[name]]
+    assert launches[combine] == launches["moe_init_routing_v2"] == launches[GATING[name]]
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
@@ -128,12 +177,18 @@ def _expert_case(tokens=48, experts=8, hidden=64, inter=32, top_k=2, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_expert_path_matches_the_moe_definition(dtype):
+    """fp16 and fp32 combine on npu_moe_finalize_routing, bf16 on npu_moe_token_unpermute:
+    each inside its documented dtypes (the references refuse the rest)."""
+    from ascend_patch.npu import kernels
     from ascend_patch.npu.ops.fused_moe import fused_experts
 
     x, w13, w2, weights, ids = _expert_case()
     expected = _dense_moe(x, w13, w2, weights, ids)
-    got = fused_experts(x.to(dtype), w13.transpose(1, 2).contiguous().to(dtype),
-                        w2.transpose(1, 2).contiguous().to(dtype), weights, ids).double()
+    with kernels.count_launches() as launches:
+        got = fused_experts(x.to(dtype), w13.transpose(1, 2).contiguous().to(dtype),
+                            w2.transpose(1, 2).contiguous().to(dtype), weights, ids).double()
+    combine = "moe_token_unpermute" if dtype == torch.bfloat16 else "moe_finalize_routing"
+    assert launches[combine] == 1 and sum(launches.values()) == 5, launches
     # fp32: summation order only; half precision: the inputs' own rounding (8 or 11 bits).
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
     assert (got - expected).norm() <= tolerance * expected.norm()

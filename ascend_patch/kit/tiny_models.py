@@ -86,6 +86,18 @@ MODELS = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
         "routed_scaling_factor": 2.5, "norm_topk_prob": False}),
+    # DeepSeek-V3 routing over 8 experts in 4 groups of 2, 2 groups kept: npu_moe_gating_top_k
+    # needs more than 2 experts per group.
+    "tiny-glm4-moe-pairs": ("Glm4MoeForCausalLM", {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
+    # Sigmoid weights without renormalisation and no grouping: vLLM routes that on its CUDA
+    # top-k kernels, so it is refused.
+    "tiny-glm4-moe-ungrouped-unnormalised": ("Glm4MoeForCausalLM", {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": False}),
     # Head sizes other than the 64 and 128 of the fused prefill kernel.
     "tiny-llama-hd96": ("LlamaForCausalLM", {"head_dim": 96}),
     # Sliding windows shorter than the test prompts, so the windows cut. Mistral: every layer

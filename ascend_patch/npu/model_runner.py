@@ -1,7 +1,8 @@
 """``NPUModelRunner``: vLLM's V1 model runner on the NPU device.
 
 It overrides only what is device-specific: once the model is loaded it logs which
-attention layers run composed rather than fused, and why; loaded weights are charged to the emulated
+attention layers run composed rather than fused and which MoE layers route with vLLM's
+grouped top-k rather than the NPU gating op, and why; loaded weights are charged to the emulated
 HBM and the profiling pass's activations are measured, so vLLM's unmodified
 ``determine_available_memory`` sizes the KV cache from real numbers; new KV blocks are
 zeroed in the Ascend layouts (K/V planes, MLA latent/rope planes) instead of by vLLM's
@@ -18,6 +19,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ascend_patch.npu.attention.backend import report_attention_paths
 from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+from ascend_patch.npu.ops.fused_moe import report_routing
 
 
 class NPUModelRunner(GPUModelRunner):
@@ -25,6 +27,7 @@ class NPUModelRunner(GPUModelRunner):
         super().load_model(*args, **kwargs)
         report_attention_paths(self.compilation_config.static_forward_context,
                                self.model_config.dtype, self.model_config.model)
+        report_routing(self.get_model(), self.model_config.model)
         runtime = current_platform.runtime()
         if current_platform.emulated:
             # CPU tensors are not device memory: the weights are what loading

@@ -12,6 +12,7 @@ that lie wholly before every query's window (as vLLM's SlidingWindowManager leav
 import math
 
 import hypothesis.strategies as st
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -185,6 +186,50 @@ def band_batch(draw):
     room = min(kv - q for q, kv in batch)  # next_tokens + kv - q ≥ 0 keeps every row non-empty
     after = draw(st.sampled_from([0, 0, 2147483647]) | st.integers(max(-room, -pre), 8))
     return batch, pre, after
+
+
+@pytest.mark.parametrize("window", [1, 5, 17])
+def test_a_sliding_window_of_w_keys_is_the_band_with_pre_tokens_w_minus_1(window):
+    """The window's pre_tokens, settled from the definitions rather than this file's oracle. The
+    band of sparse_mode=4 as npu_fusion_attention's doc builds it in its worked example (hidden =
+    triu(ones, next + 1) + tril(ones, -pre - 1)), anchored at the bottom right, against HF's
+    sliding-window mask (vLLM's window: FlashAttention's window_size=(W - 1, 0)): they agree at
+    pre_tokens = W - 1, next_tokens = 0; vllm-ascend's pre_tokens = W shows one key more. The
+    reference FIA computes the band: SDPA under HF's mask."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    q_len, kv_len, heads, head_dim = 24, 40, 2, 64  # a chunk behind 16 cached tokens
+    query_positions = torch.arange(kv_len - q_len, kv_len)[:, None]
+    visible = sliding_window_causal_mask_function(window)(0, 0, query_positions,
+                                                          torch.arange(kv_len)[None])
+
+    def doc_band(pre, after):
+        ones, shift = torch.ones(q_len, kv_len, dtype=torch.bool), kv_len - q_len
+        return ~(ones.triu(shift + after + 1) | ones.tril(shift - pre - 1))
+
+    assert torch.equal(doc_band(window - 1, 0), visible)
+    # pre_tokens = W adds, for every query with W keys before it, the key W positions back.
+    rows, columns = (doc_band(window, 0) & ~visible).nonzero().unbind(1)
+    assert rows.numel() > 0 and bool((query_positions[rows, 0] - columns == window).all())
+
+    generator = torch.Generator().manual_seed(window)
+    query = torch.randn(q_len, heads, head_dim, generator=generator).to(torch.bfloat16)
+    key, value = (torch.randn(kv_len, heads, head_dim, generator=generator).to(torch.bfloat16)
+                  for _ in range(2))
+    expected = F.scaled_dot_product_attention(
+        *(t.float().transpose(0, 1) for t in (query, key, value)), attn_mask=visible,
+        scale=head_dim**-0.5).transpose(0, 1)
+
+    def reference(pre_tokens):
+        out, _ = kernels.fused_infer_attention_score(
+            query, key, value, atten_mask=CAUSAL_MASK, actual_seq_lengths=[q_len],
+            actual_seq_lengths_kv=[kv_len], num_heads=heads, num_key_value_heads=heads,
+            scale=head_dim**-0.5, pre_tokens=pre_tokens, next_tokens=0, input_layout="TND",
+            sparse_mode=4)
+        return out.float()
+
+    torch.testing.assert_close(reference(window - 1), expected, atol=3e-2, rtol=3e-2)
+    assert not torch.allclose(reference(window), expected, atol=3e-2, rtol=3e-2)
 
 
 @settings(max_examples=30, deadline=None)

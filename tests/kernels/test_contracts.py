@@ -69,8 +69,9 @@ def scatter(**overrides):
 
 
 def rotary_mul(**overrides):
-    x = torch.zeros(3, 4, 64)
-    args = dict(self=x, r1=torch.rand(3, 1, 64), r2=torch.rand(3, 1, 64), rotary_mode="half")
+    """3 tokens of 4 heads as BSND with one batch, cos/sin 1S1D (the rotary op's own layout)."""
+    x = torch.zeros(1, 3, 4, 64)
+    args = dict(self=x, r1=torch.rand(1, 3, 1, 64), r2=torch.rand(1, 3, 1, 64), rotary_mode="half")
     args.update(overrides)
     return kernels.rotary_mul(**args)
 
@@ -267,24 +268,40 @@ VIOLATIONS = {
         lambda: rotary_mul(rotary_mode="neox"),
         "npu_rotary_mul: rotary_mode must be 'half' or 'interleave', got 'neox'"),
     "rotary_mul factor outside [-1, 1]": (
-        lambda: rotary_mul(r1=torch.full((3, 1, 64), 1.5)),
+        lambda: rotary_mul(r1=torch.full((1, 3, 1, 64), 1.5)),
         "npu_rotary_mul: r1 must be within [-1, 1], got range [1.5, 1.5]"),
     "rotary_mul odd head dim": (
-        lambda: rotary_mul(self=torch.zeros(3, 4, 63), r1=torch.rand(3, 1, 63),
-                           r2=torch.rand(3, 1, 63)),
+        lambda: rotary_mul(self=torch.zeros(1, 3, 4, 63), r1=torch.rand(1, 3, 1, 63),
+                           r2=torch.rand(1, 3, 1, 63)),
         "npu_rotary_mul: self must be an even last dim below 896, got 63"),
+    "rotary_mul TND (3-D) input": (
+        lambda: rotary_mul(self=torch.zeros(3, 4, 64), r1=torch.rand(3, 1, 64),
+                           r2=torch.rand(3, 1, 64)),
+        "npu_rotary_mul: self must be 4-D, got 3-D (3, 4, 64)"),
+    "rotary_mul sin shaped unlike cos": (
+        lambda: rotary_mul(r2=torch.rand(1, 3, 4, 64)),
+        "npu_rotary_mul: r2 must be shape (1, 3, 1, 64) like r1, got (1, 3, 4, 64)"),
     "rotary_mul interleave with per-head factors": (
-        lambda: rotary_mul(r1=torch.rand(3, 4, 64), rotary_mode="interleave"),
-        "npu_rotary_mul: r1 must be T1D (3, 1, 64) for a TND input in interleave mode, "
-        "got (3, 4, 64)"),
-    "rotary_mul TND with one cos for every token": (
-        lambda: rotary_mul(r1=torch.rand(1, 1, 64)),
-        "npu_rotary_mul: r1 must be T1D (3, 1, 64) or TND (3, 4, 64) for a TND input in half "
-        "mode, got (1, 1, 64)"),
-    "rotary_mul 4-D interleave with per-head factors": (
-        lambda: rotary_mul(self=torch.zeros(1, 3, 4, 64), r1=torch.rand(1, 3, 4, 64),
-                           r2=torch.rand(1, 3, 1, 64), rotary_mode="interleave"),
-        "npu_rotary_mul: r1 must be 11SD, 1S1D or S11D in interleave mode, got (1, 3, 4, 64)"),
+        lambda: rotary_mul(r1=torch.rand(1, 3, 4, 64), r2=torch.rand(1, 3, 4, 64),
+                           rotary_mode="interleave"),
+        "npu_rotary_mul: r1 must be one of interleave mode's cos/sin layouts for the input "
+        "(1, 3, 4, 64) (BNSD: 11SD; BSND: 1S1D; SBND: S11D), got (1, 3, 4, 64)"),
+    "rotary_mul factors that broadcast but fit no layout": (
+        lambda: rotary_mul(self=torch.zeros(2, 3, 4, 64), r1=torch.rand(1, 3, 4, 64),
+                           r2=torch.rand(1, 3, 4, 64)),
+        "npu_rotary_mul: r1 must be one of half mode's cos/sin layouts for the input (2, 3, 4, 64) "
+        "(BNSD: 11SD, B1SD, BNSD; BSND: 1S1D, BS1D, BSND; SBND: S11D, SB1D, SBND), "
+        "got (1, 3, 4, 64)"),
+    "rotary_mul 1000 heads in half mode": (
+        lambda: rotary_mul(self=torch.zeros(1, 2, 1000, 64), r1=torch.rand(1, 2, 1, 64),
+                           r2=torch.rand(1, 2, 1, 64)),
+        "npu_rotary_mul: self must be B and N below 1000 in half mode, got BSND with B=1, "
+        "N=1000, SBND with B=2, N=1000"),
+    "rotary_mul B * N of 1000 in interleave mode": (
+        lambda: rotary_mul(self=torch.zeros(1, 2, 1000, 64), r1=torch.rand(1, 2, 1, 64),
+                           r2=torch.rand(1, 2, 1, 64), rotary_mode="interleave"),
+        "npu_rotary_mul: self must be B * N below 1000 in interleave mode, got BSND with B=1, "
+        "N=1000"),
     # top-k / top-p
     "top_k k = 0": (
         lambda: top_k_top_p(k=torch.tensor([0, 5], dtype=torch.int32)),

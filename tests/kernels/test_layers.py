@@ -98,7 +98,8 @@ def vllm_rope(head_size, rotary_dim, is_neox_style, dtype):
 @given(shape=rope_shapes, tokens=st.integers(1, 40), is_neox_style=st.booleans(),
        dtype=float_dtypes, seed=seeds)
 def test_rotary_mul_matches_vllm(shape, tokens, is_neox_style, dtype, seed):
-    """npu_rotary_mul on the rotary lanes, with cos/sin laid out per mode (TND, T1D factors)."""
+    """npu_rotary_mul on the rotary lanes of BSND [1, T, N, D], cos/sin 1S1D [1, T, 1, D] laid
+    out per mode."""
     head_size, rotary_dim, heads, _ = shape
     generator = torch.Generator().manual_seed(seed)
     rope = vllm_rope(head_size, rotary_dim, is_neox_style, dtype)
@@ -111,12 +112,50 @@ def test_rotary_mul_matches_vllm(shape, tokens, is_neox_style, dtype, seed):
         cos, sin = cos.repeat(1, 2), sin.repeat(1, 2)
     else:  # "interleave": each cos/sin value serves one adjacent pair
         cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-    heads_view = query.view(tokens, heads, head_size)
-    rotated = kernels.rotary_mul(heads_view[..., :rotary_dim].contiguous(), cos[:, None],
-                                 sin[:, None], "half" if is_neox_style else "interleave")
+    heads_view = query.view(1, tokens, heads, head_size)
+    rotated = kernels.rotary_mul(heads_view[..., :rotary_dim].contiguous(), cos[None, :, None],
+                                 sin[None, :, None], "half" if is_neox_style else "interleave")
     result = torch.cat((rotated, heads_view[..., rotary_dim:]), dim=-1).view(tokens, -1)
 
     assert_close(result, expected)
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=rope_shapes, tokens=st.integers(1, 40), is_neox_style=st.booleans(),
+       dtype=float_dtypes, seed=seeds)
+def test_rotary_custom_op_matches_vllm_and_hands_the_op_a_4d_view(shape, tokens, is_neox_style,
+                                                                   dtype, seed):
+    """The registered rotary op on q and k split out of one qkv buffer, as models call it,
+    against vLLM's own rotary: each npu_rotary_mul call gets a 4-D tensor, a view of the query
+    or key itself when the whole head rotates (no copy)."""
+    from ascend_patch.npu.ops.rotary_embedding import AscendRotaryEmbedding
+
+    head_size, rotary_dim, heads, kv_heads = shape
+    generator = torch.Generator().manual_seed(seed)
+    args = (head_size, rotary_dim, 4096, 10000.0, is_neox_style, dtype)
+    rope = vllm_rope(head_size, rotary_dim, is_neox_style, dtype)
+    ours = vllm_layer(AscendRotaryEmbedding, *args)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=generator).to(dtype)
+    query, key, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+    expected = rope.forward_native(positions, query.clone(), key.clone())
+
+    calls = []
+
+    def recording(x, r1, r2, mode):
+        calls.append(x)
+        return reference(x, r1, r2, mode)
+
+    reference, kernels.rotary_mul = kernels.rotary_mul, recording
+    try:
+        got = ours.forward_oot(positions, query, key)
+    finally:
+        kernels.rotary_mul = reference
+    for result, want in zip(got, expected):
+        assert_close(result, want)
+    assert [x.dim() for x in calls] == [4, 4]
+    if rotary_dim == head_size:
+        assert [x.data_ptr() for x in calls] == [query.data_ptr(), key.data_ptr()]
 
 
 @settings(max_examples=40, deadline=None)

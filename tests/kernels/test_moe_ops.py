@@ -376,16 +376,16 @@ def test_grouped_matmul_int8_dequantises_per_channel_and_per_token(rows, experts
 
 
 @settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(1, 12), k=st.integers(1, 4), dtype=float_dtypes,
-       with_probs=st.booleans(), seed=seeds)
-def test_token_unpermute_gathers_and_weights_each_tokens_rows(tokens, k, dtype, with_probs,
-                                                              seed):
+@given(tokens=st.integers(1, 12), k=st.integers(1, 4), with_probs=st.booleans(), seed=seeds)
+def test_token_unpermute_gathers_and_weights_each_tokens_rows(tokens, k, with_probs, seed):
+    """bf16 rows and probs: the dtype every torch-npu wheel the matrix names documents."""
+    dtype = torch.bfloat16
     if not with_probs:
         k = 1
     generator = torch.Generator().manual_seed(seed)
     permuted = torch.randn(tokens * k, 8, generator=generator).to(dtype)
     indices = torch.randperm(tokens * k, generator=generator).to(torch.int32)
-    probs = torch.rand(tokens, k, generator=generator) if with_probs else None
+    probs = torch.rand(tokens, k, generator=generator).to(dtype) if with_probs else None
 
     out = kernels.moe_token_unpermute(permuted, indices, probs=probs)
 
@@ -455,7 +455,7 @@ def dense_moe(hidden, w13, w2, weights, ids):
 def test_moe_layer_built_from_the_ops_equals_the_dense_definition(tokens, layout, routing,
                                                                   list_type, seed):
     """gating -> init_routing_v2 -> grouped_matmul (gate_up) -> swiglu -> grouped_matmul (down)
-    -> token_unpermute, in fp32, with vLLM's weight layouts, against a per-token expert loop."""
+    -> finalize_routing, in fp32, with vLLM's weight layouts, against a per-token expert loop."""
     experts, k = layout
     hidden_size, intermediate = 16, 12
     generator = torch.Generator().manual_seed(seed)
@@ -480,7 +480,9 @@ def test_moe_layer_built_from_the_ops_equals_the_dense_definition(tokens, layout
     gemm = dict(group_list=group_list, group_list_type=list_type, group_type=0, split_item=2)
     (gate_up,) = kernels.grouped_matmul([expanded], [w13.transpose(1, 2)], **gemm)
     (down,) = kernels.grouped_matmul([kernels.swiglu(gate_up)], [w2.transpose(1, 2)], **gemm)
-    out = kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights)
+    # fp32 rows combine on finalize_routing (drop_pad_mode 0 reads the index by column).
+    by_column = expanded_row_idx.view(tokens, k).t().contiguous().view(-1)
+    out = kernels.moe_finalize_routing(down, None, None, None, weights, by_column, None)
 
     torch.testing.assert_close(out, dense_moe(hidden, w13, w2, weights, ids), atol=1e-5,
                                rtol=1e-5)
@@ -520,9 +522,9 @@ def grouped_matmul(**overrides):
 
 
 def unpermute(**overrides):
-    args = dict(permuted_tokens=torch.zeros(6, 8),
+    args = dict(permuted_tokens=torch.zeros(6, 8, dtype=torch.bfloat16),
                 sorted_indices=torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32),
-                probs=torch.ones(3, 2))
+                probs=torch.ones(3, 2, dtype=torch.bfloat16))
     args.update(overrides)
     return kernels.moe_token_unpermute(**args)
 
@@ -662,8 +664,17 @@ VIOLATIONS = {
     "unpermute int64 indices": (
         lambda: unpermute(sorted_indices=torch.arange(6)),
         f"{UNPERMUTE}: sorted_indices must be int32, got torch.int64"),
+    "unpermute fp16 rows": (
+        lambda: unpermute(permuted_tokens=torch.zeros(6, 8, dtype=torch.float16)),
+        f"{UNPERMUTE}: permuted_tokens must be bfloat16, got torch.float16"),
+    "unpermute fp32 rows": (
+        lambda: unpermute(permuted_tokens=torch.zeros(6, 8)),
+        f"{UNPERMUTE}: permuted_tokens must be bfloat16, got torch.float32"),
+    "unpermute fp32 probs": (
+        lambda: unpermute(probs=torch.ones(3, 2)),
+        f"{UNPERMUTE}: probs must be bfloat16, got torch.float32"),
     "unpermute probs not covering the rows": (
-        lambda: unpermute(probs=torch.ones(2, 2)),
+        lambda: unpermute(probs=torch.ones(2, 2, dtype=torch.bfloat16)),
         f"{UNPERMUTE}: probs must be shape (tokens, k) with tokens * k = 6 and k ≤ 512, "
         "got (2, 2)"),
     "unpermute padded mode": (

@@ -422,6 +422,17 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         acl_graph.launch(layer_name, meta, issue, workspace)
 
     def _pre_tokens(self) -> int | None:
+        """The band's reach before each query in a windowed layer: ``window - 1``.
+
+        vLLM's window of W keys is the query's own key and the W - 1 before it (its FlashAttention
+        backends pass ``window_size=(W - 1, 0)``; HF's ``sliding_window`` means the same). The
+        op's band, anchored at the bottom right, lets the query on diagonal d see keys
+        ``d - pre_tokens ... d + next_tokens``: npu_fusion_attention's doc builds the band of
+        ``sparse_mode=4`` as the mask ``triu(ones, next + 1) + tril(ones, -pre - 1)``, and FIA's
+        doc calls ``pre_tokens`` the earlier tokens a query attends to ("需要和前几个Token计算关联")
+        and cuts rows only for ``pre_tokens < 0``, so ``pre_tokens = 0`` leaves the query itself.
+        vllm-ascend passes W, one key more than the model's window.
+        """
         return None if self.sliding_window is None else self.sliding_window - 1
 
     def _fused_attention(self, query, key_cache, value_cache, meta: AscendMetadata, out,

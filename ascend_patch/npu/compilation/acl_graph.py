@@ -11,9 +11,12 @@ with the device runtime's graph API: ``torch_npu.npu.NPUGraph`` on the NPU, the 
 Host-parameter updates. Some NPU kernels take host arguments that change every step
 (``_npu_paged_attention``'s ``context_lens``); a graph would replay the capture's values. A kernel
 launched through :func:`launch` inside a capture is captured as its own task group, behind an
-``ExternalEvent`` wait; before each replay the wrapper re-issues it with the step's host values
-(``graph_task_update_begin``/``_end`` on an update stream) and records the event, which releases
-the replay's wait (the protocol vllm-ascend uses, ``compilation/acl_graph.py``).
+``ExternalEvent`` wait and reset; before each replay the wrapper re-issues it with the step's host
+values (``graph_task_update_begin``/``_end`` on an update stream) and records the event, which
+releases the replay's wait (the protocol vllm-ascend uses, ``compilation/acl_graph.py``). The
+reset is what makes the next replay wait again: torch_npu's ``ExternalEvent`` keeps its flag
+through a wait until ``reset()`` (``npu/streams.py``), and vllm-ascend captures ``wait`` then
+``reset`` for the same reason.
 
 Stream budget. An ACL graph holds device streams, and the NPU has 2048;
 :func:`capture_size_budget` is vllm-ascend's formula (``update_aclgraph_sizes``) for how many
@@ -70,6 +73,7 @@ def launch(key: str, params, issue: Callable, workspace: Callable | None = None)
     buffer = workspace(params) if workspace is not None else None
     event = graphs.ExternalEvent()
     event.wait(stream)
+    event.reset(stream)  # the flag outlives the wait: clear it for the next replay's record
     graphs.graph_task_group_begin(stream)
     issue(params, buffer)
     handle = graphs.graph_task_group_end(stream)
@@ -133,7 +137,10 @@ class NPUGraphWrapper(CUDAGraphWrapper):
                 f"graph inputs moved since capture: {entry.input_addresses} -> {addresses}")
         updates = self._host_params[descriptor]
         if updates:
-            self._update_host_params(updates, context.attn_metadata)
+            if self._update_stream is None:
+                self._update_stream = self._graphs.Stream()  # not the capture's stream
+            self._workspaces = renew_host_params(self._graphs, self._update_stream, updates,
+                                                 context.attn_metadata)
         entry.cudagraph.replay()
         NPUGraphWrapper.replays[descriptor.num_tokens] += 1
         return entry.output
@@ -159,25 +166,31 @@ class NPUGraphWrapper(CUDAGraphWrapper):
         NPUGraphWrapper.captures += 1
         return output
 
-    def _update_host_params(self, updates: list[_HostParamLaunch], metadata) -> None:
-        graphs = self._graphs
-        if self._update_stream is None:
-            self._update_stream = graphs.Stream()  # the update stream must not be the capture's
-        stream = self._update_stream
-        self._workspaces = []
-        with graphs.stream(stream):
-            for update in updates:
-                params = metadata[update.key]
-                buffer = update.workspace(params) if update.workspace is not None else None
-                self._workspaces.append(buffer)
-                self._reissue(update, params, buffer)
-                update.event.record(stream)
 
-    def _reissue(self, update: _HostParamLaunch, params, buffer) -> None:
-        graphs, stream = self._graphs, self._update_stream
-        graphs.graph_task_update_begin(stream, update.handle)
-        update.issue(params, buffer)
-        graphs.graph_task_update_end(stream)
+
+def renew_host_params(graphs, stream, updates: list[_HostParamLaunch], metadata) -> list:
+    """Before a replay: re-issue each captured launch of ``updates`` with this step's ``metadata``
+    on the update ``stream``, then record its event, which the replay's captured wait passes on.
+    Returns the workspaces handed to the launches (to keep alive while the replay runs)."""
+    # The update stream first waits for what the current stream has queued, the previous replay
+    # among it: an update landing while that replay runs would rewrite a task in flight, or
+    # record the event before that replay's captured reset, which would clear it (a hang).
+    stream.wait_stream(graphs.current_stream())
+    workspaces = []
+    with graphs.stream(stream):
+        for update in updates:
+            params = metadata[update.key]
+            buffer = update.workspace(params) if update.workspace is not None else None
+            workspaces.append(buffer)
+            _reissue(graphs, stream, update, params, buffer)
+            update.event.record(stream)
+    return workspaces
+
+
+def _reissue(graphs, stream, update: _HostParamLaunch, params, buffer) -> None:
+    graphs.graph_task_update_begin(stream, update.handle)
+    update.issue(params, buffer)
+    graphs.graph_task_update_end(stream)
 
 
 # -- how many capture sizes the NPU's streams allow ----------------------------------------------

@@ -34,12 +34,13 @@ a value into the graph:
 - a shape change: ``resize_`` or ``set_`` of a tensor (a graph's shapes and addresses are fixed);
 - an op PyTorch tags ``cudagraph_unsafe``.
 
-A replay raises (:class:`GraphReplayError`) at a captured ``ExternalEvent.wait`` that nothing
-recorded since the previous replay: the NPU would wait there forever.
+A replay raises (:class:`GraphReplayError`) at a captured ``ExternalEvent.wait`` on an event
+nothing recorded (the NPU would wait there forever), or one recorded again before a ``reset``
+cleared the earlier record (the NPU's wait may pass on the stale one: see :class:`ExternalEvent`).
 
 **What it does not model.** Streams: one in-order queue stands for all of them, so the race an
 ``ExternalEvent`` guards against (a replay overtaking the host-parameter update on its own stream)
-cannot happen here; only that the record was issued is checked. Pool sharing: each emulated graph
+cannot happen here; what is checked is that each wait has one record of its own to pass on. Pool sharing: each emulated graph
 keeps its own intermediates, while graphs captured into one device pool overlay theirs (the HBM
 books charge a pool its largest graph, as the device would use), so one graph overwriting a tensor
 another still reads is not reproduced. ``.to(device)`` of a host tensor: host and device are both
@@ -462,17 +463,27 @@ def graph_task_update_end(stream=None) -> None:
 
 
 class ExternalEvent:
-    """``torch_npu.npu.ExternalEvent``: a captured ``wait`` holds the replay until the host records
-    the event (vllm-ascend records it once a step's task updates are issued)."""
+    """``torch_npu.npu.ExternalEvent``: a captured ``wait`` holds the replay until the event is
+    recorded (vllm-ascend records it once a step's task updates are issued). As torch_npu
+    documents it (``npu/streams.py``: "you can call wait() before record(). Before reusing
+    ExternalEvent, you need to call reset() to clear the flag"), a wait does not clear the flag:
+    only ``reset`` does, so a graph captures ``wait`` then ``reset``.
+
+    One in-order queue cannot show the race a missing reset opens, so it is caught where it
+    starts: a record landing on an event still set from an earlier record. On the NPU the wait
+    it was meant for may already have passed on the earlier one, and the replay may run before
+    the update that record follows.
+    """
 
     def __init__(self) -> None:
         self._recorded = False
+        self._overrun = False  # recorded again while still set: the wait cannot tell them apart
 
     def record(self, stream=None) -> None:
         if _capture is not None:
             _capture.graph._launches.append((self._set, (), {}, [], None))
         else:
-            self._recorded = True
+            self._set()
 
     def wait(self, stream=None) -> None:
         if _capture is not None:
@@ -484,17 +495,22 @@ class ExternalEvent:
         if _capture is not None:
             _capture.graph._launches.append((self._clear, (), {}, [], None))
         else:
-            self._recorded = False
+            self._clear()
 
     def _set(self) -> None:
+        self._overrun = self._recorded
         self._recorded = True
 
     def _clear(self) -> None:
-        self._recorded = False
+        self._recorded = self._overrun = False
 
     def _wait(self) -> None:
         if not self._recorded:
             raise GraphReplayError(
                 "the replay reached an ExternalEvent wait that nothing recorded: on the NPU the "
                 "graph would wait here forever (the step's host-parameter update was not issued)")
-        self._recorded = False  # a wait resets the event (ExternalEvent().wait() docs)
+        if self._overrun:
+            raise GraphReplayError(
+                "the replay reached an ExternalEvent wait on an event recorded twice without a "
+                "reset() between: on the NPU it may pass on the earlier record and run before "
+                "this step's host-parameter update lands (capture reset() after wait())")

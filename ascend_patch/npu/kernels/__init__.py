@@ -116,6 +116,17 @@ def active_backend() -> str | None:
     return _active
 
 
+def contract_violation(name: str, *args, **kwargs) -> str | None:
+    """What op ``name``'s documented contract refuses in these arguments (its reference twin's
+    message), or None: whether an op can take a configuration, decided before any step runs.
+    Host tensors stand in for device ones."""
+    try:
+        getattr(reference, name)(*args, **kwargs)
+    except KernelContractError as exc:
+        return str(exc)
+    return None
+
+
 @contextlib.contextmanager
 def _wrapped(wrap):
     """Swap every op for ``wrap(name, fn)`` while the block runs; the exact originals are
@@ -195,4 +206,4 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = [*OPS, "KernelBackendError", "KernelContractError", "OPS", "active_backend",
-           "count_launches", "describe", "record_calls", "use"]
+           "contract_violation", "count_launches", "describe", "record_calls", "use"]

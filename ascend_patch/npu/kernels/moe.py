@@ -24,13 +24,19 @@ An unquantised MoE layer (dropless, all experts local) calls them in this order,
     down = npu_grouped_matmul([hidden], [w2.transpose(1, 2)], group_list=counts,
                               group_list_type=1, group_type=0, split_item=2)[0]
     # un-permute and combine: out[t] = sum_j y[t, j] * down[expanded_row_idx[t * k + j]]
-    out = npu_moe_token_unpermute(down, expanded_row_idx, probs=y)
+    out = npu_moe_token_unpermute(down, expanded_row_idx, probs=y)          # bf16 rows
+    out = npu_moe_finalize_routing(down, None, None, None, y, src_to_dst, None)  # fp16/fp32 rows
 
-``npu_moe_token_unpermute`` is the combine step to use: it takes init_routing_v2's
-``expanded_row_idx`` as is, runs on A2 and A3, and is what vllm-ascend uses.
-``npu_moe_finalize_routing`` (also here; its only supported ``drop_pad_mode`` is 0, the column
-layout of init_routing v1, not v2's gather index) is documented for A2 only, takes ``scales`` in the rows' dtype (bf16 weights), and vllm-ascend reports accuracy
-problems with it (``vllm_ascend/ops/fused_moe/moe_comm_method.py``).
+The combine step depends on the rows' dtype. ``npu_moe_token_unpermute`` takes init_routing_v2's
+``expanded_row_idx`` as is and is what vllm-ascend uses, but every torch-npu wheel the matrix names
+documents it for bf16 (2.13 and 2.14 add fp16/fp32, 2.10 and 2.11 do not): bf16 rows go there.
+fp16 and fp32 rows go to ``npu_moe_finalize_routing``, documented for fp16/bf16/fp32 in every
+wheel, with ``drop_pad_mode=0``, the only mode its doc names; that mode reads the index by column
+(``src_to_dst[k * T + t]`` is the row of token t's slot k), so init_routing_v2's row-ordered
+index is transposed first (``expanded_row_idx.view(T, k).t()``, T*k int32). Its scales come in
+the rows' dtype, as unpermute's probs do. Its torch-npu doc lists the A2 series only (CANN's
+aclnnMoeFinalizeRouting(V2) lists A3 too), and vllm-ascend reports accuracy problems with it in
+its bf16 path (``vllm_ascend/ops/fused_moe/moe_comm_method.py``), which keeps unpermute.
 
 Dynamic int8 (W8A8): ``npu_moe_init_routing_v2(..., quant_mode=1)`` returns int8 rows and their
 fp32 per-row scales, which go to ``npu_grouped_matmul`` as ``per_token_scale`` with the weight's
@@ -73,9 +79,16 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 - [GMM] ``torch_npu-npu_grouped_matmul.md`` (table 2 dtypes, the single-single-single row);
   [GMM-ACLNN] ``gmm/grouped_matmul/docs/aclnnGroupedMatmulV4_en.md`` (int8 → int32 row,
   per-channel scale ``[g, n]`` for a single weight tensor).
-- [UNPERMUTE] no torch_npu doc page: schema in the yaml, ``MoeTokenUnpermuteKernelNpuOpApi.cpp``,
-  ``test/test_custom_ops/test_npu_moe_token_permute_and_unpermute.py`` and
-  ``moe/moe_token_unpermute/docs/aclnnMoeTokenUnpermute.md``.
+- [UNPERMUTE] the ``npu_moe_token_unpermute`` docstrings of the torch-npu wheels
+  (``torch_npu/_op_plugin_docs.py``): 2.10.0.post4 and 2.11.0 have one, "permuted_tokens ...
+  数据类型torch.bfloat16", probs "支持的数据类型BFLOAT16", "sorted_indices ... 数据类型torch.int64"
+  (its own example passes int32); 2.13.0 and 2.14.0 keep that text and add a later one (the one
+  ``help()`` shows) with float16/bfloat16/float32 tokens and probs and int32 indices, "topK_num要求
+  小于等于512" on A2/A3. The index dtype is int32: the later docstring, CANN's
+  ``moe/moe_token_unpermute/docs/aclnnMoeTokenUnpermute.md`` (sortedIndices INT32), the sorted
+  indices ``npu_moe_token_permute`` returns for this op (int32), and init_routing_v2's
+  ``expanded_row_idx`` agree; the schema (``Tensor sorted_indices``) and the meta kernel (dims
+  only) name no dtype. Also ``MoeTokenUnpermuteKernelNpuOpApi.cpp``.
 - [FINALIZE] ``torch_npu-npu_moe_finalize_routing.md``; [FINALIZE-WHEEL] its docstring in the
   torch-npu 2.11-2.14 wheels' ``_op_plugin_docs.py`` (drop_pad_mode "取值范围为0"; "skip2参数为None时,
   skip1参数必须也为None").
@@ -528,7 +541,9 @@ def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode
             restore_shape)
     check_tensor(op, "permuted_tokens", permuted_tokens)
     check_dims(op, "permuted_tokens", permuted_tokens, 2)
-    check_dtype(op, "permuted_tokens", permuted_tokens, _FLOATS)
+    # [UNPERMUTE] bf16 tokens and probs: the envelope every torch-npu wheel the matrix names
+    # documents (2.10/2.11: bf16 only); int32 indices (2.13/2.14, CANN, npu_moe_token_permute).
+    check_dtype(op, "permuted_tokens", permuted_tokens, (torch.bfloat16,))
     check_tensor(op, "sorted_indices", sorted_indices)
     check_dims(op, "sorted_indices", sorted_indices, 1)
     check_dtype(op, "sorted_indices", sorted_indices, (torch.int32,))
@@ -539,7 +554,7 @@ def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode
     if probs is not None:
         check_tensor(op, "probs", probs)
         check_dims(op, "probs", probs, 2)  # [UNPERMUTE] probs (tokens_num, topK_num)
-        check_dtype(op, "probs", probs, _FLOATS)
+        check_dtype(op, "probs", probs, (torch.bfloat16,))
         top_k = probs.shape[1]
         require(1 <= top_k <= 512 and probs.numel() == pairs, op, "probs",
                 f"shape (tokens, k) with tokens * k = {pairs} and k ≤ 512", tuple(probs.shape))

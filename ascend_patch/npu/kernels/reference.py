@@ -31,7 +31,9 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   lists an fp32 gamma beside fp16/bf16 self, which the wheels' own doc does not allow);
   [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
   [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
-- [ROTARY-MUL] ``torch_npu-npu_rotary_mul.md``; ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
+- [ROTARY-MUL] the ``npu_rotary_mul`` docstring in the torch-npu wheels' ``torch_npu/_op_plugin_docs.py``
+  (2.10.0.post4 to 2.14.0, identical: 4-D input, layouts BNSD/BSND/SBND and the cos/sin shapes
+  each takes); ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
 - The Mixture-of-Experts ops and their sources: :mod:`.moe`; the int8 quantisation ops:
   :mod:`.quant`.
 - [TOPKP] ``torch_npu-npu_top_k_top_p.md`` and the ``npu_top_k_top_p`` docstring in
@@ -630,6 +632,15 @@ def swiglu(self, dim=-1):
 # --- rotary embedding -----------------------------------------------------------------------------
 
 
+# [ROTARY-MUL] 约束说明, jit_compile=False (the A2/A3 path): the input's layout is BNSD, BSND or
+# SBND, and r1/r2 "对应input layout的支持情况" take these shapes (1: a broadcast axis).
+_ROTARY_FACTORS = {
+    "half": {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"),
+             "SBND": ("S11D", "SB1D", "SBND")},
+    "interleave": {"BNSD": ("11SD",), "BSND": ("1S1D",), "SBND": ("S11D",)},
+}
+
+
 def rotary_mul(self, r1, r2, rotary_mode="half"):
     """``x * r1 + rotate(x) * r2``; "half" rotates halves (NeoX), "interleave" pairs (GPT-J)."""
     op = "npu_rotary_mul"
@@ -637,36 +648,29 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
     require(rotary_mode in ("half", "interleave"), op, "rotary_mode", "'half' or 'interleave'",
             repr(rotary_mode))
     check_tensor(op, "self", self)
-    check_dims(op, "self", self, 3, 4)  # [ROTARY-MUL] input 3 维、4 维
+    # [ROTARY-MUL] 参数说明: input, cos, sin "4维Tensor" (the wheel's doc, torch-npu 2.10-2.14);
+    # a 3-D [T, N, D] query must be viewed as one of the 4-D layouts first.
+    check_dims(op, "self", self, 4)
     check_dtype(op, "self", self, _FLOATS)
     head_dim = self.shape[-1]
     # [ROTARY-MUL] jit_compile=False: D < 896 且为 2 的倍数.
     require(head_dim % 2 == 0 and head_dim < 896, op, "self", "an even last dim below 896",
             head_dim)
-    if self.dim() == 3:  # TND: N < 1000
-        require(self.shape[1] < 1000, op, "self", "fewer than 1000 heads (TND)", self.shape[1])
+    check_tensor(op, "r1", r1)
+    check_tensor(op, "r2", r2)
+    # [ROTARY-MUL] "r2: 同r1" (and the CANN tiling: "cos shape and sin shape should be equal").
+    require(r2.shape == r1.shape, op, "r2", f"shape {tuple(r1.shape)} like r1", tuple(r2.shape))
+    readings = _rotary_layouts(op, self, r1, rotary_mode)
+    # [ROTARY-MUL] half: "B, N < 1000"; interleave: "B * N < 1000". The op has no layout
+    # argument: it reads the layout off the factors' broadcast axes, and a shape several
+    # layouts explain computes the same product, so one reading within the limits suffices.
+    within = [(layout, b, n) for layout, b, n in readings
+              if (b < 1000 and n < 1000 if rotary_mode == "half" else b * n < 1000)]
+    limit = "B and N below 1000" if rotary_mode == "half" else "B * N below 1000"
+    require(bool(within), op, "self", f"{limit} in {rotary_mode} mode",
+            ", ".join(f"{layout} with B={b}, N={n}" for layout, b, n in readings))
     for name, factor in (("r1", r1), ("r2", r2)):
-        check_tensor(op, name, factor)
         check_dtype(op, name, factor, _FLOATS)  # mixed dtypes are cast to self's by the binding
-        require(factor.dim() == self.dim() and factor.shape[-1] == head_dim
-                and all(f in (1, x) for f, x in zip(factor.shape, self.shape)),
-                op, name, f"broadcastable to {tuple(self.shape)} with the same last dim",
-                tuple(factor.shape))
-        if self.dim() == 3:
-            # [ROTARY-MUL] 约束说明, r1、r2 "对应input layout的支持情况": half mode
-            # "x为$TND$： $T1D、TND$", interleave mode "x为$TND: T1D$". (1, 1, D) is neither.
-            tokens, heads = self.shape[:2]
-            layouts = {f"T1D {(tokens, 1, head_dim)}": (tokens, 1, head_dim)}
-            if rotary_mode == "half":
-                layouts[f"TND {(tokens, heads, head_dim)}"] = (tokens, heads, head_dim)
-            require(tuple(factor.shape) in layouts.values(), op, name,
-                    f"{' or '.join(layouts)} for a TND input in {rotary_mode} mode",
-                    tuple(factor.shape))
-        elif rotary_mode == "interleave":
-            # [ROTARY-MUL] interleave: r1/r2 only 11SD, 1S1D or S11D for a 4-D input.
-            leading = [size for size in factor.shape[:-1] if size != 1]
-            require(len(leading) <= 1, op, name, "11SD, 1S1D or S11D in interleave mode",
-                    tuple(factor.shape))
         # [ROTARY-MUL] r1、r2 数据范围 [-1, 1].
         if factor.numel():
             low, high = factor.aminmax()
@@ -680,6 +684,21 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
     else:
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     return (x * cos + rotated * sin).to(self.dtype)
+
+
+def _rotary_layouts(op, x, factor, rotary_mode):
+    """The layouts of ``x`` whose documented factor shapes ``factor`` has, as (layout, B, N)."""
+    readings = []
+    for layout, patterns in _ROTARY_FACTORS[rotary_mode].items():
+        sizes = {**dict(zip(layout, x.shape)), "1": 1}
+        shapes = [tuple(sizes[axis] for axis in pattern) for pattern in patterns]
+        if tuple(factor.shape) in shapes:
+            readings.append((layout, sizes["B"], sizes["N"]))
+    allowed = "; ".join(f"{layout}: {', '.join(patterns)}"
+                        for layout, patterns in _ROTARY_FACTORS[rotary_mode].items())
+    require(bool(readings), op, "r1", f"one of {rotary_mode} mode's cos/sin layouts for the input "
+            f"{tuple(x.shape)} ({allowed})", tuple(factor.shape))
+    return readings
 
 
 # --- sampling -------------------------------------------------------------------------------------

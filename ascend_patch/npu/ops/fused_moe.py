@@ -15,47 +15,68 @@ used up to 0.27), and it routes, dispatches, computes and combines on the NPU:
    the rows each expert gets;
 3. experts: ``npu_grouped_matmul`` (gate and up projections) → ``npu_swiglu`` →
    ``npu_grouped_matmul`` (down projection), the counts as the group list;
-4. combine: ``npu_moe_token_unpermute`` weighs each copy by its routing weight and sums
+4. combine: ``npu_moe_token_unpermute`` (bf16) or ``npu_moe_finalize_routing`` (fp16,
+   fp32; the envelopes their docs give) weighs each copy by its routing weight and sums
    them back per token.
 
 Shared experts (Qwen2-MoE's gated one, DeepSeek's) stay vLLM's: its runner runs them
 beside the routed experts. Tensor parallelism splits each expert's intermediate size and
 vLLM reduces the outputs; expert parallelism gives each rank a subset of the experts
 (vLLM's ``expert_map``), each rank combines the copies routed to its own experts, and the
-same reduction sums the ranks' partial outputs. Routing the NPU ops cannot express (a model's own Python routing
-function, sigmoid scores without renormalisation, ...) is refused at load time, naming
-the model and the function.
+same reduction sums the ranks' partial outputs.
+
+Grouped routing the NPU gating op cannot take (its documented limits: more than 2 experts
+per group, at most 2048 experts..., as its reference checks them; or sigmoid weights without
+renormalisation, which the op always renormalises) runs vLLM's own ``grouped_topk``, the
+torch function vLLM's ``GroupedTopKRouter`` calls for the layer (same module and signature in
+0.20–0.33), and the model runner logs one warning per model naming the layers and the limit
+(:func:`report_routing`). Routing vLLM would not run through ``grouped_topk`` either (a model's
+own Python routing function, other scoring functions, ungrouped routing the ops cannot take)
+is refused at load time, naming the model and the layer.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod,
 )
 
 from ascend_patch.npu import kernels
 
+logger = logging.getLogger("vllm.ascend_patch")
+
 
 class UnsupportedMoEError(NotImplementedError):
     """An MoE layer asks for something the NPU MoE path cannot do."""
 
 
-def _where(layer) -> str:
-    """``model: MoE layer 'name'`` for error messages."""
+def _layer_name(layer) -> str | None:
+    return getattr(layer, "layer_name", None) or getattr(layer, "prefix", None)
+
+
+def _model_name() -> str:
     from vllm.config import get_current_vllm_config
 
-    config = get_current_vllm_config().model_config
-    model = getattr(config, "model", None) or "this model"
-    name = getattr(layer, "layer_name", None) or getattr(layer, "prefix", None)
-    return f"{model}: MoE layer {name!r}" if name else f"{model}: an MoE layer"
+    return getattr(get_current_vllm_config().model_config, "model", None) or "this model"
+
+
+def _where(layer) -> str:
+    """``model: MoE layer 'name'`` for error messages."""
+    name = _layer_name(layer)
+    return f"{_model_name()}: MoE layer {name!r}" if name else f"{_model_name()}: an MoE layer"
 
 
 class Routing:
     """The routing one MoE layer asks for, resolved once at load time from the layer's
-    attributes into the NPU gating op and its arguments."""
+    attributes into the NPU gating op and its arguments, or into vLLM's ``grouped_topk``
+    where the op cannot take it (``npu_limit`` says why)."""
 
     def __init__(self, layer) -> None:
+        self.layer = _layer_name(layer) or "an MoE layer"
         self.top_k = layer.top_k
         self.renormalize = layer.renormalize
         self.scoring = layer.scoring_func
@@ -73,36 +94,61 @@ class Routing:
             problem = (f"its own routing function {getattr(custom, '__qualname__', custom)!r}, "
                        "which no NPU gating op computes")
         elif self.scoring not in ("softmax", "sigmoid"):
-            problem = f"scoring function {self.scoring!r} (the NPU gating ops do softmax and sigmoid)"
-        elif self.scoring == "sigmoid" and not self.renormalize:
-            problem = ("sigmoid scores without renormalisation (npu_moe_gating_top_k always "
-                       "renormalises sigmoid weights)")
+            problem = (f"scoring function {self.scoring!r} (the NPU gating ops do softmax and "
+                       "sigmoid)")
         if problem is not None:
             raise UnsupportedMoEError(f"{_where(layer)} uses {problem}; ascend-patch cannot run "
                                       "it on the NPU")
         # vLLM applies routed_scaling_factor only for grouped or biased routing.
         self.apply_scaling = self.grouped or self.bias is not None
         self.plain_softmax = self.scoring == "softmax" and not self.grouped and self.bias is None
+        experts = layer.global_num_experts
+        self.npu_limit = self._npu_limit(experts)
+        # vLLM's GroupedTopKRouter routes through grouped_topk only for a grouping that divides
+        # the experts; anything else it sends to its CUDA top-k kernels, which Ascend lacks.
+        by_grouped_topk = self.grouped and experts > self.groups and experts % self.groups == 0
+        if self.npu_limit is not None and not by_grouped_topk:
+            raise UnsupportedMoEError(f"{_where(layer)} uses routing the NPU gating op cannot take "
+                                      f"({self.npu_limit}); ascend-patch cannot run it on the NPU")
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights fp32 [T, k], expert ids int32 [T, k])`` for router logits [T, E]."""
-        logits = logits.float()  # the ops return weights in the logits' dtype; vLLM's are fp32
+    def _npu_limit(self, experts: int) -> str | None:
+        """Why the NPU gating op cannot compute this routing, or None. Its documented limits
+        are its reference's contract, checked here on host stand-ins for one token."""
+        if self.scoring == "sigmoid" and not self.renormalize:
+            return ("sigmoid scores without renormalisation: npu_moe_gating_top_k always "
+                    "renormalises sigmoid weights")
+        bias = None if self.bias is None else torch.zeros(experts)
+        name, args, kwargs = self._gating(torch.zeros(1, experts), bias)
+        return kernels.contract_violation(name, *args, **kwargs)
+
+    def _gating(self, logits, bias):
+        """The NPU gating op for this routing and its arguments: ``(name, args, kwargs)``."""
         if self.plain_softmax:
-            weights, ids, _ = kernels.moe_gating_top_k_softmax(logits, k=self.top_k)
-        else:
-            # The op renormalises sigmoid weights itself (and scales after that); softmax
-            # weights are renormalised here, so scaling waits until then.
-            sigmoid = self.scoring == "sigmoid"
-            weights, ids, _ = kernels.moe_gating_top_k(
-                logits, self.top_k, bias=None if self.bias is None else self.bias.float(),
-                k_group=self.group_top_k,
-                group_count=self.groups, group_select_mode=1 if self.bias is not None else 0,
-                renorm=0, norm_type=1 if sigmoid else 0, out_flag=False,
-                routed_scaling_factor=self.scaling if sigmoid and self.apply_scaling else 1.0,
-                eps=1e-20,
-            )
-            if sigmoid:
-                return weights.float(), ids
+            return "moe_gating_top_k_softmax", (logits,), {"k": self.top_k}
+        # The op renormalises sigmoid weights itself (and scales after that); softmax weights
+        # are renormalised by the caller, so scaling waits until then.
+        sigmoid = self.scoring == "sigmoid"
+        return "moe_gating_top_k", (logits, self.top_k), dict(
+            bias=bias, k_group=self.group_top_k, group_count=self.groups,
+            group_select_mode=1 if self.bias is not None else 0, renorm=0,
+            norm_type=1 if sigmoid else 0, out_flag=False,
+            routed_scaling_factor=self.scaling if sigmoid and self.apply_scaling else 1.0,
+            eps=1e-20)
+
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights fp32 [T, k], expert ids int32 [T, k])`` for tokens x [T, H] and their
+        router logits [T, E]."""
+        if self.npu_limit is not None:  # as vLLM's GroupedTopKRouter calls it
+            return grouped_topk(
+                hidden_states=x, gating_output=logits, topk=self.top_k,
+                renormalize=self.renormalize, num_expert_group=self.groups,
+                topk_group=self.group_top_k, scoring_func=self.scoring,
+                routed_scaling_factor=self.scaling, e_score_correction_bias=self.bias)
+        logits = logits.float()  # the ops return weights in the logits' dtype; vLLM's are fp32
+        name, args, kwargs = self._gating(logits, None if self.bias is None else self.bias.float())
+        weights, ids, _ = getattr(kernels, name)(*args, **kwargs)
+        if self.scoring == "sigmoid":
+            return weights.float(), ids
         weights = weights.float()
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -143,8 +189,24 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             param.data = param.data.transpose(1, 2).contiguous()
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-        weights, ids = layer.ascend_routing(router_logits)
+        weights, ids = layer.ascend_routing(x, router_logits)
         return fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids, layer.expert_map)
+
+
+def report_routing(model: torch.nn.Module, model_name: str) -> None:
+    """Log once per model which MoE layers run vLLM's grouped top-k instead of the NPU gating
+    op, and why: one warning per reason."""
+    layers = [module.ascend_routing for module in model.modules()
+              if isinstance(getattr(module, "ascend_routing", None), Routing)]
+    by_limit: dict[str, list[str]] = {}
+    for routing in layers:
+        if routing.npu_limit is not None:
+            by_limit.setdefault(routing.npu_limit, []).append(repr(routing.layer))
+    for limit, names in by_limit.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        logger.warning("ascend-patch: %s: MoE layer(s) %s (%d of %d) route with vLLM's grouped "
+                       "top-k in torch ops instead of the NPU gating op: %s", model_name, shown,
+                       len(names), len(layers), limit)
 
 
 def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
@@ -189,5 +251,18 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
         down = kernels.grouped_matmul([hidden], [w2], scale=[w2_scale],
                                       per_token_scale=[hidden_scale], output_dtype=out_dtype,
                                       **groups)[0]
-    out = kernels.moe_token_unpermute(down, expanded_row_idx, probs=weights.to(down.dtype))
+    out = combine(down, expanded_row_idx, weights.to(down.dtype))
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def combine(rows, expanded_row_idx, weights):
+    """``out[t] = sum_j weights[t, j] * rows[expanded_row_idx[t * k + j]]``, on the op whose
+    documented envelope holds the rows' dtype (kernels/moe.py): ``npu_moe_token_unpermute``
+    for bf16, ``npu_moe_finalize_routing`` for fp16 and fp32, whose only documented mode
+    (``drop_pad_mode=0``) reads the index by column."""
+    if rows.dtype == torch.bfloat16:
+        return kernels.moe_token_unpermute(rows, expanded_row_idx, probs=weights)
+    tokens, top_k = weights.shape
+    by_column = expanded_row_idx.view(tokens, top_k).t().contiguous().view(-1)
+    return kernels.moe_finalize_routing(rows, None, None, None, weights, by_column, None,
+                                        drop_pad_mode=0)

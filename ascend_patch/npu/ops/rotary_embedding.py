@@ -9,9 +9,11 @@ from ascend_patch.npu import kernels
 class AscendRotaryEmbedding(RotaryEmbedding):
     """RoPE with ``npu_rotary_mul``: one launch per tensor, contiguous outputs, fp32 capable.
 
-    cos/sin for the step's positions are gathered once and shared by every layer:
-    models build one rotary module for all layers, and positions only change
-    between forward passes.
+    The op takes 4-D tensors only (BNSD, BSND or SBND): a query or key of ``T`` tokens is viewed
+    as BSND with one batch, ``[1, T, N, D]`` (no copy), and cos/sin as ``[1, T, 1, D]``, the
+    1S1D layout both rotary modes accept for BSND. cos/sin for the step's positions are
+    gathered once and shared by every layer: models build one rotary module for all layers,
+    and positions only change between forward passes.
     """
 
     _step = None  # (forward context, positions) the cached cos/sin belong to
@@ -29,13 +31,13 @@ class AscendRotaryEmbedding(RotaryEmbedding):
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         else:  # "interleave": lanes 2i and 2i + 1 share a frequency
             cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        self._cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))  # [T, 1, rotary_dim]: TND factors
+        self._cos_sin = (cos[None, :, None], sin[None, :, None])  # [1, T, 1, rotary_dim]: 1S1D
         self._step = step
         return self._cos_sin
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(cos.shape[0], -1, self.head_size)
+        x = x.view(1, cos.shape[1], -1, self.head_size)  # BSND, one batch of T tokens
         mode = "half" if self.is_neox_style else "interleave"
         if self.rotary_dim == self.head_size:
             return kernels.rotary_mul(x, cos, sin, mode).view(shape)

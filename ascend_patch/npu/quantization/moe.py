@@ -80,7 +80,7 @@ class AscendW8A8MoEMethod(FusedMoEMethodBase):
                 scale.squeeze(-1).to(scale_dtype).contiguous(), requires_grad=False))
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-        weights, ids = layer.ascend_routing(router_logits)
+        weights, ids = layer.ascend_routing(x, router_logits)
         return fused_moe.fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids,
                                        layer.expert_map, scales=(layer.w13_scale, layer.w2_scale))
 
