@@ -36,6 +36,7 @@ call of the whole run, engine start-up and graph capture included (``kernels.rec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys

@@ -19,8 +19,10 @@ from ascend_patch.npu.compilation import emulated_graph as eg
 from ascend_patch.npu.compilation.acl_graph import sample_sizes
 from tests.conftest import clean_env, run_json
 
-# The seam as bound before any capture: a capture swaps recording wrappers in and must put
-# exactly these back.
+# These tests run the emulated NPU's kernels, bound as its platform binds them (the seam fails
+# closed until then); the seam as bound before any capture: a capture swaps recording wrappers in
+# and must put exactly these back.
+kernels.use("reference")
 BOUND = {name: getattr(kernels, name) for name in kernels.OPS}
 W = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
 GAMMA = torch.rand(16, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -18,15 +18,15 @@ call, and the reference contracts against the meta kernels and the wheels' own d
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
 
+from ascend_patch.kit import quantized_models as quantize
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import npu
 from tests import npu_wheels
-from tests.conftest import ROOT, prompt_token_ids, run_engine
+from tests.conftest import prompt_token_ids, run_engine
 
 VERSIONS = npu_wheels.matrix_versions()
 
@@ -50,17 +50,13 @@ FAMILIES = {
     "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),
     "moe grouped": ("tiny-deepseek-v3-moe", "bfloat16", {}, [GREEDY]),
     "moe softmax": ("tiny-qwen3-moe", "bfloat16", {}, [GREEDY]),
+    "moe fp16": ("tiny-qwen3-moe", "float16", {}, []),  # combines on npu_moe_finalize_routing
     "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
     "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
 }
 
 
 def _checkpoints(tiny_models, root):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import make_quantized_models as quantize
-    finally:
-        sys.path.pop(0)
     qwen2 = tiny_models["tiny-qwen2"]
     # Static W8A8 attention (npu_quantize before the matmul), dynamic W8A8 MLP (npu_dynamic_quant).
     w8a8 = quantize.ascend_v1(qwen2, root / "w8a8",
@@ -87,10 +83,9 @@ def seam_calls(tiny_models, tmp_path_factory):
 
 
 def test_the_workload_reaches_every_op_the_engine_calls(seam_calls):
-    """Every seam op but one is called: moe_finalize_routing has a reference and a real path,
-    but no layer calls it (the MoE path combines with npu_moe_token_unpermute). The sampler makes
-    all three of its calls."""
-    assert {call["op"] for call in seam_calls} == set(kernels.OPS) - {"moe_finalize_routing"}
+    """Every seam op is called (bf16 experts combine on npu_moe_token_unpermute, fp16 ones on
+    npu_moe_finalize_routing), and the sampler makes all three of its calls."""
+    assert {call["op"] for call in seam_calls} == set(kernels.OPS)
     sampler = {tuple(name for name in ("p", "k") if call["kwargs"].get(name) is not None)
                for call in seam_calls if call["op"] == "top_k_top_p"}
     assert sampler == {("p", "k"), ("p",), ("k",)}
@@ -213,20 +208,6 @@ def test_grouped_routing_follows_the_installed_torch_npu(version, monkeypatch):
                 "npu_moe_gating_top_k: the installed torch_npu takes no input_ids, tid2eid "
                 "(hash routing needs torch-npu 2.13 or later)")):
             _grouped_routing(**ids_in)
-
-
-@pytest.mark.parametrize("version", VERSIONS)
-def test_finalize_routing_binds_on_every_wheel(version, monkeypatch):
-    """The one seam op no engine layer calls: its real call binds on every release (2.11's schema
-    has no ``k``, which the call leaves at its default) with the reference's result layout."""
-    torch_npu = npu_wheels.stand_in(npu_wheels.load(version))
-    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
-    rows, skip2, scales = torch.randn(6, 8), torch.randn(3, 8), torch.rand(3, 2)
-    src, ids = torch.randperm(6).int(), torch.zeros(3, 2, dtype=torch.int32)
-    expected = kernels.reference.moe_finalize_routing(rows, None, skip2, None, scales, src, ids)
-    out = npu.moe_finalize_routing(*(t if t is None else t.to("meta")
-                                     for t in (rows, None, skip2, None, scales, src, ids)))
-    assert (out.shape, out.dtype) == (expected.shape, expected.dtype) == ((3, 8), torch.float32)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
