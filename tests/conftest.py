@@ -97,6 +97,16 @@ def require_pypi(what: str) -> None:
     pytest.skip(f"{problem}: {what} needs it")
 
 
+@pytest.fixture
+def reference_kernels():
+    """The kernel seam bound to the reference kernels, as the emulated NPU platform binds it, for
+    tests that run NPU-path pieces in this process (the seam fails closed until a backend is
+    chosen)."""
+    from ascend_patch.npu import kernels
+
+    kernels.use("reference")
+
+
 @pytest.fixture(scope="session")
 def vllm_dir() -> Path:
     return vllm_package_dir()

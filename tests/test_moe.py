@@ -175,6 +175,7 @@ def _expert_case(tokens=48, experts=8, hidden=64, inter=32, top_k=2, seed=0):
     return x, w13, w2, weights, ids.to(torch.int32)
 
 
+@pytest.mark.usefixtures("reference_kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_expert_path_matches_the_moe_definition(dtype):
     """fp16 and fp32 combine on npu_moe_finalize_routing, bf16 on npu_moe_token_unpermute:
@@ -194,6 +195,7 @@ def test_expert_path_matches_the_moe_definition(dtype):
     assert (got - expected).norm() <= tolerance * expected.norm()
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_expert_parallel_ranks_sum_to_the_whole():
     """Two ranks, each holding half the experts (vLLM's expert_map: global id -> local id, -1
     elsewhere), each combining only its experts' copies: their outputs add up to the MoE."""

@@ -23,11 +23,7 @@ from ascend_patch.npu.device import EmulatedRuntime
 from ascend_patch.npu.sample import sampler
 from ascend_patch.npu.kv_cache import ascend_layer_view, compute_slot_mapping
 
-
-@pytest.fixture(autouse=True)
-def reference_seam():
-    """These pieces run on the emulated NPU's kernels, as its platform binds them."""
-    kernels.use("reference")
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 def test_layer_view_reinterprets_the_same_bytes():
