@@ -437,23 +437,17 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         lse [T, N, 1] or None)``."""
         heads, nope = self.num_heads, self.qk_nope_head_dim
         kv = self.kv_b_proj(latent_rows)[0].view(-1, heads, nope + self.v_head_dim)
-        fused = self.prefill_heads is not None and q.dtype in FUSED_DTYPES
-        padded, dtype = (self.prefill_heads, torch.bfloat16) if fused else (heads, q.dtype)
-        if fused and q.dtype != dtype:
+        # vLLM's own prefill layout: key k_nope ++ k_pe (the rope key shared by every head).
+        key = torch.cat((kv[..., :nope], rope_rows[:, None].expand(-1, heads, -1)), dim=-1)
+        value = kv[..., nope:]
+        if self.prefill_heads is None or q.dtype not in FUSED_DTYPES:
+            return latent.prefill_attention(q, key, value, launch.query_ends, launch.kv_ends,
+                                            self.scale, launch.causal)
+        if q.dtype != torch.bfloat16:
             _warn_bf16_prefill()
-        # key = k_nope ++ k_pe (the rope key shared by every head), value = v, both contiguous
-        # [rows, padded heads, D] in the kernel's dtype; padded heads stay zero.
-        make = torch.zeros if padded != heads else torch.empty
-        key = make(kv.shape[0], padded, q.shape[-1], dtype=dtype, device=q.device)
-        value = make(kv.shape[0], padded, self.v_head_dim, dtype=dtype, device=q.device)
-        key[:, :heads, :nope] = kv[..., :nope]
-        key[:, :heads, nope:] = rope_rows[:, None]
-        value[:, :heads] = kv[..., nope:]
-        if not fused:
-            out, lse = latent.prefill_attention(q, key, value, launch.query_ends, launch.kv_ends,
-                                                self.scale, launch.causal)
-            return out, lse
-        query = _pad_heads(q, padded).to(dtype).contiguous()
+        padded = self.prefill_heads
+        query, key, value = (_pad_heads(x, padded).to(torch.bfloat16).contiguous()
+                             for x in (q, key, value))
         out, lse = kernels.fused_infer_attention_score_mla(
             query, key, value, atten_mask=_causal_mask(q.device) if launch.causal else None,
             actual_seq_lengths=launch.query_ends, actual_seq_lengths_kv=launch.kv_ends,
