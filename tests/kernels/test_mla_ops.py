@@ -29,7 +29,6 @@ from ascend_patch.npu.kernels import KernelContractError
 from ascend_patch.npu.kernels.mla import ATB_MLA_HEADS
 from tests.kernels.test_attention import (
     CAUSAL_MASK,
-    TOLERANCE,
     assert_close,
     cumulative,
     half_dtypes,
@@ -139,14 +138,38 @@ def test_prefill_plan_chunks_a_context_beyond_the_budget():
         ([(1, 28, 60)], False)]
 
 
-def mla_impl(heads, generator):
-    """The backend's impl for DeepSeek's MLA dimensions, with a plain kv_b_proj ([N·256, 512])."""
-    weight = torch.randn(heads * 2 * NOPE, LATENT, generator=generator) * LATENT ** -0.5
-    impl = AscendMLAImpl(heads, LATENT + ROPE, 192 ** -0.5, 1, None, None, "auto", None,
-                         "decoder", None, q_lora_rank=None, kv_lora_rank=LATENT,
-                         qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE,
+def mla_impl(heads, generator, nope=NOPE):
+    """The backend's impl at DeepSeek's MLA dimensions (or another nope), with a plain kv_b_proj
+    ([N·(nope + 128), 512])."""
+    weight = torch.randn(heads * (nope + NOPE), LATENT, generator=generator) * LATENT ** -0.5
+    impl = AscendMLAImpl(heads, LATENT + ROPE, (nope + ROPE) ** -0.5, 1, None, None, "auto",
+                         None, "decoder", None, q_lora_rank=None, kv_lora_rank=LATENT,
+                         qk_nope_head_dim=nope, qk_rope_head_dim=ROPE, qk_head_dim=nope + ROPE,
                          v_head_dim=NOPE, kv_b_proj=lambda x: (x @ weight.T.to(x.dtype),))
     return impl, weight
+
+
+def run_prefill(impl, weight, q_lens, seq_lens, dtype, budget, generator):
+    """``impl.forward_mha`` over prefills whose latent rows sit in a paged cache; returns the
+    output per prefill [q, N, 128], the oracle's, and the metadata."""
+    heads, nope = impl.num_heads, impl.qk_nope_head_dim
+    latents, ropes = latent_sequences(seq_lens, dtype, generator)
+    latent_cache, rope_cache, block_table = paged_cache(latents, ropes, 128, generator)
+    region = torch.cat((latent_cache.flatten(), rope_cache.flatten())).view(-1, 128, LATENT + ROPE)
+    query = torch.randn(sum(q_lens), heads, nope + ROPE, generator=generator).to(dtype)
+    prefill = prefill_metadata(q_lens, seq_lens, block_table, budget)
+    metadata = AscendMLAMetadata(sum(q_lens), 0, 0, len(q_lens), None, None, prefill)
+    output = torch.empty(sum(q_lens), heads * NOPE, dtype=dtype)
+    impl.forward_mha(query, None, None, region, metadata, None, output)
+    start, results = 0, []
+    for q_len, latent, rope in zip(q_lens, latents, ropes):
+        kv = (latent[:, 0].float() @ weight.T).view(-1, heads, nope + NOPE)
+        key = torch.cat((kv[..., :nope], rope.float().expand(-1, heads, -1)), dim=-1)
+        rows = slice(start, start + q_len)
+        expected = oracle(query[rows], key, kv[..., nope:], impl.scale, causal=True)
+        results.append((output[rows].view(q_len, heads, NOPE), expected))
+        start += q_len
+    return results, prefill
 
 
 @settings(max_examples=12, deadline=None)
@@ -160,33 +183,31 @@ def test_up_projected_prefill_from_the_cache(batch, heads, dtype, budget, seed):
     generator = torch.Generator().manual_seed(seed)
     q_lens = [q for q, _ in batch]
     seq_lens = [q + context for q, context in batch]
-    latents, ropes = latent_sequences(seq_lens, dtype, generator)
-    latent_cache, rope_cache, block_table = paged_cache(latents, ropes, 128, generator)
-    region = torch.cat((latent_cache.flatten(), rope_cache.flatten())).view(-1, 128, LATENT + ROPE)
     impl, weight = mla_impl(heads, generator)
-    query = torch.randn(sum(q_lens), heads, NOPE + ROPE, generator=generator).to(dtype)
-    prefill = prefill_metadata(q_lens, seq_lens, block_table, budget)
-    metadata = AscendMLAMetadata(sum(q_lens), 0, 0, len(batch), None, None, prefill)
-    output = torch.empty(sum(q_lens), heads * NOPE, dtype=dtype)
 
     with kernels.count_launches() as launches:
-        impl.forward_mha(query, None, None, region, metadata, None, output)
+        results, prefill = run_prefill(impl, weight, q_lens, seq_lens, dtype, budget, generator)
 
     fused = dtype != torch.float32
     assert launches["fused_infer_attention_score_mla"] == (len(prefill.launches) if fused else 0)
     assert (len(prefill.launches) > 1) == (budget < sum(seq_lens) and seq_lens != q_lens)
-    start = 0
-    for q_len, latent, rope in zip(q_lens, latents, ropes):
-        kv = (latent[:, 0].float() @ weight.T).view(-1, heads, 2 * NOPE)
-        key = torch.cat((kv[..., :NOPE], rope.float().expand(-1, heads, -1)), dim=-1)
-        rows = slice(start, start + q_len)
-        expected = oracle(query[rows], key, kv[..., NOPE:], 192 ** -0.5, causal=True)
-        actual = output[rows].view(q_len, heads, NOPE)
+    for actual, expected in results:
         if fused:  # bf16 attention, whatever the model's half dtype
             assert_close(actual, expected, BF16)
         else:
             torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-        start += q_len
+
+
+def test_prefill_of_other_head_dims_runs_composed():
+    """nope 64 + rope 64 = 128 is no query/key size of the TND form: composed, in bf16."""
+    generator = torch.Generator().manual_seed(0)
+    impl, weight = mla_impl(8, generator, nope=64)
+    assert impl.prefill_heads is None and impl.decode_heads == 8
+    with kernels.count_launches() as launches:
+        results, _ = run_prefill(impl, weight, [5, 30], [5, 170], BF16, 4096, generator)
+    assert not launches
+    for actual, expected in results:
+        assert_close(actual, expected, BF16)
 
 
 @settings(max_examples=15, deadline=None)
