@@ -413,23 +413,21 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         if output_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         kv_c, k_pe_cache = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        latent_rows, rope_rows = kv_c.view(-1, self.kv_lora_rank), k_pe_cache.view(-1, self.qk_rope_head_dim)
+        latent_rows = kv_c.view(-1, self.kv_lora_rank)
+        rope_rows = k_pe_cache.view(-1, self.qk_rope_head_dim)
         launches = attn_metadata.prefill.launches
         merge = len(launches) > 1
-        out = lse = None
-        for launch in launches:
-            part, part_lse = self._attend(q[launch.queries], latent_rows[launch.slots],
-                                          rope_rows[launch.slots], launch, merge)
-            if not merge:
-                out = part
-                break
-            if out is None:  # the first launch holds every prefill's new tokens
-                out, lse = part.float(), part_lse
-                continue
-            rows = launch.queries
-            merged = torch.logaddexp(lse[rows], part_lse)
-            out[rows] = out[rows] * (lse[rows] - merged).exp() + part.float() * (part_lse - merged).exp()
-            lse[rows] = merged
+        parts = [self._attend(q[launch.queries], latent_rows[launch.slots], rope_rows[launch.slots],
+                              launch, merge) for launch in launches]
+        out = parts[0][0]
+        if merge:  # the first launch holds every prefill's new tokens, the others context chunks
+            out, lse = out.float(), parts[0][1]
+            for launch, (part, part_lse) in zip(launches[1:], parts[1:]):
+                rows = launch.queries
+                merged = torch.logaddexp(lse[rows], part_lse)
+                out[rows] = (out[rows] * (lse[rows] - merged).exp()
+                             + part.float() * (part_lse - merged).exp())
+                lse[rows] = merged
         output.view(-1, self.num_heads, self.v_head_dim).copy_(out)
 
     def _attend(self, q, latent_rows, rope_rows, launch: PrefillLaunch, with_lse: bool):
