@@ -70,9 +70,12 @@ def runs(tiny_models, prompts, cache_hits, tmp_path_factory):
     engines.append({"model": str(tiny_models["tiny-deepseek-v3"]), "runs": [],
                     "kwargs": {**ENGINE, "dtype": "bfloat16",
                                "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}})
+    engines.append({"model": str(tiny_models["tiny-deepseek-v3"]), "runs": [],
+                    "kwargs": {**ENGINE, "dtype": "bfloat16", "max_num_batched_tokens": 65537}})
     result = run_engine({"engines": engines}, tmp_path_factory.mktemp("mla"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    keys = [(n, d) for n in MLA_MODELS for d in ("float32", "bfloat16")] + [("tiny-deepseek-v3", "graphs")]
+    keys = [(n, d) for n in MLA_MODELS for d in ("float32", "bfloat16")]
+    keys += [("tiny-deepseek-v3", "graphs"), ("tiny-deepseek-v3", "65537 tokens")]
     return dict(zip(keys, result["engines"]))
 
 
@@ -164,3 +167,12 @@ def test_full_graphs_are_refused_for_mla_models(runs):
     error = runs[("tiny-deepseek-v3", "graphs")]["error"]
     assert "FULL_DECODE_ONLY ACL graphs are not supported for MLA models" in error
     assert "--enforce-eager" in error
+
+
+def test_a_step_beyond_the_prefill_kernels_token_limit_is_refused(runs):
+    """A step's prefill tokens are one TND launch, which takes at most 65536 tokens: refused at
+    start-up, in one line, before the model loads."""
+    error = runs[("tiny-deepseek-v3", "65537 tokens")]["error"]
+    assert ("--max-num-batched-tokens 65537 is not supported for MLA models on Ascend: a step's "
+            "prefill tokens are attended in one npu_fused_infer_attention_score TND launch, which "
+            "takes at most 65536; use --max-num-batched-tokens 65536 or less") in error

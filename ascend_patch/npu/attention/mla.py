@@ -171,11 +171,24 @@ class AscendMLAMetadata:
     prefill: AscendMLAPrefillMetadata | None
 
 
+def check_config(vllm_config) -> None:
+    """Start-up refusal of a batch the MLA prefill cannot attend: a step's prefill tokens are the
+    queries (and, beyond the workspace bound, the keys) of one TND launch."""
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if tokens > latent.FIA_TND_MAX_TOKENS:
+        raise ValueError(
+            f"--max-num-batched-tokens {tokens} is not supported for MLA models on Ascend: a "
+            f"step's prefill tokens are attended in one npu_fused_infer_attention_score TND "
+            f"launch, which takes at most {latent.FIA_TND_MAX_TOKENS}; use "
+            f"--max-num-batched-tokens {latent.FIA_TND_MAX_TOKENS} or less (chunked prefill)")
+
+
 def prefill_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
     """The most up-projected context rows one prefill launch may hold: vLLM's own MLA bound
     (``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size``, 0.33: room for 8
-    full-length requests or 4 blocks per request, at most 64K rows), rounded up to a block."""
-    rows = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)
+    full-length requests or 4 blocks per request, at most 64K rows, which is also the TND
+    form's token limit), rounded up to a block."""
+    rows = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), latent.FIA_TND_MAX_TOKENS)
     return -(-rows // block_size) * block_size
 
 

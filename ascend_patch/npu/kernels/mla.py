@@ -57,7 +57,8 @@ _HALF = (torch.float16, torch.bfloat16)
 # [ATB-MLA] MultiLatentAttentionParam.headNum.
 ATB_MLA_HEADS = (8, 16, 32, 64, 128)
 LATENT_DIM, ROPE_DIM = 512, 64
-# [FIA-WHEEL] TND: "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等".
+# [FIA-WHEEL] TND: "T小于等于65536"; "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等".
+FIA_TND_MAX_TOKENS = 65536
 FIA_TND_HEADS = (8, 16, 32, 64, 128)
 # [FIA-WHEEL] TND: "Q_D、K_D等于192, V_D等于128/192"; [FIA] TND布局约束, 无rope: the same pairs
 # (besides Q_D = K_D = V_D = 128, which [FIA-WHEEL] does not list).
@@ -164,7 +165,9 @@ def fused_infer_attention_score_mla(
         check_dims(op, name, tensor, 3)  # [FIA] TND: (T, N, D)
         check_dtype(op, name, tensor, (torch.bfloat16,))  # [FIA-WHEEL] TND: 数据类型仅支持BFLOAT16
     tokens, heads, head_dim = query.shape
-    require(tokens <= 65536, op, "query", "at most 65536 tokens (T) in TND", tokens)
+    for name, rows in (("query", tokens), ("key", key.shape[0])):
+        require(rows <= FIA_TND_MAX_TOKENS, op, name, f"at most {FIA_TND_MAX_TOKENS} tokens (T) "
+                "in TND", rows)
     require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
     require(heads in FIA_TND_HEADS, op, "num_heads", "8, 16, 32, 64 or 128 in TND", heads)
     # [FIA-WHEEL] TND: Q_N、K_N、V_N相等 (num_key_value_heads 0 means num_heads).
