@@ -484,17 +484,15 @@ MLA_CONTRACTS = [
               ("(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output)",
                "(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, "
                "output_scale=...)"),  # output_scale: 0.24+
-              "prefills: npu_fused_infer_attention_score in its MLA form (up-projected, or "
-              "absorbed over the latent cache behind cached context)", implementation=_MLA_IMPL,
+              "prefills, fresh or behind cached context: their latent rows read out of the cache, "
+              "up-projected with kv_b_proj and attended by npu_fused_infer_attention_score in "
+              "TND without rope inputs (Q/K 192, V 128)", implementation=_MLA_IMPL,
               upstream=_MLA_INTERFACE),
     _contract(f"{_MLA_LAYER}:MLAAttention.forward_impl", None,
               "splits the decode-first batch by the counts AscendMLAMetadata carries "
               "(num_actual_tokens, num_decodes, num_decode_tokens, num_prefills, decode)",
               implementation="ascend_patch.npu.attention.mla:AscendMLAMetadata",
               upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
-    _contract(f"{_MLA_LAYER}:MLAAttention._v_up_proj", "(self, x, out)",
-              "absorbed prefills go through the layer's W_UK_T and back through its W_UV, as "
-              "its decodes do", implementation=_MLA_IMPL, upstream=f"{_MLA_LAYER.replace('.', '/')}.py"),
     _contract("vllm.v1.attention.backend:AttentionMetadataBuilder.reorder_batch_threshold", None,
               "AscendMLAMetadataBuilder sets 1: the runner orders each batch decode-first",
               implementation="ascend_patch.npu.attention.mla:AscendMLAMetadataBuilder",

@@ -14,7 +14,9 @@
    columns use ascend-patch's MLA backend; and the tiny Mistral, whose every layer has a
    sliding window (decode through the masked one-token npu_fused_infer_attention_score;
    the window mask is built once per step and shared by the layers, so it shows up as a
-   fraction of a launch per layer).
+   fraction of a launch per layer). Then the same count over one prefill step behind cached
+   context (a prefix-cache hit): for the MLA model, its prefill gathers and up-projects the
+   cached latent rows and attends them in one fused launch.
 2. Emulated decode throughput and time per decode step, bf16, at batch 1 and 32:
    ascend-patch on stock vLLM (ASCEND_PATCH=emulate, CPU tensors) replaying FULL ACL
    graphs (the emulated NPU graph) and eager (--enforce-eager), side by side, against
@@ -142,9 +144,21 @@ with mode:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
 per_layer_step = lambda counter: {k: v / (steps * len(layers)) for k, v in counter.items()}
 per_moe_step = lambda counter: {k: v / (steps * max(len(moe_blocks), 1)) for k, v in counter.items()}
-print(json.dumps({"seam": per_layer_step(seam), "aten": per_layer_step(mode.aten),
-                  "moe_seam": per_moe_step(moe["seam"]), "moe_aten": per_moe_step(moe["aten"]),
-                  "moe_layers": len(moe_blocks)}))
+result = {"seam": per_layer_step(seam), "aten": per_layer_step(mode.aten),
+          "moe_seam": per_moe_step(moe["seam"]), "moe_aten": per_moe_step(moe["aten"]),
+          "moe_layers": len(moe_blocks)}
+# One prefill step behind cached context: a 240-token prompt whose first 128 tokens (a block)
+# an earlier 200-token prompt left in the prefix cache, so 112 tokens prefill behind them.
+prefix = [(i * 7) % 500 + 3 for i in range(240)]
+once = SamplingParams(temperature=0, max_tokens=1)
+llm.generate([TokensPrompt(prompt_token_ids=prefix[:200])], once, use_tqdm=False)
+seam.clear(), mode.aten.clear()
+with mode:
+    hit = llm.generate([TokensPrompt(prompt_token_ids=prefix)], once, use_tqdm=False)[0]
+per_layer = lambda counter: {k: v / len(layers) for k, v in counter.items()}
+result.update(prefill_seam=per_layer(seam), prefill_aten=per_layer(mode.aten),
+              prefill_cached=hit.num_cached_tokens)
+print(json.dumps(result))
 """
 
 THROUGHPUT = """
@@ -215,6 +229,13 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
     print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f}   ratio {ours_total / native_total:.2f}")
     for label, data in (("ascend-patch", ours), ("custom ops off", native)):
         detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
+        print(f"  {label}: {detail}")
+    print(f"\ndevice launches per decoder layer of one prefill step behind cached context "
+          f"({240 - ours['prefill_cached']} tokens over {ours['prefill_cached']} cached)")
+    for label, key in (("kernel-seam ops (fused NPU ops)", "prefill_seam"), ("other device ops", "prefill_aten")):
+        print(f"{label:34} {_total(ours[key]):13.1f} {_total(native[key]):15.1f}")
+    for label, data in (("ascend-patch", ours), ("custom ops off", native)):
+        detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["prefill_seam"], **data["prefill_aten"]}.items()))
         print(f"  {label}: {detail}")
     if ours["moe_layers"]:
         columns = [("ascend-patch", ours), ("custom ops off", native)]

@@ -123,6 +123,11 @@ class NPUPlatform(Platform):
             if requested:
                 raise NotImplementedError(f"{feature} is not supported by ascend-patch yet")
 
+        if model is not None and model.use_mla:
+            from ascend_patch.npu.attention import mla
+
+            mla.check_config(vllm_config)
+
         quantization.register_config()  # a VllmConfig built without EngineArgs skips the hook
         quantization.detect(vllm_config)
 

@@ -386,21 +386,23 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     kernels.top_k_top_p(logits, p=p, k=k)
     assert_arguments(torch_npu.only_call("npu_top_k_top_p"), {"logits": logits, "p": p, "k": k})
 
-    # MLA: the fused-attention op in its rope form over the latent planes, and the ATB decode.
-    latent, rope = torch.zeros(4, 128, 512, dtype=bf16), torch.zeros(4, 128, 64, dtype=bf16)
-    q_nope, q_rope = torch.zeros(5, 8, 512, dtype=bf16), torch.zeros(5, 8, 64, dtype=bf16)
+    # MLA: the fused-attention op in the prefill's TND form (no rope inputs, Q/K 192, V 128,
+    # softmax_lse when the context is chunked), and the ATB decode over the latent planes.
+    q, k, v = (torch.zeros(5, 8, 192, dtype=bf16), torch.zeros(9, 8, 192, dtype=bf16),
+               torch.zeros(9, 8, 128, dtype=bf16))
     torch_npu.results["npu_fused_infer_attention_score"] = expected
     result = kernels.fused_infer_attention_score_mla(
-        q_nope, latent, latent, query_rope=q_rope, key_rope=rope, atten_mask=mask,
-        block_table=table, actual_seq_lengths=[1, 5], actual_seq_lengths_kv=[200, 140],
-        num_heads=8, num_key_value_heads=1, scale=0.04, input_layout="TND", block_size=128,
-        sparse_mode=3)
+        q, k, v, atten_mask=mask, actual_seq_lengths=[1, 5], actual_seq_lengths_kv=[2, 9],
+        num_heads=8, num_key_value_heads=8, scale=0.07, input_layout="TND", sparse_mode=3,
+        softmax_lse_flag=True)
     assert result is expected
     assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score"), {
-        "query": q_nope, "key": latent, "value": latent, "query_rope": q_rope, "key_rope": rope,
-        "atten_mask": mask, "block_table": table, "actual_seq_lengths": [1, 5],
-        "actual_seq_lengths_kv": [200, 140], "num_heads": 8, "num_key_value_heads": 1,
-        "scale": 0.04, "input_layout": "TND", "block_size": 128, "sparse_mode": 3})
+        "query": q, "key": k, "value": v, "query_rope": None, "key_rope": None,
+        "atten_mask": mask, "actual_seq_lengths": [1, 5], "actual_seq_lengths_kv": [2, 9],
+        "num_heads": 8, "num_key_value_heads": 8, "scale": 0.07, "input_layout": "TND",
+        "sparse_mode": 3, "softmax_lse_flag": True})
+    latent, rope = torch.zeros(4, 128, 512, dtype=bf16), torch.zeros(4, 128, 64, dtype=bf16)
+    q_nope, q_rope = torch.zeros(5, 8, 512, dtype=bf16), torch.zeros(5, 8, 64, dtype=bf16)
     ctkv, k_rope = latent.view(4, 128, 1, 512), rope.view(4, 128, 1, 64)
     kernels.multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, table, [200, 140], 8, 0.04, 1)
     assert_arguments(torch_npu.only_call("atb.npu_multi_head_latent_attention"), {

@@ -9,17 +9,32 @@ up-projection of their output. It calls this backend's impl for three things per
   key ``k_pe`` into their two cache planes (vLLM's default is CUDA ``concat_and_cache_mla``);
 - ``forward_mqa`` (the decode tokens, queries already absorbed): ATB
   ``npu_multi_head_latent_attention`` over the planes, heads zero-padded to a count it takes;
-- ``forward_mha`` (the prefill tokens): ``npu_fused_infer_attention_score`` in its MLA form.
-  Prefills with no cached context run up-projected (D = 128, ``kv_b_proj(kv_c)`` per head) over
-  the step's own tokens; once any prefill has cached context (chunked prefill, prefix-cache hits)
-  the step's prefills run absorbed (D = 512) straight over the paged latent cache, one launch,
-  with the layer's ``W_UK_T``/``_v_up_proj`` as vLLM's decode path uses them.
+- ``forward_mha`` (the prefill tokens, fresh or behind cached context: chunked prefill,
+  prefix-cache hits): up-projected attention, as vLLM's own MLA prefill runs it. Each prefill's
+  latent rows (its cached context and its new tokens, which the cache write has just stored) are
+  read out of the cache, up-projected with ``kv_b_proj`` to per-head ``k_nope``/``v``, and
+  attended in ``npu_fused_infer_attention_score``'s TND form without rope inputs (query
+  ``q_nope ++ q_pe`` and key ``k_nope ++ k_pe``, 192; value 128), causal: one launch per step
+  for all of its prefills. A step whose up-projected context would exceed a workspace bound
+  (vLLM's ``determine_chunked_prefill_workspace_size``: 8 × max_model_len, at most 64K rows)
+  attends its new tokens and its context in bounded chunks, merged by their log-sum-exp.
 
-Both fused kernels take fp16/bf16 with the DeepSeek-V2/V3 dimensions (latent 512, rope 64, a
-power-of-two head count up to 128; the up-projected prefill also needs nope = value = 128, else
-prefills run absorbed too). fp32 models, and other dimensions (with one warning naming them), run
-the same cache and metadata through *composed* attention: the latent math of
-:mod:`ascend_patch.npu.kernels.mla` in generic torch ops.
+Why up-projected and not the absorbed form over the paged latent cache (one launch, no
+gather): the op documents its rope (MLA) branch for query D = 512 only with 1–16 query tokens
+per sequence and 32/64/128 heads in BSH/BSND/BNSD (the torch-npu wheels' docstring; vllm-ascend
+caps it at 16 tokens the same way), so a chunked prefill would need one padded 16-token row per
+16 query tokens and at least 32 heads, while the TND form takes each prefill whole and up to the
+step's token budget in one launch. The two forms round the same products in bf16 (the emulated
+figures of ``tests/test_mla.py`` track HF's own bf16 run on either); the up-projected one is
+what vLLM and vllm-ascend run for prefills.
+
+The fused kernels' limits (:mod:`ascend_patch.npu.kernels.mla`): the decode takes latent 512,
+rope 64 and up to 128 heads (padded to 8/16/32/64/128); the prefill takes nope + rope = 192 with
+value 128 (DeepSeek-V2/V3, Kimi), bf16 only, 8/16/32/64/128 heads (fewer are zero-padded: each
+head attends on its own, the padded ones are dropped). fp16 models run the prefill attention in
+bf16 (what vllm-ascend does: the op's TND form is bf16-only). fp32 models, and other dimensions
+or more than 128 heads (with one warning naming them), run the same cache, metadata and launch
+plan through *composed* attention: generic torch ops.
 
 KV cache: one region per layer, as vLLM sizes it (``num_blocks × block_size × (kv_lora_rank +
 rope)`` elements), read as two contiguous planes: ``[num_blocks, block_size, 1, kv_lora_rank]``
@@ -43,7 +58,11 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
+from ascend_patch.npu.attention.backend import (
+    KERNEL_BLOCK_SIZE,
+    AscendAttentionBackend,
+    AscendMetadataBuilder,
+)
 from ascend_patch.npu.kernels import mla as latent
 
 logger = logging.getLogger("vllm.ascend_patch")
@@ -114,13 +133,28 @@ class AscendMLADecodeMetadata:
 
 
 @dataclass
-class AscendMLAPrefillMetadata:
-    block_table: torch.Tensor
+class PrefillLaunch:
+    """One attention launch of a step's prefills: KV rows ``[start, end)`` of some prefills'
+    sequences, read out of the cache by slot, attended by all of those prefills' new tokens."""
+
+    queries: slice
+    """The launch's query rows among the step's prefill tokens (its prefills are consecutive)."""
     query_ends: list[int]
-    """Cumulative query lengths of the prefills, from their first token (FIA TND)."""
-    seq_lens: list[int]
-    has_context: bool
-    """Whether any prefill attends to tokens cached before this step."""
+    """Cumulative query lengths of its prefills (FIA TND ``actual_seq_lengths``)."""
+    kv_ends: list[int]
+    """Cumulative KV rows of its prefills (``actual_seq_lengths_kv``)."""
+    slots: torch.Tensor
+    """[rows] int64 cache slots of the KV rows, sequence by sequence, on the device."""
+    causal: bool
+    """The rows run to each sequence's end, its new tokens last (``sparse_mode=3``); otherwise
+    they are context wholly before every query (``sparse_mode=0``)."""
+
+
+@dataclass
+class AscendMLAPrefillMetadata:
+    launches: list[PrefillLaunch]
+    """The step's prefill attention launches: one, unless its context exceeds the workspace
+    bound (:func:`plan_prefill_launches`)."""
 
 
 @dataclass
@@ -137,11 +171,96 @@ class AscendMLAMetadata:
     prefill: AscendMLAPrefillMetadata | None
 
 
+def check_config(vllm_config) -> None:
+    """Start-up refusal of a batch the MLA prefill cannot attend: a step's prefill tokens are the
+    queries (and, beyond the workspace bound, the keys) of one TND launch."""
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if tokens > latent.FIA_TND_MAX_TOKENS:
+        raise ValueError(
+            f"--max-num-batched-tokens {tokens} is not supported for MLA models on Ascend: a "
+            f"step's prefill tokens are attended in one npu_fused_infer_attention_score TND "
+            f"launch, which takes at most {latent.FIA_TND_MAX_TOKENS}; use "
+            f"--max-num-batched-tokens {latent.FIA_TND_MAX_TOKENS} or less (chunked prefill)")
+
+
+def prefill_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
+    """The most up-projected context rows one prefill launch may hold: vLLM's own MLA bound
+    (``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size``, 0.33: room for 8
+    full-length requests or 4 blocks per request, at most 64K rows, which is also the TND
+    form's token limit), rounded up to a block."""
+    rows = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), latent.FIA_TND_MAX_TOKENS)
+    return -(-rows // block_size) * block_size
+
+
+def plan_prefill_launches(query_lens: list[int], seq_lens: list[int],
+                          budget: int) -> list[tuple[list[tuple[int, int, int]], bool]]:
+    """The launches of a step's prefills, as ``(rows, causal)`` with ``rows`` a list of
+    ``(prefill, start, end)`` KV ranges over consecutive prefills.
+
+    Every prefill's whole sequence in one causal launch when its context (what precedes its new
+    tokens) fits the budget together with the others'; otherwise one causal launch of the new
+    tokens over themselves and the contexts packed into non-causal launches of at most
+    ``budget`` rows (vLLM's ``plan_mla_context_chunks``: a context that does not fit is split,
+    a prefill without context ends a chunk). Their outputs then merge by log-sum-exp."""
+    contexts = [seq - q for q, seq in zip(query_lens, seq_lens)]
+    if not any(contexts) or sum(seq_lens) <= budget:
+        return [([(i, 0, seq) for i, seq in enumerate(seq_lens)], True)]
+    launches = [([(i, ctx, ctx + q) for i, (ctx, q) in enumerate(zip(contexts, query_lens))], True)]
+    chunk, used = [], 0
+    for i, ctx in enumerate(contexts):
+        start = 0
+        while start < ctx:
+            take = min(ctx - start, budget - used)
+            chunk.append((i, start, start + take))
+            used, start = used + take, start + take
+            if used == budget:
+                launches.append((chunk, False))
+                chunk, used = [], 0
+        if chunk and (ctx == 0 or i == len(contexts) - 1):
+            launches.append((chunk, False))
+            chunk, used = [], 0
+    return launches
+
+
+def prefill_metadata(query_lens: list[int], seq_lens: list[int], block_table: torch.Tensor,
+                     budget: int) -> AscendMLAPrefillMetadata:
+    """A step's prefills (their query and KV lengths, their block table in kernel blocks) with
+    their launches: each launch's KV rows as cache slots, computed once per step on the device."""
+    query_ends = torch.tensor(query_lens).cumsum(0).tolist()
+    query_starts = [end - q for end, q in zip(query_ends, query_lens)]
+    launches = []
+    for rows, causal in plan_prefill_launches(query_lens, seq_lens, budget):
+        prefills, starts, ends = zip(*rows)
+        lengths = torch.tensor([end - start for start, end in zip(starts, ends)])
+        first_row = lengths.cumsum(0) - lengths
+        positions = torch.arange(int(lengths.sum())) + torch.repeat_interleave(
+            torch.tensor(starts) - first_row, lengths)
+        sequences = torch.repeat_interleave(torch.tensor(prefills), lengths)
+        positions, sequences = positions.to(block_table.device), sequences.to(block_table.device)
+        blocks = block_table[sequences, positions // KERNEL_BLOCK_SIZE].long()
+        q_lens = [query_lens[i] for i in prefills]
+        launches.append(PrefillLaunch(
+            queries=slice(query_starts[prefills[0]], query_ends[prefills[-1]]),
+            query_ends=torch.tensor(q_lens).cumsum(0).tolist(),
+            kv_ends=lengths.cumsum(0).tolist(),
+            slots=blocks * KERNEL_BLOCK_SIZE + positions % KERNEL_BLOCK_SIZE,
+            causal=causal,
+        ))
+    return AscendMLAPrefillMetadata(launches)
+
+
 class AscendMLAMetadataBuilder(AscendMetadataBuilder):
-    """The standard backend's host-side batch description, split decode-first."""
+    """The standard backend's host-side batch description, split decode-first, and the step's
+    prefill launch plan (shared by every layer)."""
 
     # The runner orders each batch decode-first: single-token requests, then the rest.
     reorder_batch_threshold: int = 1
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.prefill_budget = prefill_workspace_rows(vllm_config.model_config.max_model_len,
+                                                     vllm_config.scheduler_config.max_num_seqs,
+                                                     KERNEL_BLOCK_SIZE)
 
     def build(
         self,
@@ -158,12 +277,8 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         if num_decodes:
             decode = AscendMLADecodeMetadata(block_table[:num_decodes], seq_lens[:num_decodes])
         if num_decodes < num_reqs:
-            prefill = AscendMLAPrefillMetadata(
-                block_table=block_table[num_decodes:],
-                query_ends=[end - num_decodes for end in query_ends[num_decodes:]],
-                seq_lens=seq_lens[num_decodes:],
-                has_context=any(s > q for s, q in zip(seq_lens[num_decodes:], q_lens[num_decodes:])),
-            )
+            prefill = prefill_metadata(q_lens[num_decodes:], seq_lens[num_decodes:],
+                                       block_table[num_decodes:], self.prefill_budget)
         return AscendMLAMetadata(
             num_actual_tokens=batch.num_tokens,
             num_decodes=num_decodes,
@@ -176,11 +291,14 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
 
 
 @functools.cache
-def _warn_composed(kv_lora_rank: int, rope: int, heads: int) -> None:
-    logger.warning(
-        "ascend-patch: MLA with kv_lora_rank %d, qk_rope_head_dim %d and %d heads runs composed "
-        "attention: the NPU MLA kernels take kv_lora_rank 512, rope 64 and 1/2/4/.../128 heads",
-        kv_lora_rank, rope, heads)
+def _warn_composed(path: str, why: str) -> None:
+    logger.warning("ascend-patch: MLA %s runs composed attention: %s", path, why)
+
+
+@functools.cache
+def _warn_bf16_prefill() -> None:
+    logger.warning("ascend-patch: an fp16 MLA model runs its prefill attention in bf16: "
+                   "npu_fused_infer_attention_score's TND form takes bf16 only")
 
 
 class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
@@ -227,33 +345,38 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.kv_b_proj = kv_b_proj
-        # The fused kernels' shapes: latent 512 and rope 64 ([FIA] MLA, [ATB-MLA]); query heads a
-        # power of two up to 128 for the absorbed FIA form, ATB padded up to 8/16/32/64/128.
-        self.fused_dims = (kv_lora_rank == latent.LATENT_DIM and qk_rope_head_dim == latent.ROPE_DIM
-                           and num_heads in latent.FIA_LATENT_HEADS)
-        self.up_projected_prefill = qk_nope_head_dim == v_head_dim == latent.UP_PROJECTED_DIM
+        # The fused kernels' shapes (ascend_patch.npu.kernels.mla): ATB's decode takes latent 512,
+        # rope 64 and 8/16/32/64/128 heads; FIA's TND prefill Q/K 192 with V 128 (or 192) and
+        # 8/16/32/64/128 heads. Fewer heads are zero-padded up to the next count.
         self.decode_heads = next((n for n in latent.ATB_MLA_HEADS if n >= num_heads), None)
-        if not self.fused_dims:
-            _warn_composed(kv_lora_rank, qk_rope_head_dim, num_heads)
+        if not (kv_lora_rank == latent.LATENT_DIM and qk_rope_head_dim == latent.ROPE_DIM
+                and self.decode_heads):
+            self.decode_heads = None
+            _warn_composed("decode", f"kv_lora_rank {kv_lora_rank}, qk_rope_head_dim "
+                           f"{qk_rope_head_dim}, {num_heads} heads: npu_multi_head_latent_attention "
+                           f"takes kv_lora_rank 512, rope 64 and at most 128 heads")
+        self.prefill_heads = next((n for n in latent.FIA_TND_HEADS if n >= num_heads), None)
+        if (qk_nope_head_dim + qk_rope_head_dim, v_head_dim) not in latent.FIA_TND_HEAD_DIMS:
+            self.prefill_heads = None
+        if self.prefill_heads is None:
+            _warn_composed("prefill", f"qk_nope_head_dim {qk_nope_head_dim} + qk_rope_head_dim "
+                           f"{qk_rope_head_dim}, v_head_dim {v_head_dim}, {num_heads} heads: "
+                           "npu_fused_infer_attention_score's TND form takes query/key 192 with "
+                           "value 128 or 192 and at most 128 heads")
         self._owner = None
 
     # -- vLLM's MLAAttention layer this impl belongs to --------------------------------------
 
-    def _layer(self):
-        """The ``MLAAttention`` holding this impl (its name, ``W_UK_T`` and ``_v_up_proj``)."""
-        if self._owner is None:
-            from vllm.forward_context import get_forward_context
-
-            layers = get_forward_context().no_compile_layers.values()
-            self._owner = next(layer for layer in layers if getattr(layer, "impl", None) is self)
-        return self._owner
-
     def _metadata(self) -> AscendMLAMetadata | None:
         from vllm.forward_context import get_forward_context
 
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata = context.attn_metadata
         if isinstance(metadata, dict):
-            return metadata.get(self._layer().layer_name)
+            if self._owner is None:  # the MLAAttention holding this impl, for its layer name
+                layers = context.no_compile_layers.values()
+                self._owner = next(layer for layer in layers if getattr(layer, "impl", None) is self)
+            return metadata.get(self._owner.layer_name)
         return metadata
 
     # -- cache write ---------------------------------------------------------------------------
@@ -281,88 +404,72 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :]
         meta = attn_metadata.decode
         kv_c, k_pe = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        if not (self.fused_dims and q_nope.dtype in FUSED_DTYPES):
+        if self.decode_heads and q_nope.dtype in FUSED_DTYPES:
+            out = self._atb_decode(q_nope, q_pe, kv_c, k_pe, meta)
+        else:
             out = latent.latent_decode(q_nope, q_pe, kv_c, k_pe, meta.block_table, meta.seq_lens,
                                        self.scale)
-        else:
-            out = self._atb_decode(q_nope, q_pe, kv_c, k_pe, meta)
         return out, None
 
     def _atb_decode(self, q_nope, q_pe, kv_c, k_pe, meta: AscendMLADecodeMetadata):
         heads = self.decode_heads
         if heads != self.num_heads:  # zero query heads: attention is per head, they are dropped
-            batch = q_nope.shape[0]
-            q_nope = torch.cat((q_nope, q_nope.new_zeros(batch, heads - self.num_heads,
-                                                         q_nope.shape[-1])), dim=1)
-            q_pe = torch.cat((q_pe, q_pe.new_zeros(batch, heads - self.num_heads,
-                                                   q_pe.shape[-1])), dim=1)
+            q_nope, q_pe = _pad_heads(q_nope, heads), _pad_heads(q_pe, heads)
         out = kernels.multi_head_latent_attention(q_nope, q_pe, kv_c, k_pe, meta.block_table,
                                                   meta.seq_lens, heads, self.scale, 1)
         return out[:, : self.num_heads]
 
-    def _absorbed(self, q_nope, q_pe, kv_c, k_pe, block_table, query_ends, seq_lens):
-        """FIA's MLA form, D = 512, over the paged latent cache: ``[T, N, kv_lora_rank]``."""
-        num_blocks, block_size = kv_c.shape[:2]
-        latent_cache = kv_c.view(num_blocks, block_size, -1)
-        out, _ = kernels.fused_infer_attention_score_mla(
-            q_nope.contiguous(), latent_cache, latent_cache,
-            query_rope=q_pe.contiguous(), key_rope=k_pe.view(num_blocks, block_size, -1),
-            atten_mask=_causal_mask(q_nope.device), block_table=block_table,
-            actual_seq_lengths=query_ends, actual_seq_lengths_kv=seq_lens,
-            num_heads=self.num_heads, num_key_value_heads=1, scale=self.scale,
-            input_layout="TND", block_size=block_size, sparse_mode=3,
-        )
-        return out
-
-    # -- prefill ---------------------------------------------------------------------------------
+    # -- prefill: up-projected from the cached latent rows -------------------------------------
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
                     output, output_scale=None) -> None:
         if output_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
-        meta = attn_metadata.prefill
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        fused = self.fused_dims and q.dtype in FUSED_DTYPES
-        if fused and self.up_projected_prefill and not meta.has_context:
-            self._up_projected(q_nope, q_pe, kv_c_normed, k_pe, meta, output)
-            return
-        # Absorbed: queries into the latent space with the layer's W_UK_T, as vLLM does for
-        # decodes, and the latent output back through its W_UV.
-        layer = self._layer()
-        absorbed = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
-        torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T, out=absorbed.transpose(0, 1))
         kv_c, k_pe_cache = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        if fused:
-            out = self._absorbed(absorbed, q_pe, kv_c, k_pe_cache, meta.block_table,
-                                 meta.query_ends, meta.seq_lens)
-        else:
-            out = self._composed_prefill(absorbed, q_pe, kv_c, k_pe_cache, meta)
-        layer._v_up_proj(out, out=output)
+        latent_rows = kv_c.view(-1, self.kv_lora_rank)
+        rope_rows = k_pe_cache.view(-1, self.qk_rope_head_dim)
+        launches = attn_metadata.prefill.launches
+        merge = len(launches) > 1
+        parts = [self._attend(q[launch.queries], latent_rows[launch.slots], rope_rows[launch.slots],
+                              launch, merge) for launch in launches]
+        out = parts[0][0]
+        if merge:  # the first launch holds every prefill's new tokens, the others context chunks
+            out, lse = out.float(), parts[0][1]
+            for launch, (part, part_lse) in zip(launches[1:], parts[1:]):
+                rows = launch.queries
+                merged = torch.logaddexp(lse[rows], part_lse)
+                out[rows] = (out[rows] * (lse[rows] - merged).exp()
+                             + part.float() * (part_lse - merged).exp())
+                lse[rows] = merged
+        output.view(-1, self.num_heads, self.v_head_dim).copy_(out)
 
-    def _up_projected(self, q_nope, q_pe, kv_c_normed, k_pe, meta: AscendMLAPrefillMetadata,
-                      output) -> None:
-        """Fresh prefills: FIA's MLA form, D = 128, over the step's own up-projected K/V."""
-        heads = self.num_heads
-        kv = self.kv_b_proj(kv_c_normed)[0].view(-1, heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        out, _ = kernels.fused_infer_attention_score_mla(
-            q_nope.contiguous(), k_nope.contiguous(), value.contiguous(),
-            query_rope=q_pe.contiguous(), key_rope=k_pe.expand(-1, heads, -1).contiguous(),
-            atten_mask=_causal_mask(q_nope.device), actual_seq_lengths=meta.query_ends,
-            actual_seq_lengths_kv=meta.query_ends, num_heads=heads, num_key_value_heads=heads,
-            scale=self.scale, input_layout="TND", sparse_mode=3,
+    def _attend(self, q, latent_rows, rope_rows, launch: PrefillLaunch, with_lse: bool):
+        """One launch: up-project its latent rows, attend its queries; ``(out [T, N, V],
+        lse [T, N, 1] or None)``."""
+        heads, nope = self.num_heads, self.qk_nope_head_dim
+        kv = self.kv_b_proj(latent_rows)[0].view(-1, heads, nope + self.v_head_dim)
+        # vLLM's own prefill layout: key k_nope ++ k_pe (the rope key shared by every head).
+        key = torch.cat((kv[..., :nope], rope_rows[:, None].expand(-1, heads, -1)), dim=-1)
+        value = kv[..., nope:]
+        if self.prefill_heads is None or q.dtype not in FUSED_DTYPES:
+            return latent.prefill_attention(q, key, value, launch.query_ends, launch.kv_ends,
+                                            self.scale, launch.causal)
+        if q.dtype != torch.bfloat16:
+            _warn_bf16_prefill()
+        padded = self.prefill_heads
+        query, key, value = (_pad_heads(x, padded).to(torch.bfloat16).contiguous()
+                             for x in (q, key, value))
+        out, lse = kernels.fused_infer_attention_score_mla(
+            query, key, value, atten_mask=_causal_mask(q.device) if launch.causal else None,
+            actual_seq_lengths=launch.query_ends, actual_seq_lengths_kv=launch.kv_ends,
+            num_heads=padded, num_key_value_heads=padded, scale=self.scale, input_layout="TND",
+            sparse_mode=3 if launch.causal else 0, softmax_lse_flag=with_lse,
         )
-        output.view(-1, heads, self.v_head_dim).copy_(out)
+        return out[:, :heads], lse[:, :heads] if with_lse else None
 
-    def _composed_prefill(self, q_nope, q_pe, kv_c, k_pe, meta: AscendMLAPrefillMetadata):
-        """Absorbed causal attention per prefill over the latent planes, in generic torch ops."""
-        out = q_nope.new_empty(q_nope.shape)
-        start = 0
-        for end, seq_len, blocks in zip(meta.query_ends, meta.seq_lens, meta.block_table):
-            rows = slice(start, end)
-            latent_kv = latent.gather_plane(kv_c, blocks, seq_len)
-            rope = latent.gather_plane(k_pe, blocks, seq_len)
-            out[rows] = latent.latent_attention(q_nope[rows], q_pe[rows], latent_kv, rope,
-                                                latent_kv, self.scale, causal=True)
-            start = end
-        return out
+
+def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [T, N, D]`` with zero heads appended up to ``heads`` (itself when N = heads)."""
+    if x.shape[1] == heads:
+        return x
+    return torch.cat((x, x.new_zeros(x.shape[0], heads - x.shape[1], x.shape[2])), dim=1)

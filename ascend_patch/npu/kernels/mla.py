@@ -15,20 +15,22 @@ Call order in the backend (``ascend_patch.npu.attention.mla``), per layer and st
     # decodes (one query token each), absorbed:
     torch_npu.atb.npu_multi_head_latent_attention(q_nope [B, N, 512], q_rope [B, N, 64],
         kv_c_cache, k_pe_cache, block_table, context_lens, N, scale, 1)
-    # prefills without cached context, up-projected (D = 128):
-    npu_fused_infer_attention_score(q_nope [T, N, 128], k_nope [T, N, 128], v [T, N, 128],
-        query_rope=[T, N, 64], key_rope=[T, N, 64], input_layout="TND", sparse_mode=3, ...)
-    # prefills behind cached context (chunked prefill, prefix-cache hits), absorbed (D = 512):
-    npu_fused_infer_attention_score(q_nope [T, N, 512], kv_c_cache [nb, bs, 512], same,
-        query_rope=[T, N, 64], key_rope=k_pe_cache [nb, bs, 64], block_table=...,
+    # prefills, fresh or behind cached context, up-projected from the latent rows gathered out
+    # of the cache (vLLM's own MLA prefill layout: q_nope ++ q_pe against k_nope ++ k_pe):
+    npu_fused_infer_attention_score(q [T, N, 192], k [T_kv, N, 192], v [T_kv, N, 128],
         input_layout="TND", sparse_mode=3, ...)
 
 Contract sources (op-plugin is Ascend/op-plugin at 517f2e7d; docs under
 ``docs/zh/custom_APIs/torch_npu/``):
 
 - [FIA] ``torch_npu-npu_fused_infer_attention_score.md``: "MLA约束", "TND布局约束",
-  "PageAttention约束", ``query_rope``/``key_rope``; the schema in
-  ``op_plugin/config/op_plugin_functions.yaml``.
+  "PageAttention约束", ``softmax_lse``; the schema in ``op_plugin/config/op_plugin_functions.yaml``.
+- [FIA-WHEEL] the op's docstring as the torch-npu wheels ship it (``torch_npu/_op_plugin_docs.py``,
+  the same text in 2.10.0.post4, 2.11.0, 2.13.0 and 2.14.0), which is narrower than [FIA]:
+  "query_rope和key_rope参数约束" (with rope and sparse ≠ 4: query S 1-16, N 32/64/128, D 512, key N 1,
+  layouts BSH/BSND/BNSD, PageAttention with block_size 16 or 128) and "TND场景下query、key、value
+  输入的综合限制" (T ≤ 65536; N 8/16/32/64/128 with Q_N = K_N = V_N; Q_D = K_D = 192, V_D 128 or 192;
+  bfloat16 only; sparse 0 without a mask or 3 with one). A call must satisfy both texts.
 - [ATB-MLA] ``op_plugin/python/atb/_atb_api_docs.py`` (``npu_multi_head_latent_attention``: shapes,
   dtypes, "block_size <= 128", "batch <= 8192"); the binding
   ``op_plugin/ops/atb/MultiHeadLatentAttentionAtb.cpp`` (output ``empty(q_nope.sizes(),
@@ -38,8 +40,6 @@ Contract sources (op-plugin is Ascend/op-plugin at 517f2e7d; docs under
 - [ATB-IN] ``op_plugin/utils/custom_functions/atb/AtbCommon.cpp``: ``ParamSetter::Input`` makes
   every input contiguous itself, so ATB inputs may be strided views (at the cost of a copy).
 """
-
-import math
 
 import torch
 
@@ -60,38 +60,47 @@ from .reference import (
 )
 
 _HALF = (torch.float16, torch.bfloat16)
-# [FIA] MLA约束, D = 512: "要求query的N为1/2/4/8/16/32/64/128".
-FIA_LATENT_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 # [ATB-MLA] MultiLatentAttentionParam.headNum.
 ATB_MLA_HEADS = (8, 16, 32, 64, 128)
-LATENT_DIM, ROPE_DIM, UP_PROJECTED_DIM = 512, 64, 128
+LATENT_DIM, ROPE_DIM = 512, 64
+# [FIA-WHEEL] TND: "T小于等于65536"; "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等".
+FIA_TND_MAX_TOKENS = 65536
+FIA_TND_HEADS = (8, 16, 32, 64, 128)
+# [FIA-WHEEL] TND: "Q_D、K_D等于192, V_D等于128/192"; [FIA] TND布局约束, 无rope: the same pairs
+# (besides Q_D = K_D = V_D = 128, which [FIA-WHEEL] does not list).
+FIA_TND_HEAD_DIMS = ((192, 128), (192, 192))
+# [FIA-WHEEL] query_rope约束 (sparse ≠ 4): query N 32/64/128, S 1-16, BSH/BSND/BNSD.
+_ROPE_HEADS, _ROPE_MAX_QUERY, _ROPE_LAYOUTS = (32, 64, 128), 16, ("BSH", "BSND", "BNSD")
 
 
 # --- the math -------------------------------------------------------------------------------------
 
 
-def latent_attention(q_nope, q_rope, k_nope, k_rope, value, scale, causal):
-    """One sequence: ``q_* [q, N, D*]`` over ``k_* [s, KVH, D*]`` and ``value [s, KVH, Dv]`` with
-    ``N`` a multiple of ``KVH``; causal aligns query row i to key position s - q + i. Computed in
-    float32; returns ``[q, N, Dv]`` in the query's dtype."""
-    q_len, heads = q_nope.shape[:2]
-    kv_len, kv_heads = k_nope.shape[:2]
-    group = heads // kv_heads
-    grouped = (q_len, kv_heads, group, -1)
-    scores = (torch.einsum("qkgd,skd->kgqs", q_nope.float().reshape(grouped), k_nope.float())
-              + torch.einsum("qkgr,skr->kgqs", q_rope.float().reshape(grouped), k_rope.float()))
-    if causal:
-        rows = torch.arange(q_len, device=scores.device)[:, None] + (kv_len - q_len)
-        scores = scores.masked_fill(torch.arange(kv_len, device=scores.device) > rows, float("-inf"))
-    probs = (scores * scale).softmax(dim=-1)
-    out = torch.einsum("kgqs,skv->qkgv", probs, value.float())
-    return out.reshape(q_len, heads, -1).to(q_nope.dtype)
-
-
-def gather_plane(plane, block_ids, length):
-    """One sequence's rows ``[length, KVH, D]`` of a paged plane ``[num_blocks, block_size, KVH, D]``."""
-    blocks = block_ids[: math.ceil(length / plane.shape[1])].long()
-    return plane[blocks].reshape(-1, *plane.shape[2:])[:length]
+def prefill_attention(query, key, value, query_ends, kv_ends, scale, causal):
+    """A TND batch: ``query [T, N, D]`` over contiguous ``key [T_kv, N, D]`` and ``value
+    [T_kv, N, V]`` with cumulative lengths, each sequence on its own (causal aligns its query row i
+    to key s - q + i), in float32. Returns the output ``[T, N, V]`` in the query's dtype (zero
+    rows for a sequence without keys) and the float32 log-sum-exp of each row's scaled scores
+    ``[T, N, 1]`` (-inf there)."""
+    tokens, heads = query.shape[:2]
+    out = query.new_zeros(tokens, heads, value.shape[2])
+    lse = torch.full((tokens, heads, 1), float("-inf"), device=query.device)
+    q_start = kv_start = 0
+    for q_end, kv_end in zip(query_ends, kv_ends):
+        q_len, kv_len = q_end - q_start, kv_end - kv_start
+        if q_len and kv_len:
+            scores = torch.einsum("qnd,snd->nqs", query[q_start:q_end].float(),
+                                  key[kv_start:kv_end].float()) * scale
+            if causal:
+                rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+                scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows,
+                                            float("-inf"))
+            row_lse = scores.logsumexp(dim=-1, keepdim=True)
+            out[q_start:q_end] = torch.einsum("nqs,snv->qnv", (scores - row_lse).exp(),
+                                              value[kv_start:kv_end].float())
+            lse[q_start:q_end] = row_lse.transpose(0, 1)
+        q_start, kv_start = q_end, kv_end
+    return out, lse
 
 
 def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, scale):
@@ -113,7 +122,7 @@ def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, 
     return torch.einsum("bns,bsl->bnl", probs, latent).to(q_nope.dtype)
 
 
-# --- npu_fused_infer_attention_score, MLA form ----------------------------------------------------
+# --- npu_fused_infer_attention_score, the MLA prefill form ----------------------------------------
 
 
 def fused_infer_attention_score_mla(
@@ -121,167 +130,105 @@ def fused_infer_attention_score_mla(
     key,
     value,
     *,
-    query_rope,
-    key_rope,
+    query_rope=None,
+    key_rope=None,
     atten_mask=None,
-    block_table=None,
     actual_seq_lengths=None,
     actual_seq_lengths_kv=None,
     num_heads,
     num_key_value_heads,
     scale,
     input_layout="TND",
-    block_size=0,
     sparse_mode=0,
+    softmax_lse_flag=False,
 ):
-    """``npu_fused_infer_attention_score`` with ``query_rope``/``key_rope`` (the MLA form), TND:
+    """``npu_fused_infer_attention_score`` as MLA prefills run it: TND without rope inputs, query
+    and key ``q_nope ++ q_pe`` / ``k_nope ++ k_pe`` (192), value 128 (or 192), contiguous
+    ``[T_kv, N, D]`` K/V with cumulative lengths, causal (``sparse_mode=3``) or unmasked (0).
 
-    - D = 128: up-projected queries over contiguous per-head ``key``/``value`` ``[T_kv, KVH, 128]``
-      and ``key_rope [T_kv, KVH, 64]``, both length lists cumulative;
-    - D = 512: absorbed queries over the paged latent cache, ``key`` and ``value`` both
-      ``[num_blocks, block_size, 512]`` and ``key_rope [num_blocks, block_size, 64]``, one KV
-      head, per-sequence KV lengths.
+    Returns ``(attn_out [T, N, V_D], softmax_lse)``: ``softmax_lse`` is ``[T, N, 1]`` float32, the
+    log-sum-exp of each row's scaled scores, when ``softmax_lse_flag``; else the empty tensor of
+    ``reference.no_softmax_lse``.
 
-    Returns ``(attn_out [T, N, Dv], softmax_lse)``, ``softmax_lse`` the empty tensor of
-    ``reference.no_softmax_lse`` (the seam never sets ``softmax_lse_flag``; D = 512 does not
-    support it).
+    The op's rope (MLA) branch, which takes the absorbed form over a paged latent cache, is not
+    implemented; its documented limits are still checked, so a call outside them fails by name.
     """
     op = "npu_fused_infer_attention_score"
+    if query_rope is not None or key_rope is not None:
+        _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads)
+        raise NotImplementedError(f"{op}: the seam implements the MLA prefill without rope "
+                                  "inputs (q_nope ++ q_pe, k_nope ++ k_pe) only")
     if input_layout != "TND":
-        raise NotImplementedError(f"{op}: the seam implements the MLA form in input_layout='TND' "
-                                  f"only, got {input_layout!r}")
-    if sparse_mode not in (0, 3):
+        raise NotImplementedError(f"{op}: the seam implements the MLA prefill in input_layout "
+                                  f"'TND' only, got {input_layout!r}")
+    if sparse_mode not in (0, 3):  # [FIA-WHEEL] TND: sparse 0 without a mask, or 3 with one
         raise NotImplementedError(f"{op}: the seam implements sparse_mode 0 (no mask) and 3 "
                                   f"(rightDownCausal) only, got {sparse_mode}")
-    tensors = {"query": query, "key": key, "value": value, "query_rope": query_rope,
-               "key_rope": key_rope}
+    tensors = {"query": query, "key": key, "value": value}
     for name, tensor in tensors.items():
         check_tensor(op, name, tensor)
-        check_contiguous(op, name, tensor)  # [FIA] query/key/value/query_rope: 不支持非连续
-    check_dims(op, "query", query, 3)  # [FIA] TND: (T, Q_N, D)
-    check_dtype(op, "query", query, _HALF)  # [FIA] query_rope: float16、bfloat16, like query
+        check_contiguous(op, name, tensor)  # [FIA] query/key/value: 不支持非连续
+        check_dims(op, name, tensor, 3)  # [FIA] TND: (T, N, D)
+        check_dtype(op, name, tensor, (torch.bfloat16,))  # [FIA-WHEEL] TND: 数据类型仅支持BFLOAT16
     tokens, heads, head_dim = query.shape
-    for name in ("key", "value", "query_rope", "key_rope"):
-        # [FIA] MLA约束: query_rope 的 dtype 与 query 一致, key_rope 与 key 一致; no quant scales.
-        require(tensors[name].dtype == query.dtype, op, name, f"{query.dtype} like query",
-                tensors[name].dtype)
-    # [FIA] MLA约束: query 的 D 仅支持 512 或 128.
-    require(head_dim in (LATENT_DIM, UP_PROJECTED_DIM), op, "query head dim (D)",
-            "512 or 128 in the MLA form", head_dim)
-    # [FIA] query_rope: shape 中 D 为 64, 其余维度与 query 一致.
-    require(query_rope.shape == (tokens, heads, ROPE_DIM), op, "query_rope",
-            f"shape {(tokens, heads, ROPE_DIM)}", tuple(query_rope.shape))
-    require(value.shape == key.shape, op, "value", f"shape {tuple(key.shape)} like key",
-            tuple(value.shape))  # [FIA] 通用基础约束: key与value的shape必须完全一致
+    for name, rows in (("query", tokens), ("key", key.shape[0])):
+        require(rows <= FIA_TND_MAX_TOKENS, op, name, f"at most {FIA_TND_MAX_TOKENS} tokens (T) "
+                "in TND", rows)
     require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
+    require(heads in FIA_TND_HEADS, op, "num_heads", "8, 16, 32, 64 or 128 in TND", heads)
+    # [FIA-WHEEL] TND: Q_N、K_N、V_N相等 (num_key_value_heads 0 means num_heads).
+    require((num_key_value_heads or heads) == heads == key.shape[1] == value.shape[1], op,
+            "num_key_value_heads", f"{heads} like num_heads, with key and value of {heads} heads",
+            (num_key_value_heads, key.shape[1], value.shape[1]))
+    dims = (head_dim, value.shape[2])
+    require(key.shape[2] == head_dim and dims in FIA_TND_HEAD_DIMS, op, "head dims (Q_D, K_D, V_D)",
+            "(192, 192, 128) or (192, 192, 192) in TND without rope",
+            (head_dim, key.shape[2], value.shape[2]))
+    require(value.shape[0] == key.shape[0], op, "value", f"{key.shape[0]} tokens like key",
+            value.shape[0])
     require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
+    require(isinstance(softmax_lse_flag, bool), op, "softmax_lse_flag", "a bool",
+            type(softmax_lse_flag).__name__)
 
-    q_ends, q_lens, kv_arg = _check_tnd_lengths(op, tokens, actual_seq_lengths, actual_seq_lengths_kv)
-    batch = len(q_ends)
-
-    if head_dim == LATENT_DIM:
-        latent_key, kv_lens = _check_latent_paged(op, query, key, key_rope, block_table, kv_arg,
-                                                  num_key_value_heads, block_size, max(q_lens))
-        latent_rope = key_rope.unsqueeze(2)
-    else:
-        kv_heads, kv_lens = _check_up_projected(op, query, key, key_rope, block_table, kv_arg,
-                                                num_key_value_heads)
-
+    q_ends, q_lens, kv_ends = _check_tnd_lengths(op, tokens, actual_seq_lengths,
+                                                  actual_seq_lengths_kv)
+    kv_lens = _lengths_from_cumulative(op, "actual_seq_lengths_kv", kv_ends)
+    require(kv_ends[-1] == key.shape[0], op, "actual_seq_lengths_kv",
+            f"cumulative, ending at key.shape[0] = {key.shape[0]}", kv_ends)
     if sparse_mode == 3:
         _check_causal_mask(op, atten_mask, sparse_mode)
-        # rightDownCausal aligns each query to the end of its KV; a longer query would leave
-        # whole rows masked, whose output the docs do not define.
+        # [FIA-WHEEL] TND: "当sparse=3时, 要求每个batch单独的actual_seq_lengths <
+        # actual_seq_lengths_kv". Equal lengths (a prefill with nothing cached) are what
+        # vllm-ascend passes for every fresh prefill on this form, and [FIA] sets no such bound,
+        # so the check is ≤: a longer query would leave whole rows masked.
         for q_len, kv_len in zip(q_lens, kv_lens):
             require(q_len <= kv_len, op, "actual_seq_lengths_kv",
                     "≥ the query length of each sequence under sparse_mode=3", (q_len, kv_len))
     else:
-        require(atten_mask is None, op, "atten_mask", "None with sparse_mode=0 (the seam has no "
-                "custom-mask path)", "a tensor")
+        require(atten_mask is None, op, "atten_mask", "None with sparse_mode=0 in TND", "a tensor")
 
-    out = query.new_zeros(tokens, heads, value.shape[-1])  # [FIA] S2 = 0: 输出全 0
-    for i in range(batch):
-        if q_lens[i] == 0 or kv_lens[i] == 0:
-            continue
-        rows = slice(q_ends[i] - q_lens[i], q_ends[i])
-        if head_dim == LATENT_DIM:
-            k_nope = gather_plane(latent_key, block_table[i], kv_lens[i])
-            k_rope = gather_plane(latent_rope, block_table[i], kv_lens[i])
-            v = k_nope
-        else:
-            kv_rows = slice(kv_arg[i] - kv_lens[i], kv_arg[i])
-            k_nope, k_rope, v = key[kv_rows], key_rope[kv_rows], value[kv_rows]
-        out[rows] = latent_attention(query[rows], query_rope[rows], k_nope, k_rope, v, scale,
-                                     causal=sparse_mode == 3)
-    return out, no_softmax_lse(query)
+    # [FIA] S2 = 0 (a sequence without keys): 输出全 0.
+    out, lse = prefill_attention(query, key, value, q_ends, kv_ends, scale, sparse_mode == 3)
+    return out, lse if softmax_lse_flag else no_softmax_lse(query)
 
 
-def _check_latent_paged(op, query, key, key_rope, block_table, kv_lens, num_key_value_heads,
-                        block_size, max_q_len):
-    """[FIA] MLA约束 and TND布局约束 for query D = 512 over a paged latent cache; returns the key
-    as ``[num_blocks, block_size, 1, 512]`` and the per-sequence KV lengths."""
-    heads = query.shape[1]
-    if block_table is None:
-        raise NotImplementedError(f"{op}: the seam implements the D = 512 MLA form over a paged "
-                                  "cache only")
-    require(heads in FIA_LATENT_HEADS, op, "num_heads", "1, 2, 4, 8, 16, 32, 64 or 128 with "
-            "query D = 512", heads)
-    # [FIA] key_rope: 要求key的N=1、D=512; KV 排布 BnBsH (blocknum, block_size, KV_N*D).
-    require(num_key_value_heads == 1, op, "num_key_value_heads", "1 with query D = 512",
-            num_key_value_heads)
-    check_dims(op, "key", key, 3)
-    require(key.shape[2] == LATENT_DIM, op, "key", "a paged latent cache (num_blocks, block_size, "
-            "512)", tuple(key.shape))
-    require(key_rope.shape == key.shape[:2] + (ROPE_DIM,), op, "key_rope",
-            f"shape {tuple(key.shape[:2]) + (ROPE_DIM,)}", tuple(key_rope.shape))
-    require(isinstance(block_size, int) and block_size == key.shape[1], op, "block_size",
-            f"key.shape[1] = {key.shape[1]}", block_size)
-    # [FIA] MLA约束 D = 512: PageAttention block_size 为 16 的倍数、≤ 1024; PageAttention约束:
-    # Q_S > 1 须为 128 的倍数, 128 到 512. Both hold for what the seam passes.
-    require(block_size % 16 == 0 and 16 <= block_size <= 1024, op, "block_size",
-            "a multiple of 16 up to 1024 (MLA, D = 512)", block_size)
-    if max_q_len > 1:
-        require(block_size % 128 == 0 and block_size <= 512, op, "block_size",
-                "a multiple of 128 in [128, 512] when a query is longer than 1", block_size)
-    check_tensor(op, "block_table", block_table)
-    check_dtype(op, "block_table", block_table, (torch.int32,))  # [FIA] block_table: int32
-    check_dims(op, "block_table", block_table, 2)  # [FIA] [B, maxBlockNumPerSeq]
-    require(block_table.shape[0] == len(kv_lens), op, "block_table",
-            f"{len(kv_lens)} rows (one per sequence)", block_table.shape[0])
-    # [FIA] TND, D = 512, PageAttention: actual_seq_lengths_kv 长度 = kv batch 数, 值 ≤ KV_S.
-    capacity = block_table.shape[1] * block_size
-    for length in kv_lens:
-        require(0 <= length <= capacity, op, "actual_seq_lengths_kv",
-                f"per-sequence lengths in [0, {capacity}] with a paged cache", kv_lens)
-    needed = sum(math.ceil(length / block_size) for length in kv_lens)
-    require(needed <= key.shape[0], op, "key", f"≥ {needed} blocks (the sum over sequences)",
-            key.shape[0])  # [FIA] blocknum ≥ 各batch block数之和
-    _check_block_ids(op, block_table, kv_lens, block_size, key.shape[0])
-    return key.unsqueeze(2), kv_lens
-
-
-def _check_up_projected(op, query, key, key_rope, block_table, kv_arg, num_key_value_heads):
-    """[FIA] TND布局约束, query D ≠ 512 with rope: Q_D = K_D = V_D = 128, K/V ``[T_kv, KVH, D]``
-    with cumulative lengths; returns the KV head count and the per-sequence KV lengths."""
-    heads = query.shape[1]
-    if block_table is not None:
-        raise NotImplementedError(f"{op}: the seam implements the D = 128 MLA form over "
-                                  "contiguous K/V only")
-    require(heads <= 256, op, "num_heads", "≤ 256", heads)  # [FIA] N ≤ 256
-    kv_heads = num_key_value_heads or heads
-    # [FIA] num_key_value_heads: num_heads 能被整除, 比值 ≤ 64.
-    require(heads % kv_heads == 0 and heads // kv_heads <= 64, op, "num_key_value_heads",
-            f"a divisor of num_heads={heads} with ratio ≤ 64", num_key_value_heads)
-    check_dims(op, "key", key, 3)
-    # [FIA] 有rope: Q_D、K_D、V_D = 128.
-    require(key.shape[1:] == (kv_heads, UP_PROJECTED_DIM), op, "key",
-            f"shape (T_kv, {kv_heads}, 128)", tuple(key.shape))
-    # [FIA] key_rope: shape 中 D 为 64, 其余维度与 key 一致.
-    require(key_rope.shape == key.shape[:2] + (ROPE_DIM,), op, "key_rope",
-            f"shape {tuple(key.shape[:2]) + (ROPE_DIM,)}", tuple(key_rope.shape))
-    kv_lens = _lengths_from_cumulative(op, "actual_seq_lengths_kv", kv_arg)
-    require(kv_arg[-1] == key.shape[0], op, "actual_seq_lengths_kv",
-            f"cumulative, ending at key.shape[0] = {key.shape[0]}", kv_arg)
-    return kv_heads, kv_lens
+def _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads):
+    """The documented limits of the op's rope (MLA) branch: [FIA] MLA约束 gives query D 512 or
+    128; [FIA-WHEEL] query_rope约束 (sparse ≠ 4) gives only D 512, for query S 1-16 and 32, 64 or
+    128 heads in BSH, BSND or BNSD (so TND is outside it, and so is the D = 128 form)."""
+    require(query_rope is not None and key_rope is not None, op, "query_rope/key_rope",
+            "both given or both None", "one of them")  # [FIA] 必须同时配置或同时不配置
+    check_tensor(op, "query", query)
+    head_dim = query.shape[-1] // num_heads if input_layout == "BSH" else query.shape[-1]
+    require(head_dim == LATENT_DIM, op, "query head dim (D) with query_rope",
+            "512 (the torch-npu wheels document no other with rope)", head_dim)
+    require(input_layout in _ROPE_LAYOUTS, op, "input_layout",
+            "BSH, BSND or BNSD with query_rope (query D = 512)", input_layout)
+    seq_axis = 2 if input_layout == "BNSD" else 1  # (B, N, S, D); (B, S, N, D) and (B, S, H)
+    require(query.shape[seq_axis] <= _ROPE_MAX_QUERY, op, "query",
+            f"at most {_ROPE_MAX_QUERY} tokens per sequence (S) with query_rope",
+            query.shape[seq_axis])
+    require(num_heads in _ROPE_HEADS, op, "num_heads", "32, 64 or 128 with query_rope", num_heads)
 
 
 # --- torch_npu.atb.npu_multi_head_latent_attention ------------------------------------------------

@@ -233,17 +233,18 @@ def quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, 
 # --- multi-head latent attention (references and call order: kernels/mla.py) ---------------------
 
 
-def fused_infer_attention_score_mla(query, key, value, *, query_rope, key_rope, atten_mask=None,
-                                    block_table=None, actual_seq_lengths=None,
+def fused_infer_attention_score_mla(query, key, value, *, query_rope=None, key_rope=None,
+                                    atten_mask=None, actual_seq_lengths=None,
                                     actual_seq_lengths_kv=None, num_heads, num_key_value_heads,
-                                    scale, input_layout="TND", block_size=0, sparse_mode=0):
-    # The same op as fused_infer_attention_score; query_rope/key_rope select its MLA branch.
+                                    scale, input_layout="TND", sparse_mode=0,
+                                    softmax_lse_flag=False):
+    # The same op as fused_infer_attention_score, in the form MLA prefills use (kernels/mla.py).
     return _torch_npu().npu_fused_infer_attention_score(
         query, key, value,
-        query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask, block_table=block_table,
+        query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask,
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
-        input_layout=input_layout, block_size=block_size, sparse_mode=sparse_mode,
+        input_layout=input_layout, sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag,
     )
 
 
