@@ -57,6 +57,7 @@ from .contracts import (
     fail,
     require,
 )
+from .fusion_attention import fusion_attention  # noqa: F401 - re-exported likewise
 from .moe import (  # noqa: F401 - re-exported: the reference backend is this module's namespace
     grouped_matmul,
     moe_finalize_routing,
