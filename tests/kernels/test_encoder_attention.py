@@ -154,15 +154,21 @@ def test_the_impl_runs_one_fused_launch_per_step_and_ignores_padding(dtype, wind
 
 
 def test_more_than_1024_sequences_take_one_launch_per_1024():
-    q_lens = [1, 2] * 600
-    query, key, value, ends = _batch(q_lens, 2, 2, 64, torch.bfloat16, 4)
+    """1024 pairs of tokens, then a sequence of 5: the second launch holds only the last."""
+    q_lens = [2] * 1024 + [5]
+    query, key, value, ends = _batch(q_lens, 2, 2, 64, torch.float32, 4)
     output = torch.empty_like(query)
     with kernels.count_launches() as launches:
         _impl().forward(None, query, key, value, torch.empty(0),
                         AscendEncoderMetadata(num_tokens=ends[-1], query_ends=ends), output)
     assert dict(launches) == {"fusion_attention": 2}
-    torch.testing.assert_close(output.float(), _expected(query, key, value, ends, 0.125),
-                               atol=3e-2, rtol=3e-2)
+    # The pairs at once: [pairs, heads, 2, D], each query head over its KV head's two keys.
+    pairs = [t[:2048].float().unflatten(0, (1024, 2)).transpose(1, 2) for t in (query, key, value)]
+    q, k, v = pairs[0], *(t.repeat_interleave(2, dim=1) for t in pairs[1:])
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125)
+    expected = torch.cat([expected.transpose(1, 2).flatten(0, 1),
+                          _expected(query[2048:], key[2048:], value[2048:], [5], 0.125)])
+    torch.testing.assert_close(output, expected)
 
 
 def test_soft_capped_logits_run_composed_attention():
