@@ -106,6 +106,8 @@ def _call(**change):
       "next_tockens": 1}, "atten_mask must be nonzero exactly above the diagonal"),
     ({"sparse_mode": 4, "atten_mask": BAND_MASK.to(torch.int8), "pre_tockens": 1,
       "next_tockens": 1}, "atten_mask must be bool or uint8"),
+    ({"sparse_mode": 4, "atten_mask": BAND_MASK[None], "pre_tockens": 1, "next_tockens": 1},
+     "atten_mask must be (2048, 2048) (varlen takes the SS form only)"),
     ({"sparse_mode": 4, "atten_mask": None, "pre_tockens": 1, "next_tockens": 1},
      "atten_mask must be the 2048×2048 causal mask with sparse_mode=4"),
 ])

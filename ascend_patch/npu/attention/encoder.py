@@ -39,10 +39,12 @@ from vllm.v1.attention.backend import (
 from ascend_patch.npu import kernels
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import paged
-from ascend_patch.npu.kernels.fusion_attention import MAX_HEAD_DIM, MAX_HEADS, MAX_SEQUENCES
-
-# [FA-WHEEL] sparse_mode 4 reads the "优化后的压缩下三角矩阵(2048*2048)": nonzero above the diagonal.
-_MASK_SIZE = 2048
+from ascend_patch.npu.kernels.fusion_attention import (
+    MASK_SIZE,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_SEQUENCES,
+)
 
 
 class AscendEncoderOnlyBackend(AttentionBackend):
@@ -150,9 +152,8 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
 
     def _band_mask(self, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
-            with torch.inference_mode(False):  # a normal tensor: kernels may cache checks on it
-                ones = torch.ones(_MASK_SIZE, _MASK_SIZE, dtype=torch.bool, device=device)
-                self._mask = ones.triu_(1)
+            ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device)
+            self._mask = ones.triu_(1)
         return self._mask
 
     def forward(

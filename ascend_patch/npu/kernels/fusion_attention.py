@@ -18,7 +18,14 @@ Contract sources (the tag each check cites):
 
 import torch
 
-from .contracts import check_dims, check_dtype, check_int_list, check_tensor, require
+from .contracts import (
+    check_contiguous,
+    check_dims,
+    check_dtype,
+    check_int_list,
+    check_tensor,
+    require,
+)
 from .paged import attend
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -29,6 +36,8 @@ MAX_TOKENS = 1 << 20
 # [FA-WHEEL] "D: Head Dim必须满足Dq=Dk和Dk≥Dv，取值范围1~768"; "Nq取值范围1~256".
 MAX_HEAD_DIM = 768
 MAX_HEADS = 256
+# [FA-WHEEL] sparse_mode 4: "atten_mask为优化后的压缩下三角矩阵(2048*2048)".
+MASK_SIZE = 2048
 
 
 def fusion_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0,
@@ -113,17 +122,29 @@ def _lengths(op, arg, ends, total, tensor):
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
 
+def _check_band_mask(op, atten_mask):
+    """[FA-WHEEL] atten_mask: "数据类型支持bool、uint8", "varlen场景只支持SS格式" (in TND the
+    compressed mask is (2048, 2048), nothing wider), and sparse_mode 4 takes the
+    "优化后的压缩下三角矩阵(2048*2048)": nonzero (masked) exactly above the diagonal."""
+    require(atten_mask is not None, op, "atten_mask",
+            f"the {MASK_SIZE}×{MASK_SIZE} causal mask with sparse_mode=4", None)
+    check_tensor(op, "atten_mask", atten_mask)
+    check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.uint8))
+    require(tuple(atten_mask.shape) == (MASK_SIZE, MASK_SIZE), op, "atten_mask",
+            f"({MASK_SIZE}, {MASK_SIZE}) (varlen takes the SS form only)", tuple(atten_mask.shape))
+    check_contiguous(op, "atten_mask", atten_mask)
+    upper = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=atten_mask.device).triu(1)
+    require(torch.equal(atten_mask != 0, upper), op, "atten_mask",
+            "nonzero exactly above the diagonal (torch.triu(ones, 1))", "another pattern")
+
+
 def _band(op, atten_mask, pre_tockens, next_tockens, q_lens, kv_lens):
     """[FA-WHEEL] sparse_mode 4: "代表band场景, 即计算pre_tockens和next_tockens之间的部分, 参数
     起点为右下角, pre_tockens和next_tockens之间需要有交集. atten_mask为优化后的压缩下三角矩阵
     (2048*2048)"; its example builds that mask as ``np.triu(np.ones([2048, 2048]), k=1)``. Query
     row i of a sequence of q queries over s keys sees keys i + s - q - pre ... i + s - q + next.
     Returns (pre, next), None for an unbounded side."""
-    from .reference import _check_causal_mask
-
-    _check_causal_mask(op, atten_mask, 4)
-    # [FA-WHEEL] atten_mask "数据类型支持bool、uint8" (FIA's int8 is not among them).
-    check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.uint8))
+    _check_band_mask(op, atten_mask)
     for name, tokens in (("pre_tockens", pre_tockens), ("next_tockens", next_tockens)):
         require(isinstance(tokens, int) and not isinstance(tokens, bool), op, name, "an int",
                 type(tokens).__name__)
