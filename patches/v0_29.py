@@ -5,19 +5,20 @@
 ``[blocks, heads, tokens, K|V]`` views per layer. The NPU kernels read separate K and
 V planes, so this set's own glue re-views each layer's bytes
 (``kv_cache.allocate_kv_cache``); everything else is shared with v0_20 through
-:mod:`.common`.
+the area modules.
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
-from ascend_patch.patches import common
+from ascend_patch.patches import attention, device_api, engine, graphs, moe, platform, quant
 
 PATCHES = [
-    *common.DEVICE_SELECTION,
-    *common.ENGINE_CONTRACTS,
-    *common.RUNNER_GLUE,
-    *common.MOE_CONTRACTS,
-    *common.QUANT_CONTRACTS,
-    *common.MLA_CONTRACTS,
+    *platform.DEVICE_SELECTION,
+    *engine.ENGINE_CONTRACTS,
+    *attention.ATTENTION_CONTRACTS,
+    *engine.RUNNER_GLUE,
+    *moe.MOE_CONTRACTS,
+    *quant.QUANT_CONTRACTS,
+    *attention.MLA_CONTRACTS,
     Contract(
         "vllm.platforms.interface:Platform.get_mla_prefill_backend_cls",
         reason="the MLA prefill backend MLAAttention builds: one that constructs on Ascend (and "
@@ -30,9 +31,9 @@ PATCHES = [
         remove_when="never: vLLM's own extension point; the contract only guards its signature",
         implementation="ascend_patch.npu.platform:NPUPlatform",
     ),
-    *common.GRAPH_MODE,
-    common.hybrid_promotion("kv_cache_utils", vllm="<0.33"),
-    common.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
+    *graphs.GRAPH_MODE,
+    attention.hybrid_promotion("kv_cache_utils", vllm="<0.33"),
+    attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",
@@ -53,9 +54,11 @@ PATCHES = [
 
 MANIFEST = [
     *PATCHES,
-    *common.DEVICE_API,
-    *common.SETTINGS,
-    *common.SEAMS,
+    *device_api.DEVICE_API,
+    *engine.SETTINGS,
+    *platform.SEAMS,
+    *engine.SEAMS,
+    *quant.SEAMS,
     Seam("vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner",
          "build the workspace and model runner through vLLM's own step", since="0.32",
          implementation="ascend_patch.npu.worker:NPUWorker.init_device"),

@@ -28,15 +28,9 @@ class NPUModelRunner(GPUModelRunner):
         report_attention_paths(self.compilation_config.static_forward_context,
                                self.model_config.dtype, self.model_config.model)
         report_routing(self.get_model(), self.model_config.model)
-        runtime = current_platform.runtime()
-        if current_platform.emulated:
-            # CPU tensors are not device memory: the weights are what loading
-            # placed on the emulated NPU, so charge exactly those bytes.
-            model = self.get_model()
-            tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                       for t in (*model.parameters(), *model.buffers())}
-            runtime.charge("weights", sum(tensors.values()), model)
-            self.model_memory_usage = sum(tensors.values())
+        charged = current_platform.runtime().charge_weights(self.get_model())
+        if charged is not None:  # the emulated HBM's figure replaces vLLM's host-side one
+            self.model_memory_usage = charged
         if type(self.model) is CUDAGraphWrapper:
             # vLLM wraps the model for FULL graphs in CUDAGraphWrapper itself, whose capture is
             # torch.cuda.graph: the NPU's wrapper takes its place, with the same runnable and mode.

@@ -308,7 +308,7 @@ def test_fused_attention_bsh_decode_with_a_mask(data, context, heads, dtype, see
 def test_composed_attention_windows_and_soft_cap(batch, heads, window, soft_cap, dtype, seed):
     """The composed path (fp32 models, soft-capped layers, head sizes no fused kernel takes):
     decode rows batched, longer queries one by one, over the paged cache."""
-    from ascend_patch.npu.kernels import paged
+    from ascend_patch.npu.kernels import composed
 
     kv_heads, group, head_dim = heads
     num_heads, block_size = kv_heads * group, 128
@@ -324,12 +324,12 @@ def test_composed_attention_windows_and_soft_cap(batch, heads, window, soft_cap,
     for row, (q_len, kv_len, key, value) in enumerate(zip(q_lens, kv_lens, keys, values)):
         rows = slice(start, start + q_len)
         if q_len == 1:
-            got = paged.decode_batch(query[rows], key_cache, value_cache, block_table[row:row + 1],
+            got = composed.decode_batch(query[rows], key_cache, value_cache, block_table[row:row + 1],
                                      [kv_len], scale, pre_tokens=pre, soft_cap=soft_cap)
         else:
-            seq_key, seq_value = paged.gather_sequence(key_cache, value_cache, block_table[row],
+            seq_key, seq_value = composed.gather_sequence(key_cache, value_cache, block_table[row],
                                                        kv_len)
-            got = paged.attend(query[rows], seq_key, seq_value, scale, pre_tokens=pre,
+            got = composed.attend(query[rows], seq_key, seq_value, scale, pre_tokens=pre,
                                next_tokens=0, soft_cap=soft_cap)
         expected = oracle(query[rows], key, value, scale, True, pre_tokens=pre, soft_cap=soft_cap)
         tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]

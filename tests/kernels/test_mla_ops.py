@@ -26,7 +26,7 @@ from ascend_patch.npu.attention.mla import (
     prefill_metadata,
 )
 from ascend_patch.npu.kernels import KernelContractError
-from ascend_patch.npu.kernels.mla import ATB_MLA_HEADS
+from ascend_patch.npu.kernels.limits import ATB_MLA_HEADS
 from tests.kernels.test_attention import (
     CAUSAL_MASK,
     assert_close,

@@ -6,7 +6,7 @@ model) and the NPU runner puts it where vLLM's V1 runner builds ``CUDAGraphWrapp
 graphs. It keeps vLLM's contract (run eagerly unless the forward context's runtime mode is the
 wrapper's; one graph per ``BatchDescriptor``; capture on first sight, replay after) and does it
 with the device runtime's graph API: ``torch_npu.npu.NPUGraph`` on the NPU, the emulated graph of
-:mod:`.emulated_graph` otherwise.
+:mod:`ascend_patch.npu.emulation.graph` otherwise.
 
 Host-parameter updates. Some NPU kernels take host arguments that change every step
 (``_npu_paged_attention``'s ``context_lens``); a graph would replay the capture's values. A kernel
