@@ -116,17 +116,26 @@ def test_the_wings_do_not_reach_into_each_other():
     npu = {t for name, targets in arrows.items() if name.startswith("ascend_patch.npu") for t in targets}
     assert not any(t.startswith(("ascend_patch.overlay", "ascend_patch.cli")) for t in npu)
     assert IMPORT_GRAPH.wing_violations(arrows, outside) == []
-    manifest = {m for path in (ROOT / "patches").glob("*.py")
-                for node in ast.parse(path.read_text()).body
-                if isinstance(node, ast.ImportFrom) and (m := node.module)}
-    assert not any(m.startswith("ascend_patch.npu") for m in manifest), (
-        "the manifest names its implementations by path, imported only when applied")
 
 
-def test_the_import_graph_has_no_cycle_but_the_known_ones():
-    """The NPU wing's known cycles are left to issue 25's part B; no other may appear."""
+def test_the_manifest_holds_declarations_only():
+    """patches/ imports the declaration types and its own modules, nothing else (lazy imports
+    included): our side is named by ``module:object`` path and imported only when applied. And
+    it defines no class: code lives in the NPU wing."""
+    arrows, outside = IMPORT_GRAPH.graph()
+    manifest = {name for name in arrows if name.startswith("ascend_patch.patches")}
+    allowed = {"ascend_patch.overlay.declarations", *manifest}
+    for name in sorted(manifest):
+        assert arrows[name] <= allowed, f"{name} imports {sorted(arrows[name] - allowed)}"
+        assert not outside[name], f"{name} imports {sorted(outside[name])}"
+    classes = [f"{path.name}:{node.name}" for path in (ROOT / "patches").glob("*.py")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
+    assert classes == []
+
+
+def test_the_import_graph_has_no_cycle():
     arrows, _ = IMPORT_GRAPH.graph()
-    assert set(IMPORT_GRAPH.cycles(arrows)) <= set(IMPORT_GRAPH.KNOWN_CYCLES)
+    assert IMPORT_GRAPH.cycles(arrows) == []
 
 
 def test_the_import_graph_sees_lazy_imports_and_arrows_into_the_npu_wing(tmp_path):
