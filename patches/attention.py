@@ -2,7 +2,7 @@
 the KV-cache spec promotion they rely on."""
 
 from ascend_patch.overlay.declarations import Contract, Patch
-from ascend_patch.patches.platform import contract
+from ascend_patch.patches.platform import cite, contract
 
 ATTENTION = "ascend_patch.npu.attention.backend:AscendAttentionImpl"
 
@@ -13,7 +13,8 @@ ATTENTION_CONTRACTS = [
              "(self, layer, query, key, value, kv_cache, attn_metadata, output, "
              "output_scale=..., output_block_scale=...)", "the Ascend attention impl",
              implementation=ATTENTION,
-             upstream="vllm/v1/attention/backend.py: the attention backend interface"),
+             upstream="vllm/v1/attention/backend.py: the attention backend interface",
+             pr="vllm-project/vllm#39125"),
     contract("vllm.v1.attention.backend:AttentionImpl.__init__",
              "(self, num_heads, head_size, scale, num_kv_heads=..., alibi_slopes=..., "
              "sliding_window=..., kv_cache_dtype=..., logits_soft_cap=..., attn_type=..., "
@@ -31,7 +32,7 @@ ATTENTION_CONTRACTS = [
 ]
 
 
-def hybrid_promotion(module: str, vllm: str | None = None) -> Contract:
+def hybrid_promotion(module: str, vllm: str | None = None, pr: str | None = None) -> Contract:
     """vLLM's promotion of sliding-window KV specs to full attention when the hybrid manager is
     off, which the attention backend relies on (it moved to kv_cache_planning.py in 0.33)."""
     return Contract(
@@ -40,8 +41,9 @@ def hybrid_promotion(module: str, vllm: str | None = None) -> Contract:
                "token's blocks; the attention applies the windows itself",
         vllm=vllm,
         signature=("(kv_cache_spec)",),
-        upstream=f"vllm/v1/core/{module}.py: SlidingWindowSpec -> FullAttentionSpec when both kinds "
-                 "are present (a uniformly windowed model keeps its SlidingWindowSpec)",
+        upstream=cite(f"vllm/v1/core/{module}.py: SlidingWindowSpec -> FullAttentionSpec when both "
+                      "kinds are present (a uniformly windowed model keeps its SlidingWindowSpec)",
+                      pr),
         remove_when="ascend-patch supports the hybrid KV-cache manager",
         implementation=ATTENTION,
     )
@@ -77,7 +79,7 @@ MLA_CONTRACTS = [
     contract("vllm.v1.attention.backend:MLAAttentionImpl.forward_mqa",
              "(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)",
              "decodes (queries absorbed by the layer): npu_multi_head_latent_attention",
-             implementation=_MLA_IMPL, upstream=_MLA_INTERFACE),
+             implementation=_MLA_IMPL, upstream=_MLA_INTERFACE, pr="vllm-project/vllm#33284"),
     contract("vllm.v1.attention.backend:MLAAttentionImpl.forward_mha",
              ("(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output)",
               "(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, "
@@ -85,7 +87,7 @@ MLA_CONTRACTS = [
              "prefills, fresh or behind cached context: their latent rows read out of the cache, "
              "up-projected with kv_b_proj and attended by npu_fused_infer_attention_score in "
              "TND without rope inputs (Q/K 192, V 128)", implementation=_MLA_IMPL,
-             upstream=_MLA_INTERFACE),
+             upstream=_MLA_INTERFACE, pr="vllm-project/vllm#33284"),
     contract(f"{_MLA_LAYER}:MLAAttention.forward_impl", None,
              "splits the decode-first batch by the counts AscendMLAMetadata carries "
              "(num_actual_tokens, num_decodes, num_decode_tokens, num_prefills, decode)",
@@ -106,12 +108,12 @@ MLA_CONTRACTS = [
         vllm=">=0.21,<0.32",
         signature=("(vllm_config)",),
         replacement="ascend_patch.npu.attention.mla_prefill:select_prefill_backend",
-        upstream=_MLA_PREFILL,
+        upstream=_MLA_PREFILL + "; vllm-project/vllm#32623",
         remove_when="every supported release has Platform.get_mla_prefill_backend_cls (0.32+)",
     ),
     contract("vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend.__init__",
              "(self, num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
              "v_head_dim, vllm_config)", "AscendMLAPrefillBackend constructs like vLLM's",
              implementation="ascend_patch.npu.attention.mla_prefill:AscendMLAPrefillBackend",
-             upstream=_MLA_PREFILL, vllm=">=0.21"),
+             upstream=_MLA_PREFILL, vllm=">=0.21", pr="vllm-project/vllm#32623"),
 ]

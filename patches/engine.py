@@ -18,8 +18,10 @@ ENGINE_CONTRACTS = [
                   "attention backend selection (AscendMLABackend for use_mla)"),
     platform_hook("check_and_update_config", "(cls, vllm_config)", "worker class, block size, eager mode"),
     platform_hook("apply_config_platform_defaults", "(cls, vllm_config)", "eager mode before custom-op defaults"),
-    platform_hook("import_ir_kernels", "(cls)", "register the ascend vLLM-IR implementations"),
-    platform_hook("get_default_ir_op_priority", "(cls, vllm_config)", "ascend IR implementations first"),
+    platform_hook("import_ir_kernels", "(cls)", "register the ascend vLLM-IR implementations",
+                  pr="vllm-project/vllm#38807"),
+    platform_hook("get_default_ir_op_priority", "(cls, vllm_config)", "ascend IR implementations first",
+                  pr="vllm-project/vllm#33825"),
     platform_hook("get_punica_wrapper", "(cls)", "LoRA is unsupported"),
     platform_hook("get_device_communicator_cls", "(cls)", "NPUCommunicator: HCCL, or gloo when emulated"),
     contract("vllm.distributed.device_communicators.base_device_communicator:DeviceCommunicatorBase.__init__",
@@ -30,7 +32,8 @@ ENGINE_CONTRACTS = [
              "NPUCommunicator forwards every constructor variant",
              implementation="ascend_patch.npu.distributed.communicator:NPUCommunicator",
              upstream="vllm/distributed/device_communicators/base_device_communicator.py: the "
-                      "communicator base a platform's get_device_communicator_cls names"),
+                      "communicator base a platform's get_device_communicator_cls names",
+                      pr="vllm-project/vllm#47288"),
     contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device",
              implementation=WORKER, upstream=_GPU_WORKER + " (init_device hard-codes cuda)",
              remove_when="vLLM's worker initialises the device through current_platform"),
@@ -98,7 +101,7 @@ RUNNER_GLUE = [
         ),
         wrapper="ascend_patch.npu.sample.sampler:init_wrapper",
         upstream="vllm/v1/sample/ops/topk_topp_sampler.py: __init__ gives out-of-tree platforms "
-                 "forward_native; there is no platform hook for the sampler",
+                 "forward_native; there is no platform hook for the sampler; vllm-project/vllm#43150",
         remove_when="vLLM dispatches TopKTopPSampler to a platform (forward_oot) implementation",
     ),
     Patch(
@@ -119,19 +122,21 @@ RUNNER_GLUE = [
         signature=("(worker)", "(worker, *, process_local_only=...)"),  # the keyword: 0.27+
         replacement="ascend_patch.npu.model_runner:no_kernel_warmup",
         upstream="vllm/model_executor/warmup/kernel_warmup.py: DeepGEMM/FlashInfer/Triton "
-                 "warm-up runs on every platform",
+                 "warm-up runs on every platform; vllm-project/vllm#47288",
         remove_when="kernel_warmup skips platforms that have none of those kernels",
     ),
     contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout",
              implementation=RUNNER,
              upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
-             remove_when="vLLM zeroes blocks through the attention backend"),
+             remove_when="vLLM zeroes blocks through the attention backend",
+             pr="vllm-project/vllm#35219"),
     contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids", "(self, block_ids)",
              "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout",
              implementation=RUNNER,
              upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
-             remove_when="vLLM zeroes blocks through the attention backend"),
+             remove_when="vLLM zeroes blocks through the attention backend",
+             pr="vllm-project/vllm#35219"),
     Patch(
         "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
         reason="vLLM computes KV slots with a Triton kernel; the NPU path uses torch ops",
@@ -152,7 +157,7 @@ SETTINGS = [
         reason="Model Runner V2 (vllm/v1/worker/gpu/) is not supported: pin the V1 runner in "
                "every process vLLM starts",
         upstream="vllm/config/vllm.py use_v2_model_runner: 0.29+ picks V2 whenever Triton "
-                 "imports, which triton-ascend makes true on Ascend",
+                 "imports, which triton-ascend makes true on Ascend; vllm-project/vllm#25266",
         remove_when="ascend-patch supports Model Runner V2",
     ),
     Setting(
@@ -167,9 +172,11 @@ SETTINGS = [
 # Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
 SEAMS = [
     Seam("vllm.ir.ops:fused_add_rms_norm", "the ascend IR implementation of fused_add_rms_norm",
-         since="0.21", implementation="ascend_patch.npu.ops.ir:register"),
+         since="0.21", implementation="ascend_patch.npu.ops.ir:register",
+         pr="vllm-project/vllm#36823"),
     Seam("vllm.v1.worker.block_table:SlotMappingMode", "skip slot mapping where vLLM asks for none",
-         since="0.26", implementation="ascend_patch.npu.kv_cache:compute_slot_mapping"),
+         since="0.26", implementation="ascend_patch.npu.kv_cache:compute_slot_mapping",
+         pr="vllm-project/vllm#40996"),
     Seam("vllm.v1.worker.gpu_worker:_num_workspace_lanes", "size vLLM's workspace lanes",
          since="0.28", implementation="ascend_patch.npu.worker:NPUWorker.init_device"),
 ]

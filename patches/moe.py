@@ -36,5 +36,5 @@ MOE_CONTRACTS = [
              upstream=f"{_MOE.replace('.', '/')}/router/grouped_topk_router.py: vLLM's grouped "
                       "top-k in torch (DeepSeek-V2/V3), called by name by GroupedTopKRouter",
              remove_when="the NPU gating op takes every grouping and normalisation vLLM's "
-                         "grouped top-k does"),
+                         "grouped top-k does", pr="vllm-project/vllm#30623"),
 ]

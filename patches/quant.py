@@ -54,22 +54,23 @@ QUANT_CONTRACTS = [
           ("apply", "(self, layer, x, bias=...)"))),
     contract(f"{_INT8_KERNELS}:register_linear_kernel", "(kernel_class, platform, kernel_type=...)",
              "the NPU int8 kernel for PlatformEnum.OOT", implementation=f"{_QUANTIZATION}:register_kernels",
-             upstream=_INT8_API),
+             upstream=_INT8_API, pr="vllm-project/vllm#37989"),
     contract(f"{_INT8_KERNELS}:init_int8_linear_kernel",
              ("(is_channelwise, is_static_input_scheme, input_symmetric, module_name)",
               "(is_channelwise, is_static_input_scheme, input_symmetric, module_name, "
               "is_fused_module=...)"),  # 0.33
              "vLLM's int8 scheme builds the chosen kernel from its config and parameter names",
-             implementation=_INT8_KERNEL, upstream=_INT8_API),
+             implementation=_INT8_KERNEL, upstream=_INT8_API, pr="vllm-project/vllm#27814"),
     *(contract(f"{_SCALED_MM}:{name}", signature, "the int8 ScaledMM kernel interface",
-               implementation=_INT8_KERNEL, upstream=_INT8_API)
-      for name, signature in (
-          ("ScaledMMLinearKernel.__init__", "(self, c, layer_param_names)"),
-          ("ScaledMMLinearKernel.is_supported", "(cls, compute_capability=...)"),
-          ("ScaledMMLinearKernel.can_implement", "(cls, c)"),
-          ("ScaledMMLinearKernel.process_weights_after_loading", "(self, layer)"),
-          ("ScaledMMLinearKernel.apply_weights", "(self, layer, x, bias=...)"),
-          ("Int8ScaledMMLinearKernel._get_layer_params", "(self, layer)"))),
+               implementation=_INT8_KERNEL, upstream=_INT8_API, pr=pr)
+      for name, signature, pr in (
+          ("ScaledMMLinearKernel.__init__", "(self, c, layer_param_names)", None),
+          ("ScaledMMLinearKernel.is_supported", "(cls, compute_capability=...)", None),
+          ("ScaledMMLinearKernel.can_implement", "(cls, c)", None),
+          ("ScaledMMLinearKernel.process_weights_after_loading", "(self, layer)", None),
+          ("ScaledMMLinearKernel.apply_weights", "(self, layer, x, bias=...)", None),
+          ("Int8ScaledMMLinearKernel._get_layer_params", "(self, layer)",
+           "vllm-project/vllm#27814"))),
     contract(f"{_CT}.schemes.compressed_tensors_w8a8_int8:CompressedTensorsW8A8Int8.__init__",
              "(self, strategy, is_static_input_scheme, input_symmetric)",
              "check_scheme reads the int8 scheme's is_static_input_scheme and input_symmetric",
@@ -109,18 +110,22 @@ QUANT_CONTRACTS = [
              upstream=_CT_MOE_API),
     *(contract(f"{_MOE}.fused_moe_method_base:FusedMoEMethodBase.{name}", signature,
                "the W8A8 expert method implements vLLM's MoE-method interface (monolithic)",
-               implementation=_W8A8_MOE, upstream=f"{_MOE.replace('.', '/')}/fused_moe_method_base.py")
-      for name, signature in (
-          ("__init__", "(self, moe)"),
+               implementation=_W8A8_MOE, upstream=f"{_MOE.replace('.', '/')}/fused_moe_method_base.py",
+               pr=pr)
+      for name, signature, pr in (
+          ("__init__", "(self, moe)", None),
           ("create_weights", "(self, layer, num_experts, hidden_size, "
-                             "intermediate_size_per_partition, params_dtype, **extra_weight_attrs)"),
-          ("get_fused_moe_quant_config", "(self, layer)"),
-          ("apply_monolithic", "(self, layer, x, router_logits, input_ids=...)"))),
+                             "intermediate_size_per_partition, params_dtype, **extra_weight_attrs)",
+           None),
+          ("get_fused_moe_quant_config", "(self, layer)", None),
+          ("apply_monolithic", "(self, layer, x, router_logits, input_ids=...)",
+           "vllm-project/vllm#31996"))),
 ]
 
 # Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
 SEAMS = [
     Seam("vllm.model_executor.layers.fused_moe:RoutedExperts",
          "recognise an expert layer (before 0.22 the class is FusedMoE)", since="0.22",
-         implementation="ascend_patch.npu.quantization.modelslim:AscendModelSlimConfig.get_quant_method"),
+         implementation="ascend_patch.npu.quantization.modelslim:AscendModelSlimConfig.get_quant_method",
+         pr="vllm-project/vllm#40735"),
 ]

@@ -31,7 +31,7 @@ PATCHES = [
     *quant.QUANT_CONTRACTS,
     *attention.MLA_CONTRACTS,
     *graphs.GRAPH_MODE,
-    attention.hybrid_promotion("kv_cache_utils"),
+    attention.hybrid_promotion("kv_cache_utils", pr="vllm-project/vllm#14097"),
     Contract(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "

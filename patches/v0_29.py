@@ -10,6 +10,7 @@ the area modules.
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
 from ascend_patch.patches import attention, device_api, engine, graphs, moe, platform, quant
+from ascend_patch.patches.platform import cite
 
 PATCHES = [
     *platform.DEVICE_SELECTION,
@@ -27,12 +28,12 @@ PATCHES = [
         signature=("(cls, mla_selector_config)",),
         upstream="vllm/platforms/interface.py (0.32+): the default returns FLASH_ATTN for a "
                  "platform without a device capability, whose constructor asserts "
-                 "flash_attn_varlen_func imports",
+                 "flash_attn_varlen_func imports; vllm-project/vllm#56959",
         remove_when="never: vLLM's own extension point; the contract only guards its signature",
         implementation="ascend_patch.npu.platform:NPUPlatform",
     ),
     *graphs.GRAPH_MODE,
-    attention.hybrid_promotion("kv_cache_utils", vllm="<0.33"),
+    attention.hybrid_promotion("kv_cache_utils", vllm="<0.33", pr="vllm-project/vllm#14097"),
     attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
@@ -40,16 +41,18 @@ PATCHES = [
         signature=("(kv_cache_config, device, layout, kernel_block_sizes=...)",),
         wrapper="ascend_patch.npu.kv_cache:allocate_kv_cache",
         upstream="vLLM 0.29 moved KV allocation to vllm/v1/worker/utils.py: one int8 buffer "
-                 "with strided [blocks, heads, tokens, K|V] layer views",
+                 "with strided [blocks, heads, tokens, K|V] layer views; vllm-project/vllm#51718",
         remove_when="vLLM lets the attention backend name its per-layer layout again",
     ),
     *(Contract(f"vllm.v1.kv_cache_interface:{spec}",
             reason="allocate_kv_cache's wrapper tells MLA layers (one latent per token, no K|V "
                    "split: vLLM's view kept) by their spec",
-            upstream="vllm/v1/kv_cache_interface.py: the KV cache specs of a kv_cache_config",
+            upstream=cite("vllm/v1/kv_cache_interface.py: the KV cache specs of a kv_cache_config",
+                          pr),
             remove_when="never: vLLM's spec classes; the contract only guards their presence",
             implementation="ascend_patch.npu.kv_cache:allocate_kv_cache")
-      for spec in ("MLAAttentionSpec", "UniformTypeKVCacheSpecs")),
+      for spec, pr in (("MLAAttentionSpec", None),
+                       ("UniformTypeKVCacheSpecs", "vllm-project/vllm#25101"))),
 ]
 
 MANIFEST = [
@@ -64,7 +67,8 @@ MANIFEST = [
          implementation="ascend_patch.npu.worker:NPUWorker.init_device"),
     Seam("vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
          "AscendAttentionBackend defines get_kv_cache_shape only where vLLM still calls it",
-         until="0.29", implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend"),
+         until="0.29", implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend",
+         pr="vllm-project/vllm#51718"),
 ]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

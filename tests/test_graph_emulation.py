@@ -17,7 +17,7 @@ from ascend_patch.npu import device, kernels
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.emulation import graph as eg
 from ascend_patch.npu.compilation.acl_graph import sample_sizes
-from tests.conftest import clean_env, run_json
+from tests.helpers.process import clean_env, run_json
 
 # These tests run the emulated NPU's kernels, bound as its platform binds them (the seam fails
 # closed until then); the seam as bound before any capture: a capture swaps recording wrappers in

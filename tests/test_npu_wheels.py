@@ -27,7 +27,8 @@ from ascend_patch.npu import kernels
 from ascend_patch.npu.emulation import reference
 from ascend_patch.npu.kernels import npu
 from tests import npu_wheels
-from tests.conftest import prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import run_engine
 
 VERSIONS = npu_wheels.matrix_versions()
 

@@ -53,10 +53,10 @@ class NPUModelRunner(GPUModelRunner):
         for group in self.kv_cache_config.kv_cache_groups:
             for name in group.layer_names:
                 layer = context.get(name)
-                kv = getattr(layer, "kv_cache", None)
+                kv = getattr(layer, "kv_cache", None)  # not a seam: not every layer caches
                 if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
                     continue
-                if isinstance(getattr(layer, "impl", None), AscendMLAImpl):
+                if isinstance(getattr(layer, "impl", None), AscendMLAImpl):  # not a seam: ours
                     layer_planes = latent_planes(kv, layer.impl.kv_lora_rank)
                 else:
                     layer_planes = kv.unbind(0)
@@ -64,7 +64,7 @@ class NPUModelRunner(GPUModelRunner):
         self._ascend_kv_planes = list(planes.values())
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
-        if not block_ids or not getattr(self, "_ascend_kv_planes", None):
+        if not block_ids or not getattr(self, "_ascend_kv_planes", None):  # not a seam: ours
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for plane in self._ascend_kv_planes:

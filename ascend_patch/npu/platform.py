@@ -60,7 +60,7 @@ class NPUPlatform(Platform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         config = attn_selector_config
         for feature in ("use_sparse", "has_sink"):
-            if getattr(config, feature, False):
+            if getattr(config, feature):
                 raise NotImplementedError(
                     f"the Ascend attention backend does not support models that need "
                     f"{feature.removeprefix('use_').removeprefix('has_')} attention"
@@ -111,8 +111,7 @@ class NPUPlatform(Platform):
         unsupported = {
             "speculative decoding": vllm_config.speculative_config is not None,
             "LoRA": vllm_config.lora_config is not None,
-            "expert-parallel load balancing (EPLB)": getattr(
-                vllm_config.parallel_config, "enable_eplb", False),
+            "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
             # Their layers keep a recurrent state instead of (or beside) a KV cache.
             "a model with Mamba (state-space) or linear-attention layers": model is not None and (
                 model.is_attention_free or model.is_hybrid),
@@ -134,7 +133,7 @@ class NPUPlatform(Platform):
             parallel.worker_cls = WORKER
 
         cache = vllm_config.cache_config
-        if cache is not None and getattr(cache, "user_specified_block_size", False):
+        if cache is not None and cache.user_specified_block_size:
             if cache.block_size % KERNEL_BLOCK_SIZE:
                 raise ValueError(
                     f"--block-size {cache.block_size} is not supported on Ascend: the NPU "

@@ -182,7 +182,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # FULL graphs for single-token decode batches on _npu_paged_attention (see the module
         # docstring); every other path bakes host data or refuses to run inside a capture.
-        paged = (getattr(kv_cache_spec, "sliding_window", None) is None
+        window = getattr(kv_cache_spec, "sliding_window", None)  # not a seam: a spec kind's field
+        paged = (window is None
                  and decodes_on_paged_attention(vllm_config.model_config, kv_cache_spec.head_size))
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if paged else AttentionCGSupport.NEVER
 
@@ -421,7 +422,7 @@ def report_attention_paths(layers: dict, dtype: torch.dtype, model: str) -> None
     groups: dict[tuple[str, str], list[str]] = {}
     total = 0
     for name, layer in layers.items():
-        impl = getattr(layer, "impl", None)
+        impl = getattr(layer, "impl", None)  # not a seam: not every layer attends
         if isinstance(impl, AscendAttentionImpl):
             total += 1
             paths = impl.paths(dtype)

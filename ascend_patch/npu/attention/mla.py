@@ -371,7 +371,9 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         if isinstance(metadata, dict):
             if self._owner is None:  # the MLAAttention holding this impl, for its layer name
                 layers = context.no_compile_layers.values()
-                self._owner = next(layer for layer in layers if getattr(layer, "impl", None) is self)
+                owned = (layer for layer in layers
+                         if getattr(layer, "impl", None) is self)  # not a seam: not every layer attends
+                self._owner = next(owned)
             return metadata.get(self._owner.layer_name)
         return metadata
 

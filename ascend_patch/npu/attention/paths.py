@@ -31,7 +31,7 @@ def decodes_on_paged_attention(model_config, head_size: int) -> bool:
     models decode on their own kernel)."""
     window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
     # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
-    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)
+    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)  # not a seam: HF
     return (not model_config.use_mla and model_config.dtype in FUSED_DTYPES and window is None
             and not soft_cap
             and head_size <= limits.PA_MAX_HEAD_SIZE)

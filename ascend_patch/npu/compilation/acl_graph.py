@@ -214,7 +214,7 @@ def capture_size_budget(vllm_config, piecewise: bool, full: bool) -> CaptureBudg
     PIECEWISE split) plus one FULL graph; communication groups (TP > 1, DP > 1) take streams too,
     more so in HCCL's default FFTS+/AICPU expansion than with ``HCCL_OP_EXPANSION_MODE=AIV``."""
     hf = vllm_config.model_config.hf_text_config
-    layers = getattr(hf, "num_hidden_layers", 0)
+    layers = getattr(hf, "num_hidden_layers", 0)  # not a seam: an HF config field
     graphs_per_size = (layers + 1 if piecewise else 0) + (1 if full else 0)
     parallel = vllm_config.parallel_config
     comm_groups = sum(size > 1 for size in (parallel.data_parallel_size, parallel.tensor_parallel_size))

@@ -65,10 +65,10 @@ class TopKRoute:
 
 
 def _route(k: torch.Tensor, vocab: int) -> TopKRoute | None:
-    route = getattr(k, _ROUTE, None)
+    route = getattr(k, _ROUTE, None)  # not a seam: ours, set below
     if route is not None and route.vocab == vocab:
         return route
-    host_k = getattr(k, HOST_TOP_K, None)
+    host_k = getattr(k, HOST_TOP_K, None)  # not a seam: ours, set with the metadata
     if host_k is None:
         return None
     route = TopKRoute.from_host(host_k, vocab, k.device)
