@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from ascend_patch.npu import kernels
 from tests.helpers.attention import (
     CAUSAL_MASK,
+    TOLERANCE,
     assert_close,
     cumulative,
     half_dtypes,
