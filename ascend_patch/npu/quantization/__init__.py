@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ascend_patch.npu.quantization.checkpoint import DESCRIPTION_FILE, NAME
+from ascend_patch.npu.quantization.formats import DESCRIPTION_FILE, NAME
 
 logger = logging.getLogger("vllm.ascend_patch")
 

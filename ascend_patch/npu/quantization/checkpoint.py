@@ -14,11 +14,6 @@ import functools
 
 import torch
 
-# msModelSlim's AscendV1 checkpoints: the quantisation method that loads them, and the file that
-# describes each tensor's scheme.
-NAME = "ascend"
-DESCRIPTION_FILE = "quant_model_description.json"
-
 
 class QuantizedCheckpointError(ValueError):
     """A quantised checkpoint lacks a tensor a layer needs, or stores one in the wrong dtype."""
