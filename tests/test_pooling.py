@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ascend_patch.kit import pooling, tiny_encoders
-from tests.conftest import MODELS_DIR, run_engine
+from tests.helpers.engine import MODELS_DIR, run_engine
 
 # Words per text: about 10, 70, 150 and 300 tokens with the special tokens.
 WORDS = [2, 12, 40, 80]

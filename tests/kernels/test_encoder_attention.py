@@ -13,7 +13,8 @@ from hypothesis import given, settings
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.attention.encoder import AscendEncoderMetadata, AscendEncoderOnlyImpl
-from tests.kernels.test_attention import CAUSAL_MASK, oracle
+from ascend_patch.npu.emulation import reference
+from tests.helpers.attention import CAUSAL_MASK, oracle
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 BAND_MASK = CAUSAL_MASK.bool()  # [FA-WHEEL]: sparse_mode 4 reads the same triu(ones, 1) mask
@@ -86,7 +87,7 @@ def _call(**change):
     query, key, value, ends = _batch([3, 4], 2, 2, 64, torch.float16, 1)
     arguments = {"query": query, "key": key, "value": value, "head_num": 4, "input_layout": "TND",
                  "scale": 0.125, "actual_seq_qlen": ends, "actual_seq_kvlen": ends, **change}
-    return kernels.reference.fusion_attention(**arguments)
+    return reference.fusion_attention(**arguments)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -120,12 +121,12 @@ def test_the_reference_refuses_what_the_op_documents_it_cannot_take(change, mess
 def test_the_reference_refuses_head_dims_above_768_and_more_than_1024_sequences():
     wide = torch.zeros(2, 1, 800)
     with pytest.raises(kernels.KernelContractError, match=r"query head dim \(D\) must be in \[1, 768\]"):
-        kernels.reference.fusion_attention(wide, wide, wide, 1, "TND", actual_seq_qlen=[2],
+        reference.fusion_attention(wide, wide, wide, 1, "TND", actual_seq_qlen=[2],
                                            actual_seq_kvlen=[2])
     tokens = torch.zeros(1025, 1, 64)
     ends = list(range(1, 1026))
     with pytest.raises(kernels.KernelContractError, match="actual_seq_qlen must be 1 to 1024 entries"):
-        kernels.reference.fusion_attention(tokens, tokens, tokens, 1, "TND", actual_seq_qlen=ends,
+        reference.fusion_attention(tokens, tokens, tokens, 1, "TND", actual_seq_qlen=ends,
                                            actual_seq_kvlen=ends)
 
 

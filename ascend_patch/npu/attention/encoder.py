@@ -8,7 +8,7 @@ gives these layers no KV-cache spec, runs each request's whole prompt in one ste
 builder so that the metadata is non-causal. One ``npu_fusion_attention`` launch per layer and
 step serves the batch in TND layout with the host cumulative query lengths as both
 ``actual_seq_qlen`` and ``actual_seq_kvlen`` (vllm-ascend's encoder attention does the same), at
-most :data:`~ascend_patch.npu.kernels.fusion_attention.MAX_SEQUENCES` sequences a launch:
+most :data:`~ascend_patch.npu.kernels.limits.FA_TND_MAX_SEQUENCES` sequences a launch:
 
 - no window: ``sparse_mode=0`` without a mask, every key of the sequence;
 - a window of ``W`` (vLLM's ``sliding_window``; its FlashAttention backends give encoder layers
@@ -38,13 +38,7 @@ from vllm.v1.attention.backend import (
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.compilation import acl_graph
-from ascend_patch.npu.kernels import paged
-from ascend_patch.npu.kernels.fusion_attention import (
-    MASK_SIZE,
-    MAX_HEAD_DIM,
-    MAX_HEADS,
-    MAX_SEQUENCES,
-)
+from ascend_patch.npu.kernels import composed, limits
 
 
 class AscendEncoderOnlyBackend(AttentionBackend):
@@ -144,16 +138,17 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
         """Why npu_fusion_attention cannot serve this layer, or None when it can."""
         if self.soft_cap is not None:
             return f"logits soft-cap {self.soft_cap:g}: npu_fusion_attention has no soft-cap input"
-        if self.head_size > MAX_HEAD_DIM:
-            return f"head size {self.head_size}: npu_fusion_attention takes at most {MAX_HEAD_DIM}"
-        if self.num_heads > MAX_HEADS:
-            return f"{self.num_heads} heads: npu_fusion_attention takes at most {MAX_HEADS}"
+        if self.head_size > limits.FA_MAX_HEAD_DIM:
+            return (f"head size {self.head_size}: npu_fusion_attention takes at most "
+                    f"{limits.FA_MAX_HEAD_DIM}")
+        if self.num_heads > limits.FA_MAX_HEADS:
+            return f"{self.num_heads} heads: npu_fusion_attention takes at most {limits.FA_MAX_HEADS}"
         return None
 
     def _band_mask(self, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
-            ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device)
-            self._mask = ones.triu_(1)
+            size = limits.FA_MASK_SIZE
+            self._mask = torch.ones(size, size, dtype=torch.bool, device=device).triu_(1)
         return self._mask
 
     def forward(
@@ -183,15 +178,15 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
             starts = [0, *ends[:-1]]
             for start, end in zip(starts, ends):
                 rows = slice(start, end)
-                out[rows] = paged.attend(query[rows], key[rows], value[rows], self.scale,
+                out[rows] = composed.attend(query[rows], key[rows], value[rows], self.scale,
                                          pre_tokens=self.reach, next_tokens=self.reach,
                                          soft_cap=self.soft_cap)
             return output
         band = {} if self.reach is None else {
             "sparse_mode": 4, "atten_mask": self._band_mask(query.device),
             "pre_tockens": self.reach, "next_tockens": self.reach}
-        for first in range(0, len(ends), MAX_SEQUENCES):
-            group = ends[first: first + MAX_SEQUENCES]
+        for first in range(0, len(ends), limits.FA_TND_MAX_SEQUENCES):
+            group = ends[first: first + limits.FA_TND_MAX_SEQUENCES]
             start = ends[first - 1] if first else 0
             rows = slice(start, group[-1])
             group_ends = [end - start for end in group]  # cumulative within the launch

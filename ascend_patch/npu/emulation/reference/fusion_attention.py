@@ -18,7 +18,9 @@ Contract sources (the tag each check cites):
 
 import torch
 
-from .contracts import (
+from ascend_patch.npu.kernels import limits
+from ascend_patch.npu.kernels.composed import attend
+from ascend_patch.npu.kernels.contracts import (
     check_contiguous,
     check_dims,
     check_dtype,
@@ -26,18 +28,14 @@ from .contracts import (
     check_tensor,
     require,
 )
-from .paged import attend
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_INT_MAX = 2147483647
-# [FA-WHEEL] "varlen场景下长度最大支持1K" (actual_seq_qlen's length), "T(B*S)取值范围1~1M".
-MAX_SEQUENCES = 1024
-MAX_TOKENS = 1 << 20
-# [FA-WHEEL] "D: Head Dim必须满足Dq=Dk和Dk≥Dv，取值范围1~768"; "Nq取值范围1~256".
-MAX_HEAD_DIM = 768
-MAX_HEADS = 256
-# [FA-WHEEL] sparse_mode 4: "atten_mask为优化后的压缩下三角矩阵(2048*2048)".
-MASK_SIZE = 2048
+_INT_MAX = limits.FA_UNBOUNDED_TOKENS
+MAX_SEQUENCES = limits.FA_TND_MAX_SEQUENCES
+MAX_TOKENS = limits.FA_TND_MAX_TOKENS
+MAX_HEAD_DIM = limits.FA_MAX_HEAD_DIM
+MAX_HEADS = limits.FA_MAX_HEADS
+MASK_SIZE = limits.FA_MASK_SIZE
 
 
 def fusion_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0,
