@@ -13,6 +13,9 @@ RUN, by "kind":
   "chat"                {"conversations": [[message, ...], ...], "sampling": [...], "chat": {...}}
                         (``chat`` holds extra ``LLM.chat`` keyword arguments)
   "beam_search"         {"prompts": [[token ids], ...], "beam": {...BeamSearchParams}}
+  "embed", "classify"   {"prompts": [[token ids], ...]}: a pooling model's vectors ("embeddings",
+                        "probabilities"), per prompt
+  "score"               {"query": TEXT, "documents": [TEXT, ...]}: a cross-encoder's "scores"
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one.
 
@@ -57,6 +60,16 @@ def _run(llm, run: dict) -> dict:
         outputs = llm.beam_search(prompts, BeamSearchParams(**run["beam"]))
         return {"beams": [[{"tokens": list(s.tokens), "cum_logprob": s.cum_logprob, "text": s.text}
                            for s in o.sequences] for o in outputs]}
+    if kind in ("embed", "classify"):
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
+        if kind == "embed":
+            return {"embeddings": [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]}
+        return {"probabilities": [o.outputs.probs for o in llm.classify(prompts, use_tqdm=False)]}
+    if kind == "score":
+        outputs = llm.score(run["query"], run["documents"], use_tqdm=False)
+        return {"scores": [o.outputs.score for o in outputs]}
     if kind == "chat":
         params = engine.paired_params(run["sampling"], len(run["conversations"]))
         outputs = llm.chat(run["conversations"], params, use_tqdm=False, **run.get("chat", {}))

@@ -23,8 +23,9 @@ sha256 the index lists, and re-checked against that sha256 whenever it is reused
   private namespaces; ``torch.library`` gives a ``Library`` that registers into those namespaces
   (``aten`` Meta kernels are dropped: they would replace CPU torch's own) and the legacy ``impl``;
   and the three torch_npu modules they import are small stand-ins: ``ErrCode``/``ops_error`` (the
-  error-code suffix of messages, left empty), ``get_cann_version``/``get_soc_version`` (which
-  raise: there is no CANN or SoC to ask), and ``torch_npu`` itself, holding the wheel's own dtype
+  error-code suffix of messages, left empty), ``get_cann_version`` (which raises: there is no
+  CANN to ask), ``get_soc_version`` (the code of :data:`SOC`, an Atlas A2 chip, read from the
+  wheel's ``NpuVariables.h``: the meta kernels ask it only whether to warn about Ascend950), and ``torch_npu`` itself, holding the wheel's own dtype
   codes (its ``TORCH_NPU_DTYPE_TO_STRING_MAP``).
 
 **A stand-in torch_npu** (:func:`stand_in`) binds each name as the wheel does: ``_exports.py``
@@ -68,6 +69,9 @@ _ATB_OPS = "torch_npu/op_plugin/atb/_atb_ops.py"
 _ATB_SO = "torch_npu/lib/libop_plugin_atb.so"
 _ATB_HEADER = "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h"
 _CUSTOM_OPS = "torch_npu/utils/custom_ops.py"
+_SOC_HEADER = "torch_npu/include/torch_npu/csrc/core/npu/NpuVariables.h"
+# The SoC the stand-in reports: Atlas A2, the product npu_fusion_attention's docs list.
+SOC = "Ascend910B1"
 DOCS = "torch_npu/_op_plugin_docs.py"
 
 
@@ -334,7 +338,8 @@ class TorchNpuWheel:
         self.namespaces = {"npu": f"npu_v{suffix}", "atb": f"atb_v{suffix}"}
         with zipfile.ZipFile(path) as wheel:
             self._files = {name: wheel.read(name) for name in (
-                _YAML, _META, _ATB_META, _ATB_OPS, _ATB_SO, _ATB_HEADER, _CUSTOM_OPS, DOCS)}
+                _YAML, _META, _ATB_META, _ATB_OPS, _ATB_SO, _ATB_HEADER, _CUSTOM_OPS, DOCS,
+                _SOC_HEADER)}
         self.undefinable = {}  # schema name -> why CPU torch's parser refused it
         self.meta_skipped = []  # meta kernels of ops the wheel defines nowhere
         self._libraries = []
@@ -407,7 +412,7 @@ class TorchNpuWheel:
             "torch_npu.npu.utils":
                 types.SimpleNamespace(get_cann_version=_unavailable("get_cann_version")),
             "torch_npu.npu._backends":
-                types.SimpleNamespace(get_soc_version=_unavailable("get_soc_version")),
+                types.SimpleNamespace(get_soc_version=lambda: wheel.soc_version(SOC)),
         }
 
         def imports(name, globals=None, locals=None, fromlist=(), level=0):
@@ -423,6 +428,16 @@ class TorchNpuWheel:
         for code, name in namespace.get("TORCH_NPU_DTYPE_TO_STRING_MAP", {}).items():
             setattr(torch_npu, name.removeprefix("torch_npu."), code)
         return registered
+
+    def soc_version(self, name: str) -> int:
+        """``c10_npu::SocVersion::<name>`` as the wheel's NpuVariables.h numbers it."""
+        code = None
+        for member in re.findall(r"(\w+)(?:\s*=\s*(-?\d+))?\s*,", self.text(_SOC_HEADER)
+                                 .partition("enum class SocVersion {")[2].partition("};")[0]):
+            code = int(member[1]) if member[1] else code + 1
+            if member[0] == name:
+                return code
+        raise WheelError(f"torch_npu {self.version}'s {_SOC_HEADER} has no SocVersion::{name}")
 
     def op(self, name: str):
         """``torch.ops.npu.<name>`` of this wheel (an OpOverloadPacket)."""

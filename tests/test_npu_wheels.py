@@ -5,8 +5,8 @@ torch-npu release the matrix names and return the shapes and dtypes the referenc
 
 The calls are recorded (``kernels.record_calls``) from one engine-driver process running a compact
 workload per family: dense with prefix caching, chunked prefill and decode graphs (bf16 and fp16),
-the sampler's top-k/top-p, sliding-window attention, MLA, MoE (softmax and grouped biased routing)
-and W8A8 (static, dynamic and MoE). The replay runs on meta tensors: binding is the real
+the sampler's top-k/top-p, sliding-window attention, MLA, MoE (softmax and grouped biased routing),
+W8A8 (static, dynamic and MoE) and an encoder-only embedder (npu_fusion_attention). The replay runs on meta tensors: binding is the real
 dispatcher's, the shapes and dtypes the wheel's meta kernels'. Ops the wheel has no meta kernel for
 (the ATB paged attention) are checked for binding only.
 
@@ -22,13 +22,15 @@ import re
 import pytest
 import torch
 
+from ascend_patch.kit import pooling, tiny_encoders
 from ascend_patch.kit import quantized_models as quantize
+from ascend_patch.kit.oracle import prompt_token_ids
 from ascend_patch.npu import kernels
+from ascend_patch.npu.attention.encoder import AscendEncoderMetadata, AscendEncoderOnlyImpl
 from ascend_patch.npu.emulation import reference
 from ascend_patch.npu.kernels import npu
 from tests import npu_wheels
-from ascend_patch.kit.oracle import prompt_token_ids
-from tests.helpers.engine import run_engine
+from tests.helpers.engine import MODELS_DIR, run_engine
 
 VERSIONS = npu_wheels.matrix_versions()
 
@@ -56,6 +58,9 @@ FAMILIES = {
     "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
     "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
 }
+# Encoder-only attention: a batch of three sequences in one step, bf16.
+ENCODER = ("tiny-xlm-roberta", {"runner": "pooling", "dtype": "bfloat16", "max_model_len": 256,
+                                "max_num_seqs": 4, "gpu_memory_utilization": 0.9})
 
 
 def _checkpoints(tiny_models, root):
@@ -77,9 +82,12 @@ def seam_calls(tiny_models, tmp_path_factory):
     engines = [{"model": str(models[model]), "kwargs": {**ENGINE, "dtype": dtype, **extra},
                 "runs": [{"prompts": prompts, "sampling": [sampling]} for sampling in [GREEDY, *later]]}
                for model, dtype, extra, later in FAMILIES.values()]
+    encoder = tiny_encoders.build(MODELS_DIR, [ENCODER[0]])[ENCODER[0]]
+    engines.append({"model": str(encoder), "kwargs": ENCODER[1], "runs": [
+        {"kind": "embed", "prompts": pooling.token_ids(encoder, pooling.sentences(3, [2, 12, 40]))}]})
     result = run_engine({"engines": engines, "record_seam": True}, root, timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    for family, engine in zip(FAMILIES, result["engines"]):
+    for family, engine in zip([*FAMILIES, "encoder"], result["engines"]):
         assert "error" not in engine, (family, engine["error"])
     return result["seam_calls"]
 
@@ -164,6 +172,23 @@ def test_every_recorded_call_binds_and_matches_the_meta_kernel(version, seam_cal
 
 
 # --- what the wheels settle -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_windowed_encoder_call_binds(version, reference_kernels, monkeypatch):
+    """The band (sparse_mode 4) call of a windowed encoder layer, which no tiny checkpoint here
+    makes, recorded from the impl and replayed like the workload's."""
+    impl = AscendEncoderOnlyImpl(4, 64, 0.125, num_kv_heads=2, sliding_window=8)
+    query, key = torch.zeros(30, 4, 64, dtype=torch.bfloat16), torch.zeros(30, 2, 64, dtype=torch.bfloat16)
+    with kernels.record_calls() as records:
+        impl.forward(None, query, key, key, torch.empty(0),
+                     AscendEncoderMetadata(num_tokens=30, query_ends=[10, 30]), torch.empty_like(query))
+    (call,) = records.values()
+    assert call["kwargs"]["sparse_mode"] == 4
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    assert replay(wheel, torch_npu, call) is None
 
 
 def _meta_tensor(*shape, dtype=torch.float32):
@@ -342,6 +367,12 @@ CITED = {
                                 "dropless场景，该场景下不校验expert_capacity。1表示drop_pad场景。当前仅支持0。",
                                 "当前仅支持1和2。", "默认False表示不输出。当前仅支持True。",
                                 "当前仅支持-1和1。", "其他模式取值范围为(0, 10240]"],
+    "npu_fusion_attention": ["varlen场景下长度最大支持1K", "T(B*S)取值范围1~1M", "取值范围1~768",
+                             "Nq取值范围1~256", "不支持aclgraph", "输入key和value的shape必须一致",
+                             "输入query、key、value、pse的数据类型必须一致", "Nq/Nkv必须是非0整数",
+                             "优化后的压缩下三角矩阵(2048*2048)", "atten_mask中不能存在某一行全1的场景",
+                             "支持actual_seq_qlen中某个Batch上的S长度为0", "忽略pre_tockens和next_tockens",
+                             "数据类型支持bool、uint8"],
     "npu_moe_finalize_routing": ["drop_pad_mode: int类型, 可选参数, 表示是否支持丢弃模式, 取值范围为0",
                                  "skip2参数为None时, skip1参数必须也为None."],
 }

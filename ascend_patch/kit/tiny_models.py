@@ -125,7 +125,7 @@ CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<|endoftext|>", "unk": "<unk>"}
 
 
-def _corpus() -> list[str]:
+def corpus() -> list[str]:
     """Text that every Python installation has: the Zen of Python and some stdlib sources."""
     import argparse as argparse_mod
     import collections
@@ -153,7 +153,7 @@ def _tokenizer(out: Path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(corpus(), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=SPECIAL["bos"],
@@ -171,7 +171,6 @@ def _tokenizer(out: Path):
 
 
 def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
-    import torch
     import transformers
 
     common = dict(  # the overrides may replace any of these
@@ -195,46 +194,69 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
     embedding_std = common.pop("embedding_std", RECIPE["init_std"])
     config_name = CONFIG_CLASSES.get(architecture, architecture.replace("ForCausalLM", "Config"))
     config = getattr(transformers, config_name)(**common)
-    torch.manual_seed(RECIPE["seed"])
-    model = getattr(transformers, architecture)(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(RECIPE["seed"])
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                std = embedding_std if "embed_tokens" in name else RECIPE["init_std"]
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model = seeded_model(architecture, config, RECIPE["seed"], lambda name: None if "norm" in name
+                         else embedding_std if "embed_tokens" in name else RECIPE["init_std"])
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
 
 
-def build(root: Path, names: list[str] | None = None) -> dict[str, Path]:
-    """Build ``names`` (default: every model) under ``root``, reusing what is already built."""
+def seeded_model(architecture: str, config, seed: int, std_of):
+    """``transformers.<architecture>(config)`` in fp32 with every parameter drawn, in name order,
+    from one generator seeded ``seed``: N(0, ``std_of(name)``), or ones where that is None."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            std = std_of(name)
+            if std is None:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model
+
+
+def build_recipes(root: Path, recipes: dict[str, list], make) -> dict[str, Path]:
+    """``make(out, *recipe)`` each ``name: recipe`` into ``root / name``, unless the directory
+    was built from the same recipe (its ``.recipe`` stamp)."""
     paths = {}
-    for name in names or MODELS:
-        architecture, overrides = MODELS[name]
-        stamp = hashlib.sha256(json.dumps([RECIPE, architecture, overrides], sort_keys=True).encode()).hexdigest()[:12]
+    for name, recipe in recipes.items():
+        stamp = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
         out = root / name
         paths[name] = out
         marker = out / ".recipe"
         if marker.is_file() and marker.read_text() == stamp:
             continue
         out.mkdir(parents=True, exist_ok=True)
-        print(f"building {out} ({architecture})", file=sys.stderr)
-        tokenizer = _tokenizer(out)
-        _model(out, architecture, overrides, tokenizer)
+        print(f"building {out} ({recipe[1]})", file=sys.stderr)
+        make(out, *recipe)
         marker.write_text(stamp)
     return paths
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build(root: Path, names: list[str] | None = None) -> dict[str, Path]:
+    """Build ``names`` (default: every model) under ``root``, reusing what is already built."""
+    def make(out, recipe, architecture, overrides):
+        _model(out, architecture, overrides, _tokenizer(out))
+
+    return build_recipes(root, {name: [RECIPE, *MODELS[name]] for name in names or MODELS}, make)
+
+
+def command_line(build_all, description: str) -> int:
+    """``python -m <module> OUT_DIR``: build every model of ``build_all`` into OUT_DIR."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out", type=Path, help="directory to write the models into")
     args = parser.parse_args()
-    for name, path in build(args.out).items():
+    for name, path in build_all(args.out).items():
         print(f"{name}: {path}")
     return 0
+
+
+def main() -> int:
+    return command_line(build, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

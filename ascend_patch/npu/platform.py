@@ -24,6 +24,7 @@ logger = logging.getLogger("vllm.ascend_patch")
 
 ATTENTION_BACKEND = "ascend_patch.npu.attention.backend.AscendAttentionBackend"
 MLA_BACKEND = "ascend_patch.npu.attention.mla.AscendMLABackend"
+ENCODER_ONLY_BACKEND = "ascend_patch.npu.attention.encoder.AscendEncoderOnlyBackend"
 WORKER = "ascend_patch.npu.worker.NPUWorker"
 COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
 GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph.NPUGraphWrapper"
@@ -65,7 +66,13 @@ class NPUPlatform(Platform):
                     f"the Ascend attention backend does not support models that need "
                     f"{feature.removeprefix('use_').removeprefix('has_')} attention"
                 )
-        return MLA_BACKEND if config.use_mla else ATTENTION_BACKEND
+        if config.use_mla:
+            return MLA_BACKEND
+        from vllm.v1.attention.backend import AttentionType
+
+        if config.attn_type == AttentionType.ENCODER_ONLY:  # bidirectional, no KV cache
+            return ENCODER_ONLY_BACKEND
+        return ATTENTION_BACKEND
 
     @classmethod
     def get_mla_prefill_backend_cls(cls, mla_selector_config):

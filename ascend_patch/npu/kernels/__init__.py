@@ -32,6 +32,7 @@ from .contracts import KernelContractError
 OPS = (
     "scatter_pa_kv_cache",
     "fused_infer_attention_score",
+    "fusion_attention",
     "paged_attention",
     "paged_attention_workspace",
     "rms_norm",

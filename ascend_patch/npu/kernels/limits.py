@@ -45,6 +45,19 @@ FIA_ROPE_HEADS = (32, 64, 128)
 FIA_ROPE_MAX_QUERY = 16
 FIA_ROPE_LAYOUTS = ("BSH", "BSND", "BNSD")
 
+# --- npu_fusion_attention (FA): encoder-only attention, TND ---------------------------------------
+
+# [FA-WHEEL] "varlen场景下长度最大支持1K" (actual_seq_qlen's entries), "T(B*S)取值范围1~1M".
+FA_TND_MAX_SEQUENCES = 1024
+FA_TND_MAX_TOKENS = 1 << 20
+# [FA-WHEEL] "D: Head Dim必须满足Dq=Dk和Dk≥Dv，取值范围1~768"; "Nq取值范围1~256".
+FA_MAX_HEAD_DIM = 768
+FA_MAX_HEADS = 256
+# [FA-WHEEL] sparse_mode 4: "atten_mask为优化后的压缩下三角矩阵(2048*2048)"; pre/next_tockens
+# default 2147483647 (unbounded).
+FA_MASK_SIZE = 2048
+FA_UNBOUNDED_TOKENS = 2147483647
+
 # --- _npu_paged_attention (PA) --------------------------------------------------------------------
 
 # [PA] 规格约束: block_size % 16 == 0; on A2/A3 in the plain mode head_size ≤ 576, and

@@ -69,6 +69,18 @@ def fused_infer_attention_score(
     )
 
 
+def fusion_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0,
+                     pre_tockens=2147483647, next_tockens=2147483647, actual_seq_qlen=None,
+                     actual_seq_kvlen=None, sparse_mode=0):
+    # The op returns (attention, softmax_max, softmax_sum, softmax_out, seed, offset, numels):
+    # the last six feed its backward pass, which inference never runs.
+    return _torch_npu().npu_fusion_attention(
+        query, key, value, head_num, input_layout,
+        atten_mask=atten_mask, scale=scale, pre_tockens=pre_tockens, next_tockens=next_tockens,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        sparse_mode=sparse_mode,
+    )[0]
+
 def paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
                     block_table, context_lens, out, workspace=None):
     _torch_npu()._npu_paged_attention(

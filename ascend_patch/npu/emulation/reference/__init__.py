@@ -4,6 +4,7 @@ documented input contract (the limits in :mod:`ascend_patch.npu.kernels.limits`)
 the op's documented output, so the emulated engine fails where the NPU would, and says why.
 
 One module per area: :mod:`.attention` (the KV-cache write, fused and paged attention),
+:mod:`.fusion_attention` (encoder-only attention),
 :mod:`.layers` (norms, SwiGLU, rotary), :mod:`.sampling`, :mod:`.moe`, :mod:`.quant` and
 :mod:`.mla`; this package's namespace is the backend.
 """
@@ -14,6 +15,7 @@ from .attention import (
     paged_attention_workspace,
     scatter_pa_kv_cache,
 )
+from .fusion_attention import fusion_attention
 from .layers import add_rms_norm, rms_norm, rotary_mul, swiglu
 from .mla import fused_infer_attention_score_mla, multi_head_latent_attention
 from .moe import (
@@ -29,7 +31,7 @@ from .sampling import top_k_top_p
 
 __all__ = [
     "add_rms_norm", "dynamic_quant", "fused_infer_attention_score",
-    "fused_infer_attention_score_mla", "grouped_matmul", "moe_finalize_routing",
+    "fused_infer_attention_score_mla", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
     "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
     "quantize", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swiglu", "top_k_top_p",
