@@ -17,7 +17,7 @@ asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch
-from ascend_patch.patches import common
+from ascend_patch.patches import common, spec_decode
 
 _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
              "the shape AttentionBackend.get_kv_cache_shape names")
@@ -30,6 +30,8 @@ PATCHES = [
     *common.QUANT_CONTRACTS,
     *common.MLA_CONTRACTS,
     *common.GRAPH_MODE,
+    *spec_decode.KERNEL_GLOBALS,
+    *spec_decode.DRAFT_MODEL,
     common.hybrid_promotion("kv_cache_utils"),
     Contract(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",

@@ -9,7 +9,7 @@ V planes, so this set's own glue re-views each layer's bytes
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
-from ascend_patch.patches import common
+from ascend_patch.patches import common, spec_decode
 
 PATCHES = [
     *common.DEVICE_SELECTION,
@@ -31,6 +31,7 @@ PATCHES = [
         implementation="ascend_patch.npu.platform:NPUPlatform",
     ),
     *common.GRAPH_MODE,
+    *spec_decode.SPEC_DECODE,
     common.hybrid_promotion("kv_cache_utils", vllm="<0.33"),
     common.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(
