@@ -9,6 +9,8 @@ package) maps vLLM releases to a set by name; set ``<name>`` is the module
   the overlay forces and the version seams the NPU wing probes for — everything the
   loader verifies (all of it, against the installed source) before applying any.
 
-Declarations shared by every set live in :mod:`.common`; a set adds only its own glue.
+Declarations shared by every set live in one module per area, mirroring ``ascend_patch/npu/``:
+:mod:`.platform`, :mod:`.engine`, :mod:`.attention`, :mod:`.moe`, :mod:`.quant`, :mod:`.graphs` and
+:mod:`.device_api` (declarations only: our side is named by path); a set adds only its own glue.
 ``docs/patches.md`` is generated from these modules (``scripts/render_patch_docs.py``).
 """

@@ -6,7 +6,7 @@ backend names (``_reshape_kv_cache_tensors`` calling ``get_kv_cache_shape``).
 ``AscendAttentionBackend`` names ``[2, blocks, block_size, kv_heads,
 head_size]``, the separate K and V planes the NPU kernels read, so unlike
 v0_29 nothing re-views vLLM's allocation: the KV glue only charges the layer
-caches to the emulated HBM. Everything else comes from :mod:`.common`, the
+caches to the emulated HBM. Everything else comes from the area modules, the
 same platform, engine contracts, runner glue, torch device API, settings and
 seams v0_29 uses.
 
@@ -17,22 +17,23 @@ asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch
-from ascend_patch.patches import common, spec_decode
+from ascend_patch.patches import attention, device_api, engine, graphs, moe, platform, quant, spec_decode
 
 _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
              "the shape AttentionBackend.get_kv_cache_shape names")
 
 PATCHES = [
-    *common.DEVICE_SELECTION,
-    *common.ENGINE_CONTRACTS,
-    *common.RUNNER_GLUE,
-    *common.MOE_CONTRACTS,
-    *common.QUANT_CONTRACTS,
-    *common.MLA_CONTRACTS,
-    *common.GRAPH_MODE,
+    *platform.DEVICE_SELECTION,
+    *engine.ENGINE_CONTRACTS,
+    *attention.ATTENTION_CONTRACTS,
+    *engine.RUNNER_GLUE,
+    *moe.MOE_CONTRACTS,
+    *quant.QUANT_CONTRACTS,
+    *attention.MLA_CONTRACTS,
+    *graphs.GRAPH_MODE,
     *spec_decode.KERNEL_GLOBALS,
     *spec_decode.DRAFT_MODEL,
-    common.hybrid_promotion("kv_cache_utils"),
+    attention.hybrid_promotion("kv_cache_utils", pr="vllm-project/vllm#14097"),
     Contract(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
         reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "
@@ -71,6 +72,7 @@ PATCHES = [
     ),
 ]
 
-MANIFEST = [*PATCHES, *common.DEVICE_API, *common.SETTINGS, *common.SEAMS]
+MANIFEST = [*PATCHES, *device_api.DEVICE_API, *engine.SETTINGS, *platform.SEAMS, *engine.SEAMS,
+            *quant.SEAMS]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

@@ -12,8 +12,8 @@ overlay reaches by a ``"module:attribute"`` path (the manifest's implementations
     scripts/import_graph.py --strict   # the known ones fail too
     scripts/import_graph.py --edges    # and print every arrow
 
-:data:`KNOWN_CYCLES` are the NPU wing's, left to issue 25's part B (the emulation room and the
-wing's own restructuring); until then they are reported, not failed.
+:data:`KNOWN_CYCLES` are cycles reported rather than failed while a restructuring removes them;
+there are none.
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KNOWN_CYCLES = (
-    frozenset({"ascend_patch.npu.kernels.mla", "ascend_patch.npu.kernels.reference"}),
-    frozenset({"ascend_patch.npu.device", "ascend_patch.npu.compilation.emulated_graph"}),
-    # the package lazily imports modelslim, which takes NAME and DESCRIPTION_FILE from it
-    frozenset({"ascend_patch.npu.quantization", "ascend_patch.npu.quantization.modelslim"}),
-)
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 OVERLAY, NPU = "ascend_patch.overlay", "ascend_patch.npu"
 
 
@@ -137,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     failures += [f"overlay -> npu/torch: {v}" for v in wing_violations(arrows, outside)]
     print(f"{len(arrows)} modules, {sum(map(len, arrows.values()))} arrows")
     for cycle in known:
-        print(f"known cycle (issue 25 part B): {' <-> '.join(sorted(cycle))}")
+        print(f"known cycle: {' <-> '.join(sorted(cycle))}")
     for failure in failures:
         print(failure)
     print("ok" if not failures else f"{len(failures)} violation(s)")

@@ -77,10 +77,12 @@ def static_probe(version: str) -> dict:
 
 def _environment(version: str) -> Path:
     """The release's pinned environment: the main .venv for the one setup_env.sh builds
-    by default, .venvs/vllm-VERSION for the others."""
+    by default, .venvs/vllm-VERSION for the others (built from the main one's packages where
+    it exists, installing only the pins that differ)."""
     main = ROOT / "requirements" / "test-vllm-0.33.0.txt"
     venv = ROOT / ".venv" if requirements_for(version) == main else ROOT / ".venvs" / f"vllm-{version}"
-    env = {**os.environ, "ASCEND_PATCH_REQUIREMENTS": str(requirements_for(version))}
+    env = {**os.environ, "ASCEND_PATCH_REQUIREMENTS": str(requirements_for(version)),
+           "ASCEND_PATCH_BASE_VENV": str(ROOT / ".venv")}
     subprocess.run([str(ROOT / "scripts" / "setup_env.sh"), str(venv)], check=True, env=env)
     return venv
 

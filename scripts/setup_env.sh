@@ -20,6 +20,28 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
 fi
 
 start=$SECONDS
+pins() { grep -E '^[A-Za-z0-9][^ #]*==' "$1" | sort; }
+BASE="${ASCEND_PATCH_BASE_VENV:-}"
+if [[ ! -x "$VENV/bin/python" && -n "$BASE" && -f "$BASE/.ascend-patch-stamp" \
+      && -f "$BASE/.ascend-patch-requirements" ]]; then
+    # A pinned release's environment (scripts/record_matrix_run.py) differs from the main one
+    # in a few pins: start from a hard-linked copy of the main one's packages and install only
+    # the pins that differ, instead of torch and ~160 packages again (minutes of CI each).
+    echo "setup_env: creating $VENV from $BASE (hard links) and the pins that differ"
+    "$PYTHON" -m venv "$VENV"
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    base_site="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    rm -rf "$site"
+    cp -al "$base_site" "$site"
+    gone="$(comm -23 <(pins "$BASE/.ascend-patch-requirements") <(pins "$REQUIREMENTS") | cut -d= -f1)"
+    if [[ -n "$gone" ]]; then
+        # shellcheck disable=SC2086  # one name per word
+        "$VENV/bin/python" -m pip uninstall --quiet --yes $gone
+    fi
+    REQUIREMENTS_TO_INSTALL="$(mktemp)"
+    trap 'rm -f "$REQUIREMENTS_TO_INSTALL"' EXIT
+    comm -13 <(pins "$BASE/.ascend-patch-requirements") <(pins "$REQUIREMENTS") > "$REQUIREMENTS_TO_INSTALL"
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "setup_env: creating $VENV"
     "$PYTHON" -m venv "$VENV"
@@ -27,18 +49,22 @@ fi
 # --no-deps: every package is pinned in the file, so pip neither resolves nor reaches for
 # CUDA builds of torch or triton. pip byte-compiles on install, which matters here
 # because PYTHONDONTWRITEBYTECODE=1 would otherwise halve import speed for good.
-echo "setup_env: installing $(grep -c '==' "$REQUIREMENTS") pinned packages (torch, vLLM, tools); this takes a minute or two"
+to_install="${REQUIREMENTS_TO_INSTALL:-$REQUIREMENTS}"
+echo "setup_env: installing $(grep -c '==' "$to_install") pinned packages; the whole set (torch, vLLM, tools) takes a few minutes"
 pip_install() {
     # This machine's pip config names local index folders that may not exist; their
     # warnings are noise, every other line is kept.
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$@" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
-pip_install -r "$REQUIREMENTS"
+if [[ -s "$to_install" ]]; then
+    pip_install -r "$to_install"
+fi
 echo "setup_env: installing ascend-patch (editable) from $ROOT"
 pip_install --no-build-isolation -e "$ROOT"
 # The editable install imports from the source tree, where PYTHONDONTWRITEBYTECODE=1 would
 # leave every process compiling the .pth bootstrap from source (~2 ms each start-up).
 "$VENV/bin/python" -m compileall -q "$ROOT/ascend_patch" "$ROOT/patches"
+cp "$REQUIREMENTS" "$VENV/.ascend-patch-requirements"
 echo "$want" > "$STAMP"
 echo "setup_env: ready in $((SECONDS - start)) s: $VENV"

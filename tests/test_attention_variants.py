@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import assert_tracks_hf_logits, hf_greedy, hf_model, prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import hf_greedy, hf_model, prompt_token_ids
+from tests.helpers.engine import assert_tracks_hf_logits, run_engine
 
 PROMPT_LENGTHS = [3, 150, 320]
 MAX_TOKENS = 16

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from ascend_patch.patches import v0_29
-from tests.conftest import ROOT, clean_env, for_installed_vllm, run_json
+from tests.helpers.engine import for_installed_vllm
+from tests.helpers.process import ROOT, clean_env, run_json
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:

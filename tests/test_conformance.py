@@ -20,7 +20,8 @@ import re
 import pytest
 import torch
 
-from tests.conftest import prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import run_engine
 
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -223,7 +224,7 @@ def _structured_runs(backend: str, prompts) -> dict[str, dict]:
     # A spec vLLM rejects, then valid requests on the same engine.
     invalid = {"regex": "[a-c"} if backend == "xgrammar" else {"grammar": "start: pair\npair: KEY"}
     runs[f"{backend}_invalid"] = {"prompts": prompts[:1], "sampling": [{**structured, "structured_outputs": invalid}]}
-    runs[f"{backend}_after_invalid"] = {"prompts": prompts[2:], "sampling": [{**structured,
+    runs[f"{backend}_after_invalid"] = {"prompts": prompts[2:4], "sampling": [{**structured,
                                                                                "structured_outputs": specs["regex"]}]}
     runs[f"{backend}_greedy_after_invalid"] = {"prompts": prompts[:2], "sampling": [GREEDY]}
     return runs
@@ -244,9 +245,9 @@ def results(llama, cases, tmp_path_factory):
     result = run_engine({"engines": engines, "report_errors": True}, tmp_path_factory.mktemp("conformance"))
     assert result["platform"] == "EmulatedNPUPlatform"
     by_name = {}
-    for names, engine in zip((runs, guidance), result["engines"]):
+    for names, engine in zip((runs, guidance), result["engines"], strict=True):
         assert "error" not in engine, engine["error"]
-        by_name.update(zip(names, engine["runs"]))
+        by_name.update(zip(names, engine["runs"], strict=True))
     return by_name
 
 
@@ -280,18 +281,17 @@ def _check_position(entries, logprobs: torch.Tensor, must_contain: int, top: int
 def test_logprobs_equal_hf_log_softmax_with_ranks(results, cases, hf):
     run = completed(results, "logprobs")
     assert run["tokens"] == cases["greedy"]
-    for prompt, output in zip(cases["prompts"], run["outputs"]):
+    for prompt, output in zip(cases["prompts"], run["outputs"], strict=True):
         completion = output["completions"][0]
         sequence = prompt + completion["tokens"]
         reference = hf_log_softmax(hf, sequence)
-        assert len(completion["logprobs"]) == len(completion["tokens"])
-        for i, (token, entries) in enumerate(zip(completion["tokens"], completion["logprobs"])):
+        for i, (token, entries) in enumerate(zip(completion["tokens"], completion["logprobs"], strict=True)):
             _check_position(entries, reference[len(prompt) - 1 + i], token, 5)
 
 
 def test_prompt_logprobs_equal_hf_log_softmax_with_ranks(results, cases, hf):
     run = completed(results, "logprobs")
-    for prompt, output in zip(cases["prompts"], run["outputs"]):
+    for prompt, output in zip(cases["prompts"], run["outputs"], strict=True):
         assert output["prompt_token_ids"] == prompt
         positions = output["prompt_logprobs"]
         assert len(positions) == len(prompt) and positions[0] is None
@@ -304,11 +304,12 @@ def test_sampled_logprobs_are_raw_and_include_the_sampled_token(results, cases, 
     """logprobs_mode raw_logprobs (vLLM's default): the model's log-softmax before temperature
     and top-k, for the top 2 and for the sampled token, which top-k sampling keeps in HF's top 8."""
     run = completed(results, "sampled_logprobs")
-    for prompt, output in zip(cases["prompts"], run["outputs"]):
+    for prompt, output in zip(cases["prompts"][:2], run["outputs"], strict=True):
         assert len(output["completions"]) == 2
         for completion in output["completions"]:
+            assert len(completion["tokens"]) == MAX_TOKENS  # ignore_eos
             reference = hf_log_softmax(hf, prompt + completion["tokens"])
-            for i, (token, entries) in enumerate(zip(completion["tokens"], completion["logprobs"])):
+            for i, (token, entries) in enumerate(zip(completion["tokens"], completion["logprobs"], strict=True)):
                 row = reference[len(prompt) - 1 + i]
                 _check_position(entries, row, token, 2)
                 assert token in row.topk(TOP_K).indices.tolist()
@@ -358,7 +359,8 @@ def beam_search_by_definition(hf, prompt: list[int], length_penalty: float, fini
 
 def _beams(results, length_penalty: float, cases) -> list[list[list[int]]]:
     run = completed(results, f"beam_lp{length_penalty:g}")
-    return [[b["tokens"][len(p):] for b in beams] for p, beams in zip(cases["beam_prompts"], run["beams"])]
+    return [[b["tokens"][len(p):] for b in beams]
+            for p, beams in zip(cases["beam_prompts"], run["beams"], strict=True)]
 
 
 def test_beam_search_equals_hf_beam_search(results, cases, hf):
@@ -368,7 +370,7 @@ def test_beam_search_equals_hf_beam_search(results, cases, hf):
     assert any(len(b) < BEAM_TOKENS for e in expected for b in e), \
         "some beams must end at EOS, or the length penalty is idle"
     run = completed(results, "beam_lp1")
-    for prompt, sequences in zip(cases["beam_prompts"], run["beams"]):
+    for prompt, sequences in zip(cases["beam_prompts"], run["beams"], strict=True):
         for beam in sequences:
             generated = beam["tokens"][len(prompt):]
             reference = hf_log_softmax(hf, beam["tokens"])
@@ -431,8 +433,9 @@ def test_seeded_n_completions_repeat_and_differ_per_seed(results):
 
 def test_seeded_samples_stay_in_hf_top_k(results, cases, hf):
     run = completed(results, "seeded")
-    for prompt, completions in zip(cases["prompts"][:2], _completions(run)):
+    for prompt, completions in zip(cases["prompts"][:2], _completions(run), strict=True):
         for tokens in completions:
+            assert len(tokens) == MAX_TOKENS  # ignore_eos
             reference = hf_log_softmax(hf, prompt + tokens)
             for i, token in enumerate(tokens):
                 assert token in reference[len(prompt) - 1 + i].topk(TOP_K).indices.tolist(), i
@@ -505,6 +508,8 @@ def test_chat_renders_the_template_and_equals_hf(results, hf):
 
 
 def _texts(run) -> list[str]:
+    """The texts of a structured run's completions (every such run sends two prompts)."""
+    assert len(run["outputs"]) == 2, run["outputs"]
     texts = []
     for output in run["outputs"]:
         completion = output["completions"][0]

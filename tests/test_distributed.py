@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, clean_env, free_port, hf_greedy, prompt_token_ids, run_engine, run_python
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import run_engine
+from tests.helpers.process import ROOT, clean_env, free_port, run_python
 
 pytestmark = pytest.mark.slow
 

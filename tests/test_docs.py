@@ -9,7 +9,7 @@ import pytest
 
 from ascend_patch import env
 from ascend_patch.overlay import matrix
-from tests.conftest import ROOT, clean_env
+from tests.helpers.process import ROOT, clean_env
 
 README = (ROOT / "README.md").read_text()
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ascend_patch.kit import oracle
-from tests.conftest import hf_greedy, hf_logits, prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import hf_greedy, hf_logits, prompt_token_ids
+from tests.helpers.engine import run_engine
 
 # Lengths chosen to cover one token short of / across / several 128-token KV blocks.
 PROMPT_LENGTHS = [3, 9, 17, 64, 127, 129, 200, 300]
@@ -285,7 +286,7 @@ def test_kv_blocks_follow_the_emulated_hbm(llama, prompts, tmp_path):
     blocks = {}
     for hbm in ("256MiB", "512MiB"):
         env = {"ASCEND_PATCH": "emulate", "ASCEND_PATCH_EMULATED_HBM": hbm}
-        from tests.conftest import clean_env
+        from tests.helpers.process import clean_env
 
         result = run_engine({"engines": [engine]}, tmp_path, env=clean_env(**env))
         blocks[hbm] = result["engines"][0]["num_gpu_blocks"]
@@ -298,7 +299,7 @@ def test_kv_blocks_follow_the_emulated_hbm(llama, prompts, tmp_path):
 
 def test_an_hbm_smaller_than_the_weights_fails_clearly(llama, tmp_path):
     engine = {"model": str(llama), "kwargs": ENGINE, "runs": []}
-    from tests.conftest import clean_env
+    from tests.helpers.process import clean_env
 
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="2MiB")
     result = run_engine({"engines": [engine]}, tmp_path, env=env)

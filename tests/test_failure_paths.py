@@ -23,7 +23,7 @@ from ascend_patch.overlay import verification
 from ascend_patch.overlay.declarations import Contract
 from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
-from tests.conftest import ROOT, ascend_patch_lines, clean_env, run_python
+from tests.helpers.process import ROOT, ascend_patch_lines, clean_env, mirror, run_python
 
 PLATFORM = """
 import json
@@ -211,11 +211,9 @@ def test_the_pth_survives_a_bootstrap_that_raises_baseexception(tmp_path):
 
 def test_a_target_file_this_python_cannot_parse_leaves_vllm_stock(tmp_path, vllm_dir):
     """A release whose target module uses syntax newer than the running Python."""
-    from tests.test_loader import _mirror
-
     tree = SourceTree(vllm_dir)
     target = tree.module_path("vllm.model_executor.warmup.kernel_warmup")
-    copy = _mirror(vllm_dir, tmp_path / "vllm", target)
+    copy = mirror(vllm_dir, tmp_path / "vllm", target)
     copy.write_text(copy.read_text() + "\ntype Alias[T] = list[T] | None  # 3.12 syntax\n")
     env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(tmp_path))
     _stock_with_one_line(env, "does not match patch set", "kernel_warmup.py",

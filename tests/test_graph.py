@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import assert_tracks_hf_logits, prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import assert_tracks_hf_logits, run_engine
 
 # 8 requests: the 129- and 200-token prompts prefill in 64-token chunks beside decodes.
 PROMPT_LENGTHS = [3, 17, 129, 40, 7, 200, 11, 64]

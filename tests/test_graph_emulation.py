@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from ascend_patch.npu import device, kernels
 from ascend_patch.npu.compilation import acl_graph
-from ascend_patch.npu.compilation import emulated_graph as eg
+from ascend_patch.npu.emulation import graph as eg
 from ascend_patch.npu.compilation.acl_graph import sample_sizes
-from tests.conftest import clean_env, run_json
+from tests.helpers.process import clean_env, run_json
 
 # These tests run the emulated NPU's kernels, bound as its platform binds them (the seam fails
 # closed until then); the seam as bound before any capture: a capture swaps recording wrappers in
@@ -229,7 +229,7 @@ def test_graphs_sharing_a_pool_hold_the_largest_graphs_memory(monkeypatch):
     monkeypatch.setenv("ASCEND_PATCH", "emulate")
     books = device.active_runtime()
     before = books.memory_allocated()
-    pool = eg.graph_pool_handle()
+    pool = books.graphs().graph_pool_handle()
     sizes = []
     for rows in (64, 8, 32):
         graph = eg.NPUGraph()

@@ -21,7 +21,8 @@ from ascend_patch.overlay import matrix
 from ascend_patch.overlay.decision import decide
 from ascend_patch.overlay.source import SourceTree
 from ascend_patch.patches import v0_29
-from tests.conftest import ascend_patch_lines, clean_env, for_installed_vllm, run_json, run_python
+from tests.helpers.engine import for_installed_vllm
+from tests.helpers.process import ascend_patch_lines, clean_env, mirror, run_json, run_python
 
 # Imports every target module and reports, per target, whether the live object is
 # still vLLM's own (defined in a vLLM file, not wrapped).
@@ -270,22 +271,6 @@ def test_general_plugin_entry_point_is_registered():
 # --- fault injection -------------------------------------------------------------------------
 
 
-def _mirror(src: Path, dst: Path, keep_real: Path) -> Path:
-    """Mirror the package ``src`` at ``dst`` with symlinks, except along the path to
-    ``keep_real``, which is copied so that it can be edited. Returns the copy."""
-    dst.mkdir(parents=True)
-    rel = keep_real.relative_to(src)
-    for entry in src.iterdir():
-        if entry.name == rel.parts[0]:
-            if len(rel.parts) == 1:
-                (dst / entry.name).write_bytes(entry.read_bytes())
-            else:
-                _mirror(entry, dst / entry.name, keep_real)
-        else:
-            (dst / entry.name).symlink_to(entry)
-    return dst / rel
-
-
 def _add_parameter(path: Path, lineno: int) -> None:
     """Give the function defined at ``lineno`` one extra, defaulted parameter, so vLLM
     still runs but its signature no longer matches the declaration."""
@@ -345,7 +330,7 @@ print(json.dumps({
 def _inject(patch, vllm_dir: Path, root: Path) -> str:
     """A copy of vLLM under ``root`` whose target gained a parameter; its new signature."""
     tree = SourceTree(vllm_dir)
-    copy = _mirror(vllm_dir, root / "vllm", tree.module_path(patch.module))
+    copy = mirror(vllm_dir, root / "vllm", tree.module_path(patch.module))
     _add_parameter(copy, tree.lookup(patch.module, patch.qualname).lineno)
     return SourceTree(root / "vllm").lookup(patch.module, patch.qualname).signature
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from ascend_patch.overlay import matrix
-from tests.conftest import ROOT
+from tests.helpers.process import ROOT
 
 MATRIX = ROOT / "compat_matrix.yaml"
 

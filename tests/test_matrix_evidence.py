@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from ascend_patch.overlay import matrix
-from tests.conftest import ROOT, require_pypi
+from tests.helpers.process import ROOT, require_pypi
 
 TABLE = matrix.load()
 # vLLM 0.33.0 is the main test environment (its suite runs in tests/test_engine.py).

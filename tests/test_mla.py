@@ -20,13 +20,8 @@ import pytest
 
 import torch
 
-from tests.conftest import (
-    assert_greedy_equals_hf,
-    assert_tracks_hf_logits,
-    hf_logits,
-    prompt_token_ids,
-    run_engine,
-)
+from ascend_patch.kit.oracle import hf_logits, prompt_token_ids
+from tests.helpers.engine import assert_greedy_equals_hf, assert_tracks_hf_logits, run_engine
 
 MLA_MODELS = ("tiny-deepseek-v3", "tiny-deepseek-v3-moe")
 LAYERS = 2

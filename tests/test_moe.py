@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_greedy_equals_hf, assert_tracks_hf_logits, prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import assert_greedy_equals_hf, assert_tracks_hf_logits, run_engine
 
 MOE_MODELS = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-glm4-moe")
 # The gating op each family's routing maps to.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import clean_env, run_json
+from tests.helpers.process import clean_env, run_json
 
 STAND_IN = """
 import importlib.machinery, json, sys, types

@@ -24,9 +24,11 @@ import torch
 
 from ascend_patch.kit import quantized_models as quantize
 from ascend_patch.npu import kernels
+from ascend_patch.npu.emulation import reference
 from ascend_patch.npu.kernels import npu
 from tests import npu_wheels
-from tests.conftest import prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import run_engine
 
 VERSIONS = npu_wheels.matrix_versions()
 
@@ -234,7 +236,7 @@ def test_the_fia_softmax_lse_without_its_flag_is_empty(version):
     wheel = npu_wheels.load(version)
     query = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
     key = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
-    _, lse = kernels.reference.fused_infer_attention_score(
+    _, lse = reference.fused_infer_attention_score(
         query, key, key, actual_seq_lengths=[5], actual_seq_lengths_kv=[5], num_heads=4,
         num_key_value_heads=2, scale=0.125)
     _, meta_lse = wheel.op("npu_fused_infer_attention_score")(
@@ -264,7 +266,7 @@ def test_quant_matmul_bias_dtypes_the_reference_takes_the_meta_kernel_takes(vers
             for bias_dtype in (torch.int32, torch.float16, torch.bfloat16, torch.float32):
                 arguments = {"pertoken_scale": pertoken, "bias": torch.zeros(8, dtype=bias_dtype),
                              "output_dtype": output}
-                if not _accepts(lambda: kernels.reference.quant_matmul(x1, x2, torch.ones(8),
+                if not _accepts(lambda: reference.quant_matmul(x1, x2, torch.ones(8),
                                                                          **arguments)):
                     continue
                 accepted.append((output, pertoken is not None, bias_dtype))
@@ -295,7 +297,7 @@ def test_init_routing_calls_the_reference_takes_the_meta_kernel_takes_alike(vers
         arguments = {"active_num": 6, "expert_num": 4, "expert_tokens_num_type": 1,
                      "expert_tokens_num_flag": True, "active_expert_range": [0, 4], **variant}
         try:
-            out = kernels.reference.moe_init_routing_v2(x, expert_idx, **arguments)
+            out = reference.moe_init_routing_v2(x, expert_idx, **arguments)
         except kernels.KernelContractError:
             continue
         taken.append(variant)

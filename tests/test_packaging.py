@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, clean_env, hf_greedy, prompt_token_ids, run_engine, run_python
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import run_engine
+from tests.helpers.process import ROOT, clean_env, run_python
 
 PTH = "a1_ascend_patch.pth"
 RUNTIME_DEPENDENCIES = ("wrapt", "importlib-metadata", "zipp", "lazy-importer", "packaging", "pyyaml")

@@ -35,7 +35,7 @@ from ascend_patch.overlay import matrix
 from ascend_patch.overlay.decision import load_patch_set
 from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
-from tests.conftest import ROOT, clean_env, require_pypi, vllm_package_dir
+from tests.helpers.process import ROOT, clean_env, require_pypi, vllm_package_dir
 
 INSTALLED = "0.33.0"  # the vLLM this environment pins (requirements/test-vllm-0.33.0.txt)
 
@@ -887,9 +887,9 @@ def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
-            deadline = time.monotonic() + 60
+            # No wall-clock bound: the child's own stall deadline ends it if it never downloads.
             while not list((cache / "releases").glob(f".vllm-{INSTALLED}-*/{sdist.name}")):
-                assert time.monotonic() < deadline and child.poll() is None, "the child never downloaded"
+                assert child.poll() is None, "the child exited before it downloaded"
                 time.sleep(0.05)
             (staging,) = (cache / "releases").glob(f".vllm-{INSTALLED}-*")
             legacy = cache / "releases" / ".vllm-0.31.0-oldstyle"  # an older ascend-patch's

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from ascend_patch.kit import quantized_models as quantize
 from ascend_patch.kit.oracle import dequantized_logits, dynamic_round_trip, read_quantized_layers
-from tests.conftest import assert_tracks_logits, prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import assert_tracks_logits, run_engine
 
 PROMPT_LENGTHS = [3, 17, 40]
 MAX_TOKENS = 10

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.device import EmulatedRuntime
+from ascend_patch.npu.emulation.runtime import EmulatedRuntime
 from ascend_patch.npu.sample import sampler
 from ascend_patch.npu.kv_cache import ascend_layer_view, compute_slot_mapping
 

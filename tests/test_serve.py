@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import clean_env, free_port, hf_greedy, prompt_token_ids
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.process import clean_env, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ import types
 
 import pytest
 
-from tests.conftest import hf_greedy, prompt_token_ids, run_engine
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import run_engine
 
 MAX_TOKENS = 20
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}

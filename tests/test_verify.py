@@ -26,7 +26,8 @@ from packaging.version import Version
 from ascend_patch.kit import checks, record
 from ascend_patch.overlay import decision, matrix
 from ascend_patch.overlay.declarations import applies_to
-from tests.conftest import MODELS_DIR, ROOT, clean_env
+from tests.helpers.engine import MODELS_DIR
+from tests.helpers.process import ROOT, clean_env
 
 FIXTURE = "fixture: an emulated record relabelled by tests/test_verify.py, not hardware"
 

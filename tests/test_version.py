@@ -8,7 +8,7 @@ import pytest
 from packaging.version import Version
 
 from ascend_patch.overlay import version as versions
-from tests.conftest import vllm_package_dir
+from tests.helpers.process import vllm_package_dir
 
 
 @pytest.mark.parametrize(

@@ -28,15 +28,9 @@ class NPUModelRunner(GPUModelRunner):
         report_attention_paths(self.compilation_config.static_forward_context,
                                self.model_config.dtype, self.model_config.model)
         report_routing(self.get_model(), self.model_config.model)
-        runtime = current_platform.runtime()
-        if current_platform.emulated:
-            # CPU tensors are not device memory: the weights are what loading
-            # placed on the emulated NPU, so charge exactly those bytes.
-            model = self.get_model()
-            tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                       for t in (*model.parameters(), *model.buffers())}
-            runtime.charge("weights", sum(tensors.values()), model)
-            self.model_memory_usage = sum(tensors.values())
+        charged = current_platform.runtime().charge_weights(self.get_model())
+        if charged is not None:  # the emulated HBM's figure replaces vLLM's host-side one
+            self.model_memory_usage = charged
         if type(self.model) is CUDAGraphWrapper:
             # vLLM wraps the model for FULL graphs in CUDAGraphWrapper itself, whose capture is
             # torch.cuda.graph: the NPU's wrapper takes its place, with the same runnable and mode.
@@ -59,10 +53,10 @@ class NPUModelRunner(GPUModelRunner):
         for group in self.kv_cache_config.kv_cache_groups:
             for name in group.layer_names:
                 layer = context.get(name)
-                kv = getattr(layer, "kv_cache", None)
+                kv = getattr(layer, "kv_cache", None)  # not a seam: not every layer caches
                 if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
                     continue
-                if isinstance(getattr(layer, "impl", None), AscendMLAImpl):
+                if isinstance(getattr(layer, "impl", None), AscendMLAImpl):  # not a seam: ours
                     layer_planes = latent_planes(kv, layer.impl.kv_lora_rank)
                 else:
                     layer_planes = kv.unbind(0)
@@ -70,7 +64,7 @@ class NPUModelRunner(GPUModelRunner):
         self._ascend_kv_planes = list(planes.values())
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
-        if not block_ids or not getattr(self, "_ascend_kv_planes", None):
+        if not block_ids or not getattr(self, "_ascend_kv_planes", None):  # not a seam: ours
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for plane in self._ascend_kv_planes:

@@ -5,11 +5,8 @@ been stable from 0.20 to 0.33: the attention backend, the worker class, the
 device communicator and the distributed backend are all chosen here.
 
 There are two classes with one code path. :class:`NPUPlatform` drives real
-Ascend devices through torch_npu. :class:`EmulatedNPUPlatform` is the same
-platform on CPU tensors: every name vLLM turns into a ``torch.device``
-(``device_type``, and ``device_name`` for ``GroupCoordinator``'s
-``f"{device_name}:{index}"``) names the CPU, gloo replaces HCCL, and the device
-memory is the configured emulated HBM.
+Ascend devices through torch_npu. ``EmulatedNPUPlatform``
+(:mod:`ascend_patch.npu.emulation.platform`) is the same platform on CPU tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ MLA_BACKEND = "ascend_patch.npu.attention.mla.AscendMLABackend"
 WORKER = "ascend_patch.npu.worker.NPUWorker"
 COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
 GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph.NPUGraphWrapper"
+EMULATED_PLATFORM = "ascend_patch.npu.emulation.platform.EmulatedNPUPlatform"
 
 
 class NPUPlatform(Platform):
@@ -62,7 +60,7 @@ class NPUPlatform(Platform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         config = attn_selector_config
         for feature in ("use_sparse", "has_sink"):
-            if getattr(config, feature, False):
+            if getattr(config, feature):
                 raise NotImplementedError(
                     f"the Ascend attention backend does not support models that need "
                     f"{feature.removeprefix('use_').removeprefix('has_')} attention"
@@ -108,7 +106,7 @@ class NPUPlatform(Platform):
         from vllm.config import CompilationMode
 
         from ascend_patch.npu import quantization
-        from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
+        from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
 
         from ascend_patch.npu import spec_decode
 
@@ -116,8 +114,7 @@ class NPUPlatform(Platform):
         spec_decode.config.check(vllm_config)
         unsupported = {
             "LoRA": vllm_config.lora_config is not None,
-            "expert-parallel load balancing (EPLB)": getattr(
-                vllm_config.parallel_config, "enable_eplb", False),
+            "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
             # Their layers keep a recurrent state instead of (or beside) a KV cache.
             "a model with Mamba (state-space) or linear-attention layers": model is not None and (
                 model.is_attention_free or model.is_hybrid),
@@ -139,7 +136,7 @@ class NPUPlatform(Platform):
             parallel.worker_cls = WORKER
 
         cache = vllm_config.cache_config
-        if cache is not None and getattr(cache, "user_specified_block_size", False):
+        if cache is not None and cache.user_specified_block_size:
             if cache.block_size % KERNEL_BLOCK_SIZE:
                 raise ValueError(
                     f"--block-size {cache.block_size} is not supported on Ascend: the NPU "
@@ -278,23 +275,6 @@ class NPUPlatform(Platform):
         return False
 
 
-class EmulatedNPUPlatform(NPUPlatform):
-    """The NPU platform on CPU tensors (``ASCEND_PATCH=emulate``)."""
-
-    device_name = "cpu"
-    device_type = "cpu"
-    dispatch_key = "CPU"
-    dist_backend = "gloo"
-    emulated = True
-    kernel_backend = "reference"
-
-    @classmethod
-    def mem_get_info(cls, device=None) -> tuple[int, int]:
-        # vLLM before 0.25 reads free/total device memory from the platform, which
-        # would otherwise look for it in torch.cpu.
-        return cls.runtime().mem_get_info()
-
-
 def graphs_by_default(model_config) -> bool:
     """Whether graph mode is on unless asked otherwise: where this vLLM release's emulated
     end-to-end suite (or a hardware run) passed with it on (compat_matrix.yaml status), for models
@@ -302,7 +282,7 @@ def graphs_by_default(model_config) -> bool:
     runs (fp16/bf16, 64 or 128, no sliding window, no soft-cap); the fp32 composed attention
     reads host data into new tensors every step and cannot be captured. Not for MLA models (see
     settle_graph_mode), which decode on their own kernel."""
-    from ascend_patch.npu.attention.backend import FIA_TND_HEAD_SIZES, decodes_on_paged_attention
+    from ascend_patch.npu.attention.paths import FIA_TND_HEAD_SIZES, decodes_on_paged_attention
 
     if not release.proven_end_to_end or model_config is None:
         return False
@@ -320,7 +300,7 @@ def settle_graph_mode(vllm_config) -> None:
     """
     from vllm.config import CUDAGraphMode
 
-    from ascend_patch.npu.attention.backend import KERNEL_BLOCK_SIZE
+    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
     from ascend_patch.npu.compilation import acl_graph
 
     compilation = vllm_config.compilation_config
@@ -376,5 +356,6 @@ def select_platform(wrapped, instance, args, kwargs) -> str:
     Installed only once the loader has verified the patch set for this process's mode,
     so the mode alone decides: emulated when ``ASCEND_PATCH=emulate``, else the NPU.
     """
-    cls = EmulatedNPUPlatform if env.mode() == "emulate" else NPUPlatform
-    return f"{cls.__module__}.{cls.__qualname__}"
+    if env.mode() == "emulate":
+        return EMULATED_PLATFORM
+    return f"{NPUPlatform.__module__}.{NPUPlatform.__qualname__}"

@@ -21,7 +21,6 @@ import contextlib
 import gc
 import os
 
-import torch
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
@@ -58,10 +57,7 @@ class NPUWorker(Worker):
         super().__init__(*args, **kwargs)
 
     def init_device(self) -> None:
-        if current_platform.emulated:
-            self.device = torch.device("cpu")
-        else:
-            self.device = torch.device(f"npu:{self.local_rank}")
+        self.device = current_platform.runtime().worker_device(self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(

@@ -225,6 +225,8 @@ class Seam(_Target):
     """The ``module:object`` that probes for the name."""
     signature: tuple[str, ...] | None = None
     vllm: str | None = None
+    pr: str | None = None
+    """The upstream PR that added or removed the name (``owner/repo#number``), where known."""
     kind = Kind.SEAM
 
     def __post_init__(self):
@@ -233,7 +235,7 @@ class Seam(_Target):
     @property
     def upstream(self) -> str:
         bounds = [f"added in vLLM {self.since}" if self.since else "",
-                  f"removed in vLLM {self.until}" if self.until else ""]
+                  f"removed in vLLM {self.until}" if self.until else "", self.pr or ""]
         return "; ".join(b for b in bounds if b)
 
     @property

@@ -8,9 +8,9 @@ import torch
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import KernelContractError
+from tests.helpers.attention import CAUSAL_MASK
 
 BF16 = torch.bfloat16
-CAUSAL_MASK = torch.ones(2048, 2048, dtype=torch.int8).triu(1)
 
 
 def fused_attention(*, query_shape=(5, 8, 128), block_size=128, num_blocks=8, **overrides):
@@ -334,11 +334,70 @@ def test_violation_is_rejected_with_a_clear_message(call, message):
         call()
 
 
-@pytest.mark.parametrize("build", [fused_attention, fused_decode, paged_attention, scatter,
-                                   rotary_mul, top_k_top_p])
-def test_the_baselines_are_valid(build):
-    """Each violation above is one change away from a call that passes."""
-    build()
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _baseline_fia_paged():
+    out, _ = fused_attention(value=torch.ones(8, 128, 256, dtype=BF16))
+    return out, torch.ones(5, 8, 128, dtype=BF16)
+
+
+def _baseline_fia_decode():
+    out, _ = fused_decode(value=torch.ones(8, 128, 256, dtype=BF16))
+    return out, torch.ones(2, 1, 1024, dtype=BF16)
+
+
+def _baseline_paged_attention():
+    out = torch.zeros(3, 8, 128, dtype=BF16)
+    paged_attention(value_cache=torch.ones(8, 128, 2, 128, dtype=BF16), out=out)
+    return out, torch.ones(3, 8, 128, dtype=BF16)
+
+
+def _baseline_scatter():
+    key_cache, value_cache = (torch.zeros(2, 16, 2, 64, dtype=BF16) for _ in range(2))
+    key = torch.arange(1, 5, dtype=BF16)[:, None, None].expand(4, 2, 64).contiguous()
+    scatter(key=key, value=-key, key_cache=key_cache, value_cache=value_cache)
+    expected = torch.zeros(32, 2, 64, dtype=BF16)
+    expected[[0, 5, 17, 31]] = key
+    written = torch.cat((key_cache.view(32, 2, 64), value_cache.view(32, 2, 64)))
+    return written, torch.cat((expected, -expected))
+
+
+def _baseline_rotary_mul():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 4, 64, generator=generator)
+    r1, r2 = (torch.rand(1, 3, 1, 64, generator=generator) for _ in range(2))
+    return rotary_mul(self=x, r1=r1, r2=r2), x * r1 + _rotate_half(x) * r2  # NeoX halves
+
+
+def _baseline_top_k_top_p():
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 3
+    p, k = torch.tensor([0.5, 0.9]), torch.tensor([5, 10], dtype=torch.int32)
+    kept = torch.isfinite(top_k_top_p(logits=logits, p=p, k=k))
+    return kept, torch.isfinite(apply_top_k_top_p(logits.clone(), k, p))
+
+
+BASELINES = {
+    # attention over equal value rows is that row, whatever the weights
+    "fia paged TND": _baseline_fia_paged,
+    "fia BSH decode": _baseline_fia_decode,
+    "paged attention": _baseline_paged_attention,
+    "scatter": _baseline_scatter,  # exactly the mapped slots
+    "rotary_mul": _baseline_rotary_mul,
+    "top_k_top_p": _baseline_top_k_top_p,  # vLLM's own top-k/top-p keeps the same logits
+}
+
+
+@pytest.mark.parametrize("baseline", BASELINES.values(), ids=BASELINES.keys())
+def test_the_baselines_are_valid_and_compute_their_op(baseline):
+    """Each violation above is one change away from a call that passes and computes its op."""
+    actual, expected = baseline()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected)
 
 
 def test_contract_error_is_a_value_error():

@@ -26,8 +26,8 @@ from ascend_patch.npu.attention.mla import (
     prefill_metadata,
 )
 from ascend_patch.npu.kernels import KernelContractError
-from ascend_patch.npu.kernels.mla import ATB_MLA_HEADS
-from tests.kernels.test_attention import (
+from ascend_patch.npu.kernels.limits import ATB_MLA_HEADS
+from tests.helpers.attention import (
     CAUSAL_MASK,
     assert_close,
     cumulative,
@@ -378,10 +378,17 @@ VIOLATIONS = {
 }
 
 
-def test_valid_calls_pass():
-    prefill_call()
-    prefill_call(value_dim=192, sparse_mode=0, atten_mask=None, softmax_lse_flag=True)
-    latent_decode()
+def test_valid_calls_pass_and_attend():
+    """Each violation above is one change away from a call that passes; attention over equal
+    value rows gives that row, whatever the weights."""
+    out, _ = prefill_call(value=torch.ones(140, 8, NOPE, dtype=BF16))
+    torch.testing.assert_close(out, torch.ones(7, 8, NOPE, dtype=BF16))
+    out, _ = prefill_call(value=torch.ones(140, 8, 192, dtype=BF16), value_dim=192, sparse_mode=0,
+                          atten_mask=None, softmax_lse_flag=True)
+    torch.testing.assert_close(out, torch.ones(7, 8, 192, dtype=BF16))
+    # MLA's values are the latent rows themselves
+    out = latent_decode(ctkv=torch.ones(6, 128, 1, LATENT, dtype=BF16))
+    torch.testing.assert_close(out, torch.ones(3, 8, LATENT, dtype=BF16))
 
 
 def test_the_rope_branch_inside_its_envelope_is_not_implemented():

@@ -375,6 +375,16 @@ def test_grouped_matmul_int8_dequantises_per_channel_and_per_token(rows, experts
 # --- combine --------------------------------------------------------------------------------------
 
 
+def unpermute_oracle(permuted, indices, probs, tokens, k):
+    """Token t: the sum of its k rows ``permuted[indices[t * k + slot]]``, weighted by probs."""
+    expected = torch.zeros(tokens, permuted.shape[1], dtype=torch.float64)
+    for token in range(tokens):
+        for slot in range(k):
+            weight = float(probs[token, slot]) if probs is not None else 1.0
+            expected[token] += weight * permuted[int(indices[token * k + slot])].double()
+    return expected
+
+
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 12), k=st.integers(1, 4), with_probs=st.booleans(), seed=seeds)
 def test_token_unpermute_gathers_and_weights_each_tokens_rows(tokens, k, with_probs, seed):
@@ -389,13 +399,24 @@ def test_token_unpermute_gathers_and_weights_each_tokens_rows(tokens, k, with_pr
 
     out = kernels.moe_token_unpermute(permuted, indices, probs=probs)
 
-    expected = torch.zeros(tokens, 8, dtype=torch.float64)
-    for token in range(tokens):
-        for slot in range(k):
-            weight = float(probs[token, slot]) if with_probs else 1.0
-            expected[token] += weight * permuted[int(indices[token * k + slot])].double()
     assert out.dtype == dtype and out.shape == (tokens, 8)
-    assert_close(out, expected.to(dtype), dtype)
+    assert_close(out, unpermute_oracle(permuted, indices, probs, tokens, k).to(dtype), dtype)
+
+
+def finalize_oracle(rows, skip1, skip2, bias, scales, src_to_dst, expert_for_row):
+    """Token i: its skips plus, per slot, the scale times (its row + its expert's bias)."""
+    tokens, k = expert_for_row.shape
+    expected = torch.zeros(tokens, rows.shape[1], dtype=torch.float64)
+    for i in range(tokens):
+        for skip in (skip1, skip2):
+            if skip is not None:
+                expected[i] += skip[i].double()
+        for slot in range(k):
+            value = rows[int(src_to_dst[slot * tokens + i])].double()
+            if bias is not None:
+                value = value + bias[int(expert_for_row[i, slot])].double()
+            expected[i] += (float(scales[i, slot]) if scales is not None else 1.0) * value
+    return expected
 
 
 @settings(max_examples=40, deadline=None)
@@ -419,16 +440,7 @@ def test_finalize_routing_follows_its_formula(tokens, k, experts, dtype, skips, 
     out = kernels.moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst,
                                            expert_for_row)
 
-    expected = torch.zeros(tokens, 8, dtype=torch.float64)
-    for i in range(tokens):
-        for skip in (skip1, skip2):
-            if skip is not None:
-                expected[i] += skip[i].double()
-        for slot in range(k):
-            value = rows[int(src_to_dst[slot * tokens + i])].double()
-            if with_bias:
-                value = value + bias[int(expert_for_row[i, slot])].double()
-            expected[i] += (float(scales[i, slot]) if with_scales else 1.0) * value
+    expected = finalize_oracle(rows, skip1, skip2, bias, scales, src_to_dst, expert_for_row)
     assert out.dtype == dtype
     assert_close(out, expected.to(dtype), dtype)
 
@@ -708,11 +720,71 @@ def test_violation_is_rejected_with_a_clear_message(call, message):
         call()
 
 
-@pytest.mark.parametrize("build", [gating_softmax, gating, init_routing, grouped_matmul,
-                                   unpermute, finalize])
-def test_the_baselines_are_valid(build):
-    """Each violation above is one change away from a call that passes."""
-    build()
+def _baseline_gating_softmax():
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    y, ids, _ = gating_softmax(x=x)
+    weights, expected_ids = x.softmax(-1).topk(2)
+    return [(y, weights), (ids, expected_ids.to(torch.int32))]
+
+
+def _baseline_gating():
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    y, ids, _ = gating(x=x)
+    weights, expected_ids = gating_oracle(x, 4, torch.zeros(16), 2, 4, 1, 1, 1.0, 1e-20)
+    return [(y, torch.tensor(weights)), (ids, torch.tensor(expected_ids, dtype=torch.int32))]
+
+
+def _baseline_init_routing():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    expert_idx = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
+    expanded_x, row_idx, counts, _ = init_routing(x=x, expert_idx=expert_idx)
+    order, expected_counts = routing_oracle(expert_idx, 0, 4)
+    positions = [order.index(pair) for pair in range(6)]  # row_idx_type 0: pair -> position
+    return [(expanded_x, x[[pair // 2 for pair in order]]),
+            (row_idx, torch.tensor(positions, dtype=torch.int32)),
+            (counts, torch.tensor(expected_counts))]
+
+
+def _baseline_grouped_matmul():
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5, 8, generator=generator), torch.randn(3, 8, 6, generator=generator)
+    (y,) = grouped_matmul(x=[x], weight=[weight])
+    return [(y, grouped_oracle(x, weight, [2, 0, 3]).float())]
+
+
+def _baseline_unpermute():
+    generator = torch.Generator().manual_seed(0)
+    permuted = torch.randn(6, 8, generator=generator).to(torch.bfloat16)
+    probs = torch.rand(3, 2, generator=generator).to(torch.bfloat16)
+    indices = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32)
+    out = unpermute(permuted_tokens=permuted, probs=probs)
+    return [(out, unpermute_oracle(permuted, indices, probs, 3, 2).to(torch.bfloat16))]
+
+
+def _baseline_finalize():
+    generator = torch.Generator().manual_seed(0)
+    rows, skip2, bias = (torch.randn(n, 8, generator=generator) for n in (6, 3, 4))
+    scales = torch.rand(3, 2, generator=generator)
+    src_to_dst = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32)
+    experts = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
+    out = finalize(expanded_permuted_rows=rows, skip2=skip2, bias=bias, scales=scales)
+    return [(out, finalize_oracle(rows, None, skip2, bias, scales, src_to_dst, experts).float())]
+
+
+BASELINES = {"gating softmax": _baseline_gating_softmax, "gating": _baseline_gating,
+             "init routing": _baseline_init_routing, "grouped matmul": _baseline_grouped_matmul,
+             "unpermute": _baseline_unpermute, "finalize": _baseline_finalize}
+
+
+@pytest.mark.parametrize("baseline", BASELINES.values(), ids=BASELINES.keys())
+def test_the_baselines_are_valid_and_compute_their_op(baseline):
+    """Each violation above is one change away from a call that passes and computes its op."""
+    for actual, expected in baseline():
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape
+        if expected.is_floating_point():
+            assert_close(actual, expected)
+        else:
+            assert torch.equal(actual, expected)
 
 
 NOT_IMPLEMENTED = {

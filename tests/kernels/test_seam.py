@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.kernels import npu, reference
+from ascend_patch.npu.emulation import reference
+from ascend_patch.npu.kernels import npu
 from tests import npu_wheels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,8 @@ fp16/bf16 only), every layer with soft-capped attention logits (Gemma 2: the ker
 have no soft-cap input), and the prefill of head sizes the TND kernel rejects (it takes
 64 and 128 over a paged cache); decode of those head sizes still runs fused
 (``_npu_paged_attention`` takes head sizes up to 576). The model runner logs once per
-model which layers run composed and why (:func:`report_attention_paths`).
+model which layers run composed and why (:func:`report_attention_paths`); which path a layer
+takes, and the kernel limits that decide it, are :mod:`ascend_patch.npu.attention.paths`.
 
 In a uniformly windowed model vLLM's ``SlidingWindowManager`` frees the blocks wholly
 before the window (other requests may reuse them; the V1 block table keeps their ids)
@@ -60,22 +61,15 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu.attention.paths import (
+    FUSED_DTYPES,
+    KERNEL_BLOCK_SIZE,
+    AttentionPaths,
+    choose_paths,
+    decodes_on_paged_attention,
+)
 from ascend_patch.npu.compilation import acl_graph
-from ascend_patch.npu.kernels import paged
-
-# Block sizes the fused kernels accept for queries longer than one token
-# (npu_fused_infer_attention_score PageAttention rule: a multiple of 128 in [128, 512]).
-KERNEL_BLOCK_SIZE = 128
-FUSED_DTYPES = (torch.float16, torch.bfloat16)
-# Head sizes per fused kernel (their contracts: ascend_patch/npu/kernels/reference.py):
-# npu_fused_infer_attention_score TND over a paged cache takes 64 and 128 ([FIA-TILING], [FIA-V2]);
-FIA_TND_HEAD_SIZES = (64, 128)
-# _npu_paged_attention up to 576, blocks ≤ 128 above 256 (KERNEL_BLOCK_SIZE is 128) ([PA]);
-PA_MAX_HEAD_SIZE = 576
-# npu_fused_infer_attention_score with one-token queries up to 512, 16-byte aligned ([FIA]).
-FIA_DECODE_MAX_HEAD_SIZE = 512
-# sparse_mode 3 and 4 read this fixed-size "optimised" mask (nonzero above the diagonal).
-_MASK_SIZE = 2048
+from ascend_patch.npu.kernels import composed, limits
 
 logger = logging.getLogger("vllm.ascend_patch")
 
@@ -192,7 +186,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # FULL graphs for single-token decode batches on _npu_paged_attention (see the module
         # docstring); every other path bakes host data or refuses to run inside a capture.
-        paged = (getattr(kv_cache_spec, "sliding_window", None) is None
+        window = getattr(kv_cache_spec, "sliding_window", None)  # not a seam: a spec kind's field
+        paged = (window is None
                  and decodes_on_paged_attention(vllm_config.model_config, kv_cache_spec.head_size))
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if paged else AttentionCGSupport.NEVER
 
@@ -244,37 +239,6 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         )
 
 
-def decodes_on_paged_attention(model_config, head_size: int) -> bool:
-    """Whether every attention layer of the model decodes on ``_npu_paged_attention`` (the one
-    decode kernel FULL graphs hold), as :meth:`AscendAttentionImpl._choose_paths` decides: fp16
-    or bf16, no sliding window in any layer, no soft-capped logits, a head size it takes (MLA
-    models decode on their own kernel)."""
-    window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
-    # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
-    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)
-    return (not model_config.use_mla and model_config.dtype in FUSED_DTYPES and window is None
-            and not soft_cap
-            and head_size <= PA_MAX_HEAD_SIZE)
-
-
-@dataclass(frozen=True)
-class AttentionPaths:
-    """What serves a layer's steps: ``prefill`` (prefill, chunked and mixed batches) is
-    "fused" or "composed"; ``decode`` (decode-only batches) is "paged_attention",
-    "fused_masked" or "composed"; ``why`` says what forces the composed path, if anything."""
-
-    prefill: str
-    decode: str
-    why: str | None = None
-
-    def composed_steps(self) -> str:
-        if self.prefill == self.decode == "composed":
-            return "every step"
-        if self.prefill == "composed":
-            return "prefill and mixed batches (decode-only batches stay fused)"
-        return "decode-only batches"
-
-
 class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
     def __init__(
         self,
@@ -316,41 +280,16 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         """The kernels that serve this layer for a model in ``dtype``."""
         paths = self._paths.get(dtype)
         if paths is None:
-            paths = self._paths[dtype] = self._choose_paths(dtype)
+            paths = self._paths[dtype] = choose_paths(dtype, self.head_size, self.num_kv_heads,
+                                                      self.sliding_window, self.soft_cap)
         return paths
-
-    def _choose_paths(self, dtype: torch.dtype) -> AttentionPaths:
-        if dtype not in FUSED_DTYPES:
-            name = str(dtype).removeprefix("torch.")
-            return AttentionPaths("composed", "composed",
-                                  f"{name}: the fused attention kernels take fp16/bf16 only")
-        if self.soft_cap is not None:
-            return AttentionPaths("composed", "composed",
-                                  f"logits soft-cap {self.soft_cap:g}: the fused attention "
-                                  f"kernels have no soft-cap input")
-        size = self.head_size
-        prefill = "fused" if size in FIA_TND_HEAD_SIZES else "composed"
-        if self.sliding_window is None:
-            decode = "paged_attention" if size <= PA_MAX_HEAD_SIZE else "composed"
-        else:
-            aligned = size * dtype.itemsize % 16 == 0 and self.num_kv_heads * size <= 65535
-            decode = "fused_masked" if size <= FIA_DECODE_MAX_HEAD_SIZE and aligned else "composed"
-        limits = []
-        if prefill == "composed":
-            limits.append("npu_fused_infer_attention_score over a paged cache (TND) takes 64 and 128")
-        if decode == "composed" and self.sliding_window is None:
-            limits.append(f"_npu_paged_attention takes at most {PA_MAX_HEAD_SIZE}")
-        elif decode == "composed":
-            limits.append("npu_fused_infer_attention_score for one-token queries takes at most "
-                          f"{FIA_DECODE_MAX_HEAD_SIZE}, 16-byte aligned")
-        why = f"head size {size}: {'; '.join(limits)}" if limits else None
-        return AttentionPaths(prefill, decode, why)
 
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
             # A normal tensor, not an inference-mode one, so kernels can cache checks on it.
             with torch.inference_mode(False):
-                ones = torch.ones(_MASK_SIZE, _MASK_SIZE, dtype=torch.int8, device=device)
+                size = limits.CAUSAL_MASK_SIZE
+                ones = torch.ones(size, size, dtype=torch.int8, device=device)
                 self._mask = ones.triu_(1)
         return self._mask
 
@@ -467,14 +406,14 @@ def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out, p
     decodes = [i for i, n in enumerate(lengths) if n == 1]
     if decodes:
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-        out[rows] = paged.decode_batch(query[rows], key_cache, value_cache, meta.block_table[decodes],
+        out[rows] = composed.decode_batch(query[rows], key_cache, value_cache, meta.block_table[decodes],
                                        [meta.seq_lens[i] for i in decodes], scale,
                                        pre_tokens=pre_tokens, soft_cap=soft_cap)
     for i, n in enumerate(lengths):
         if n > 1:
-            keys, values = paged.gather_sequence(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
+            keys, values = composed.gather_sequence(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
             rows = slice(starts[i], starts[i] + n)
-            out[rows] = paged.attend(query[rows], keys, values, scale, pre_tokens=pre_tokens,
+            out[rows] = composed.attend(query[rows], keys, values, scale, pre_tokens=pre_tokens,
                                      next_tokens=0, soft_cap=soft_cap)
 
 
@@ -486,7 +425,7 @@ def report_attention_paths(layers: dict, dtype: torch.dtype, model: str) -> None
     groups: dict[tuple[str, str], list[str]] = {}
     total = 0
     for name, layer in layers.items():
-        impl = getattr(layer, "impl", None)
+        impl = getattr(layer, "impl", None)  # not a seam: not every layer attends
         if isinstance(impl, AscendAttentionImpl):
             total += 1
             paths = impl.paths(dtype)

@@ -28,7 +28,7 @@ step's token budget in one launch. The two forms round the same products in bf16
 figures of ``tests/test_mla.py`` track HF's own bf16 run on either); the up-projected one is
 what vLLM and vllm-ascend run for prefills.
 
-The fused kernels' limits (:mod:`ascend_patch.npu.kernels.mla`): the decode takes latent 512,
+The fused kernels' limits (:mod:`ascend_patch.npu.kernels.limits`): the decode takes latent 512,
 rope 64 and up to 128 heads (padded to 8/16/32/64/128); the prefill takes nope + rope = 192 with
 value 128 (DeepSeek-V2/V3, Kimi), bf16 only, 8/16/32/64/128 heads (fewer are zero-padded: each
 head attends on its own, the padded ones are dropped). fp16 models run the prefill attention in
@@ -58,17 +58,13 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.attention.backend import (
-    KERNEL_BLOCK_SIZE,
-    AscendAttentionBackend,
-    AscendMetadataBuilder,
-)
-from ascend_patch.npu.kernels import mla as latent
+from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
+from ascend_patch.npu.attention.paths import FUSED_DTYPES, KERNEL_BLOCK_SIZE
+from ascend_patch.npu.kernels import composed, limits
 
 logger = logging.getLogger("vllm.ascend_patch")
 
-FUSED_DTYPES = (torch.float16, torch.bfloat16)
-_MASK_SIZE = 2048  # sparse_mode=3 reads this fixed-size "optimised" mask
+_MASK_SIZE = limits.CAUSAL_MASK_SIZE  # sparse_mode=3 reads this fixed-size "optimised" mask
 _masks: dict[torch.device, torch.Tensor] = {}
 
 
@@ -175,12 +171,12 @@ def check_config(vllm_config) -> None:
     """Start-up refusal of a batch the MLA prefill cannot attend: a step's prefill tokens are the
     queries (and, beyond the workspace bound, the keys) of one TND launch."""
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    if tokens > latent.FIA_TND_MAX_TOKENS:
+    if tokens > limits.FIA_TND_MAX_TOKENS:
         raise ValueError(
             f"--max-num-batched-tokens {tokens} is not supported for MLA models on Ascend: a "
             f"step's prefill tokens are attended in one npu_fused_infer_attention_score TND "
-            f"launch, which takes at most {latent.FIA_TND_MAX_TOKENS}; use "
-            f"--max-num-batched-tokens {latent.FIA_TND_MAX_TOKENS} or less (chunked prefill)")
+            f"launch, which takes at most {limits.FIA_TND_MAX_TOKENS}; use "
+            f"--max-num-batched-tokens {limits.FIA_TND_MAX_TOKENS} or less (chunked prefill)")
 
 
 def prefill_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
@@ -188,7 +184,7 @@ def prefill_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: in
     (``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size``, 0.33: room for 8
     full-length requests or 4 blocks per request, at most 64K rows, which is also the TND
     form's token limit), rounded up to a block."""
-    rows = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), latent.FIA_TND_MAX_TOKENS)
+    rows = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), limits.FIA_TND_MAX_TOKENS)
     return -(-rows // block_size) * block_size
 
 
@@ -345,18 +341,18 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.kv_b_proj = kv_b_proj
-        # The fused kernels' shapes (ascend_patch.npu.kernels.mla): ATB's decode takes latent 512,
+        # The fused kernels' shapes (ascend_patch.npu.kernels.limits): ATB's decode takes latent 512,
         # rope 64 and 8/16/32/64/128 heads; FIA's TND prefill Q/K 192 with V 128 (or 192) and
         # 8/16/32/64/128 heads. Fewer heads are zero-padded up to the next count.
-        self.decode_heads = next((n for n in latent.ATB_MLA_HEADS if n >= num_heads), None)
-        if not (kv_lora_rank == latent.LATENT_DIM and qk_rope_head_dim == latent.ROPE_DIM
+        self.decode_heads = next((n for n in limits.ATB_MLA_HEADS if n >= num_heads), None)
+        if not (kv_lora_rank == limits.LATENT_DIM and qk_rope_head_dim == limits.ROPE_DIM
                 and self.decode_heads):
             self.decode_heads = None
             _warn_composed("decode", f"kv_lora_rank {kv_lora_rank}, qk_rope_head_dim "
                            f"{qk_rope_head_dim}, {num_heads} heads: npu_multi_head_latent_attention "
                            f"takes kv_lora_rank 512, rope 64 and at most 128 heads")
-        self.prefill_heads = next((n for n in latent.FIA_TND_HEADS if n >= num_heads), None)
-        if (qk_nope_head_dim + qk_rope_head_dim, v_head_dim) not in latent.FIA_TND_HEAD_DIMS:
+        self.prefill_heads = next((n for n in limits.FIA_TND_MLA_HEADS if n >= num_heads), None)
+        if (qk_nope_head_dim + qk_rope_head_dim, v_head_dim) not in limits.FIA_TND_MLA_HEAD_DIMS:
             self.prefill_heads = None
         if self.prefill_heads is None:
             _warn_composed("prefill", f"qk_nope_head_dim {qk_nope_head_dim} + qk_rope_head_dim "
@@ -375,7 +371,9 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         if isinstance(metadata, dict):
             if self._owner is None:  # the MLAAttention holding this impl, for its layer name
                 layers = context.no_compile_layers.values()
-                self._owner = next(layer for layer in layers if getattr(layer, "impl", None) is self)
+                owned = (layer for layer in layers
+                         if getattr(layer, "impl", None) is self)  # not a seam: not every layer attends
+                self._owner = next(owned)
             return metadata.get(self._owner.layer_name)
         return metadata
 
@@ -407,7 +405,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         if self.decode_heads and q_nope.dtype in FUSED_DTYPES:
             out = self._atb_decode(q_nope, q_pe, kv_c, k_pe, meta)
         else:
-            out = latent.latent_decode(q_nope, q_pe, kv_c, k_pe, meta.block_table, meta.seq_lens,
+            out = composed.latent_decode(q_nope, q_pe, kv_c, k_pe, meta.block_table, meta.seq_lens,
                                        self.scale)
         return out, None
 
@@ -452,7 +450,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         key = torch.cat((kv[..., :nope], rope_rows[:, None].expand(-1, heads, -1)), dim=-1)
         value = kv[..., nope:]
         if self.prefill_heads is None or q.dtype not in FUSED_DTYPES:
-            return latent.prefill_attention(q, key, value, launch.query_ends, launch.kv_ends,
+            return composed.prefill_attention(q, key, value, launch.query_ends, launch.kv_ends,
                                             self.scale, launch.causal)
         if q.dtype != torch.bfloat16:
             _warn_bf16_prefill()

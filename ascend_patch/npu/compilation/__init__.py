@@ -2,7 +2,9 @@
 
 - :mod:`.acl_graph`: the static graph wrapper vLLM asks the platform for (and the FULL-graph
   wrapper the NPU runner substitutes for vLLM's ``CUDAGraphWrapper``), the host-parameter
-  updates replayed graphs receive, and the capture sizes the NPU's stream budget allows;
-- :mod:`.emulated_graph`: the emulated NPU graph (``ASCEND_PATCH=emulate``), which records the
-  device work of a capture and replays exactly that work, so graph-mode bugs fail off-hardware.
+  updates replayed graphs receive, and the capture sizes the NPU's stream budget allows.
+
+The emulated NPU graph (``ASCEND_PATCH=emulate``), which records the device work of a capture and
+replays exactly that work so graph-mode bugs fail off-hardware, is
+:mod:`ascend_patch.npu.emulation.graph`.
 """

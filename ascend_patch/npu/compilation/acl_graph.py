@@ -6,7 +6,7 @@ model) and the NPU runner puts it where vLLM's V1 runner builds ``CUDAGraphWrapp
 graphs. It keeps vLLM's contract (run eagerly unless the forward context's runtime mode is the
 wrapper's; one graph per ``BatchDescriptor``; capture on first sight, replay after) and does it
 with the device runtime's graph API: ``torch_npu.npu.NPUGraph`` on the NPU, the emulated graph of
-:mod:`.emulated_graph` otherwise.
+:mod:`ascend_patch.npu.emulation.graph` otherwise.
 
 Host-parameter updates. Some NPU kernels take host arguments that change every step
 (``_npu_paged_attention``'s ``context_lens``); a graph would replay the capture's values. A kernel
@@ -214,7 +214,7 @@ def capture_size_budget(vllm_config, piecewise: bool, full: bool) -> CaptureBudg
     PIECEWISE split) plus one FULL graph; communication groups (TP > 1, DP > 1) take streams too,
     more so in HCCL's default FFTS+/AICPU expansion than with ``HCCL_OP_EXPANSION_MODE=AIV``."""
     hf = vllm_config.model_config.hf_text_config
-    layers = getattr(hf, "num_hidden_layers", 0)
+    layers = getattr(hf, "num_hidden_layers", 0)  # not a seam: an HF config field
     graphs_per_size = (layers + 1 if piecewise else 0) + (1 if full else 0)
     parallel = vllm_config.parallel_config
     comm_groups = sum(size > 1 for size in (parallel.data_parallel_size, parallel.tensor_parallel_size))

@@ -3,14 +3,14 @@
 Two backends implement the same signatures, and the NPU platform binds one when vLLM resolves it;
 until then every op raises :class:`KernelBackendError` (fail closed, never a silent default):
 
-- ``"reference"`` (emulated, :mod:`.reference`): plain torch that enforces each op's documented input
-  contract and computes its documented output. It runs the emulated engine on CPU and makes contract
-  violations fail loudly off-hardware. The Mixture-of-Experts references live in :mod:`.moe`, the
-  int8 quantisation ones in :mod:`.quant` and the multi-head latent attention ones in :mod:`.mla`
-  (all re-exported by :mod:`.reference`).
+- ``"reference"`` (emulated, :mod:`ascend_patch.npu.emulation.reference`): plain torch that
+  enforces each op's documented input contract (:mod:`.limits`) and computes its documented output.
+  It runs the emulated engine on CPU and makes contract violations fail loudly off-hardware.
 - ``"npu"`` (:mod:`.npu`): direct calls of the documented torch_npu ops, imported lazily.
 
-:func:`use` rebinds the module-level functions, so a call is a plain attribute lookup with no
+The module-level functions are rebound in one place (:func:`_bind`): :func:`use` binds a backend,
+and :func:`swapped` wraps every op for the length of a block (:func:`count_launches`,
+:func:`record_calls`, the emulated graph's capture), so a call is a plain attribute lookup with no
 per-call dispatch. Call them through the module (``kernels.rms_norm(...)``): a name imported with
 ``from ascend_patch.npu.kernels import rms_norm`` keeps whatever backend was active at import time.
 """
@@ -24,7 +24,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from . import npu, reference
+from ascend_patch.npu.emulation import reference
+
+from . import npu
 from .contracts import KernelContractError
 
 OPS = (
@@ -98,7 +100,12 @@ def _unselected(name):
     return op
 
 
-globals().update({name: _unselected(name) for name in OPS})
+def _bind(functions: dict) -> None:
+    """Rebind the seam's module-level ops: the one place they change."""
+    globals().update(functions)
+
+
+_bind({name: _unselected(name) for name in OPS})
 _active: str | None = None
 
 
@@ -107,7 +114,7 @@ def use(backend: str) -> None:
     global _active
     if backend not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {sorted(_BACKENDS)}")
-    globals().update(_BACKENDS[backend])
+    _bind(_BACKENDS[backend])
     _active = backend
 
 
@@ -128,15 +135,15 @@ def contract_violation(name: str, *args, **kwargs) -> str | None:
 
 
 @contextlib.contextmanager
-def _wrapped(wrap):
+def swapped(wrap):
     """Swap every op for ``wrap(name, fn)`` while the block runs; the exact originals are
     restored on exit, so do not call :func:`use` inside."""
     originals = {name: globals()[name] for name in OPS}
-    globals().update({name: functools.wraps(fn)(wrap(name, fn)) for name, fn in originals.items()})
+    _bind({name: functools.wraps(fn)(wrap(name, fn)) for name, fn in originals.items()})
     try:
         yield
     finally:
-        globals().update(originals)
+        _bind(originals)
 
 
 @contextlib.contextmanager
@@ -154,7 +161,7 @@ def count_launches():
 
         return wrapper
 
-    with _wrapped(counting):
+    with swapped(counting):
         yield counts
 
 
@@ -180,7 +187,7 @@ def record_calls():
 
         return wrapper
 
-    with _wrapped(recording):
+    with swapped(recording):
         yield records
 
 
@@ -206,4 +213,4 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = [*OPS, "KernelBackendError", "KernelContractError", "OPS", "active_backend",
-           "contract_violation", "count_launches", "describe", "record_calls", "use"]
+           "contract_violation", "count_launches", "describe", "record_calls", "swapped", "use"]

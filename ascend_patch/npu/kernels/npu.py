@@ -30,8 +30,10 @@ def _torch_npu():
 def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     # npu_scatter_pa_kv_cache rather than ATB _npu_reshape_and_cache: both write vLLM's ND
     # [num_blocks, block_size, KVH, D] caches, but this one has a torch_npu API doc stating its
-    # contract (equal dtypes, int32/int64 slots in range, no duplicates) and is the cache write
-    # vllm-ascend uses today. Its default cache_mode is "PA_NZ", so "Norm" (ND) is passed.
+    # contract (equal dtypes, int32/int64 slots in range, no duplicates) and needs no NNAL. The
+    # doc allows cache_mode "Norm" (ND) on A2/A3, but vllm-ascend writes with it only on its
+    # A5/NZ path and uses _npu_reshape_and_cache on A2/A3, so this call has no production
+    # precedent there: `ascend-patch verify` exercises it. Its default mode is "PA_NZ".
     _torch_npu().npu_scatter_pa_kv_cache(
         key=key, value=value, key_cache=key_cache, value_cache=value_cache,
         slot_mapping=slot_mapping, cache_mode="Norm",

@@ -55,13 +55,14 @@ class UnsupportedMoEError(NotImplementedError):
 
 
 def _layer_name(layer) -> str | None:
-    return getattr(layer, "layer_name", None) or getattr(layer, "prefix", None)
+    return layer.layer_name or None
 
 
 def _model_name() -> str:
     from vllm.config import get_current_vllm_config
 
-    return getattr(get_current_vllm_config().model_config, "model", None) or "this model"
+    config = get_current_vllm_config().model_config  # None outside an engine's config
+    return (config.model if config is not None else None) or "this model"
 
 
 def _where(layer) -> str:
@@ -91,7 +92,8 @@ class Routing:
         custom = layer.custom_routing_function
         problem = None
         if custom is not None:
-            problem = (f"its own routing function {getattr(custom, '__qualname__', custom)!r}, "
+            name = getattr(custom, "__qualname__", custom)  # not a seam: any callable
+            problem = (f"its own routing function {name!r}, "
                        "which no NPU gating op computes")
         elif self.scoring not in ("softmax", "sigmoid"):
             problem = (f"scoring function {self.scoring!r} (the NPU gating ops do softmax and "
@@ -159,7 +161,7 @@ class Routing:
 
 def prepare_layer(layer, has_bias: bool) -> None:
     """Refuse what the NPU expert path cannot run, and resolve the layer's routing once."""
-    activation = getattr(layer.activation, "value", layer.activation)
+    activation = layer.activation.value
     problems = {
         f"activation {activation!r} (the NPU path is SwiGLU: npu_swiglu)": activation != "silu",
         "expert biases": bool(has_bias),
@@ -181,7 +183,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         super().process_weights_after_loading(layer)  # vLLM does nothing more for OOT
-        prepare_layer(layer, getattr(self.moe, "has_bias", False))
+        prepare_layer(layer, self.moe.has_bias)
         # npu_grouped_matmul takes the weight as [experts, in, out]: transpose once, here,
         # never per step. vLLM keeps [experts, out, in].
         for name in ("w13_weight", "w2_weight"):
@@ -197,7 +199,7 @@ def report_routing(model: torch.nn.Module, model_name: str) -> None:
     """Log once per model which MoE layers run vLLM's grouped top-k instead of the NPU gating
     op, and why: one warning per reason."""
     layers = [module.ascend_routing for module in model.modules()
-              if isinstance(getattr(module, "ascend_routing", None), Routing)]
+              if isinstance(getattr(module, "ascend_routing", None), Routing)]  # not a seam: ours
     by_limit: dict[str, list[str]] = {}
     for routing in layers:
         if routing.npu_limit is not None:

@@ -7,7 +7,7 @@ from ascend_patch.npu import kernels
 
 class AscendRMSNorm(RMSNorm):
     def forward_oot(self, x, residual=None):
-        if getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True):
+        if self.variance_size_override is not None or not self.has_weight:
             return self.forward_native(x, residual)  # the NPU ops normalise over the full width
         if self.weight.dtype != x.dtype:
             return self.forward_native(x, residual)  # the NPU ops take gamma in x's dtype only

@@ -23,10 +23,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-logger = logging.getLogger("vllm.ascend_patch")
+from ascend_patch.npu.quantization.formats import DESCRIPTION_FILE, NAME
 
-NAME = "ascend"
-DESCRIPTION_FILE = "quant_model_description.json"
+logger = logging.getLogger("vllm.ascend_patch")
 
 # What each method runs on the NPU (README: "Quantised checkpoints"); anything else fails at
 # load naming the layer.

@@ -27,8 +27,8 @@ def where(prefix: str) -> str:
     """``model: layer 'prefix'`` for error messages."""
     from vllm.config import get_current_vllm_config
 
-    config = get_current_vllm_config().model_config
-    model = getattr(config, "model", None) or "this model"
+    config = get_current_vllm_config().model_config  # None outside an engine's config
+    model = (config.model if config is not None else None) or "this model"
     return f"{model}: layer {prefix!r}"
 
 

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from ascend_patch.npu.quantization import DESCRIPTION_FILE, NAME, checkpoint
+from ascend_patch.npu.quantization import checkpoint
 from ascend_patch.npu.quantization.checkpoint import UnsupportedQuantizationError
+from ascend_patch.npu.quantization.formats import DESCRIPTION_FILE, NAME
 
 LINEAR_TYPES = ("W8A8", "W8A8_DYNAMIC")
 MOE_TYPES = ("W8A8_DYNAMIC",)

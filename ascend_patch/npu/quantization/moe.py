@@ -47,7 +47,7 @@ class AscendW8A8MoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                        params_dtype, **extra_weight_attrs):
         load = extra_weight_attrs.pop("weight_loader")
-        self.prefix = getattr(layer, "layer_name", None) or self.prefix
+        self.prefix = layer.layer_name or self.prefix
         self.act_dtype = params_dtype
         rows = {"w13": 2 * intermediate_size_per_partition, "w2": hidden_size}
         cols = {"w13": hidden_size, "w2": intermediate_size_per_partition}
@@ -66,7 +66,7 @@ class AscendW8A8MoEMethod(FusedMoEMethodBase):
         for names, shards in ((("w13_weight", "w13_weight_scale"), 2),
                               (("w2_weight", "w2_weight_scale"), 1)):
             checkpoint.require_loaded(layer, self.prefix, names, experts * shards)
-        fused_moe.prepare_layer(layer, getattr(self.moe, "has_bias", False))
+        fused_moe.prepare_layer(layer, self.moe.has_bias)
         # npu_grouped_matmul: weights [E, in, out]; int8 with a bf16 scale gives bf16, with an
         # fp32 scale fp16 (the only float outputs of its int8 row).
         scale_dtype = torch.bfloat16 if self.act_dtype == torch.bfloat16 else torch.float32

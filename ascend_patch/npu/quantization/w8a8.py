@@ -33,7 +33,7 @@ from ascend_patch.npu import kernels
 
 def _set(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
     """A parameter the runner charges to the (emulated) HBM, replacing any old one."""
-    if hasattr(layer, name):
+    if hasattr(layer, name):  # not a seam: our own parameters
         delattr(layer, name)
     layer.register_parameter(name, None if value is None else
                              torch.nn.Parameter(value, requires_grad=False))
@@ -42,7 +42,7 @@ def _set(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
 def drop(layer: torch.nn.Module, *names: str) -> None:
     """Free checkpoint tensors the NPU form no longer needs."""
     for name in names:
-        if hasattr(layer, name):
+        if hasattr(layer, name):  # not a seam: our own parameters
             delattr(layer, name)
 
 

@@ -25,9 +25,10 @@ import torch
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import limits
 
 # npu_top_k_top_p: k is int32 in [1, 1024].
-MAX_NPU_TOP_K = 1024
+MAX_NPU_TOP_K = limits.TOP_K_MAX
 
 # Attributes set on vLLM's per-metadata top_k tensor (a fresh view for each SamplingMetadata).
 HOST_TOP_K = "_ascend_host_top_k"
@@ -64,10 +65,10 @@ class TopKRoute:
 
 
 def _route(k: torch.Tensor, vocab: int) -> TopKRoute | None:
-    route = getattr(k, _ROUTE, None)
+    route = getattr(k, _ROUTE, None)  # not a seam: ours, set below
     if route is not None and route.vocab == vocab:
         return route
-    host_k = getattr(k, HOST_TOP_K, None)
+    host_k = getattr(k, HOST_TOP_K, None)  # not a seam: ours, set with the metadata
     if host_k is None:
         return None
     route = TopKRoute.from_host(host_k, vocab, k.device)

@@ -1,5 +1,6 @@
 """Multi-head latent attention (DeepSeek MLA): the contract-checked references of the NPU's MLA
-kernels, and the latent attention math they share with the MLA backend's composed (fp32) path.
+kernels. The latent attention math they compute is the MLA backend's composed (fp32) path too
+(:mod:`ascend_patch.npu.kernels.composed`); their limits are in :mod:`ascend_patch.npu.kernels.limits`.
 
 MLA attends over a per-token latent ``kv_c`` (``kv_lora_rank`` wide, 512 in DeepSeek-V2/V3) and a
 rope key ``k_pe`` (64) shared by every head. A query head either carries the up-projected form
@@ -43,7 +44,9 @@ Contract sources (op-plugin is Ascend/op-plugin at 517f2e7d; docs under
 
 import torch
 
-from .contracts import (
+from ascend_patch.npu.kernels import limits
+from ascend_patch.npu.kernels.composed import latent_decode, prefill_attention
+from ascend_patch.npu.kernels.contracts import (
     check_contiguous,
     check_dims,
     check_dtype,
@@ -51,7 +54,8 @@ from .contracts import (
     check_tensor,
     require,
 )
-from .reference import (
+
+from .attention import (
     _check_block_ids,
     _check_causal_mask,
     _check_tnd_lengths,
@@ -60,66 +64,6 @@ from .reference import (
 )
 
 _HALF = (torch.float16, torch.bfloat16)
-# [ATB-MLA] MultiLatentAttentionParam.headNum.
-ATB_MLA_HEADS = (8, 16, 32, 64, 128)
-LATENT_DIM, ROPE_DIM = 512, 64
-# [FIA-WHEEL] TND: "T小于等于65536"; "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等".
-FIA_TND_MAX_TOKENS = 65536
-FIA_TND_HEADS = (8, 16, 32, 64, 128)
-# [FIA-WHEEL] TND: "Q_D、K_D等于192, V_D等于128/192"; [FIA] TND布局约束, 无rope: the same pairs
-# (besides Q_D = K_D = V_D = 128, which [FIA-WHEEL] does not list).
-FIA_TND_HEAD_DIMS = ((192, 128), (192, 192))
-# [FIA-WHEEL] query_rope约束 (sparse ≠ 4): query N 32/64/128, S 1-16, BSH/BSND/BNSD.
-_ROPE_HEADS, _ROPE_MAX_QUERY, _ROPE_LAYOUTS = (32, 64, 128), 16, ("BSH", "BSND", "BNSD")
-
-
-# --- the math -------------------------------------------------------------------------------------
-
-
-def prefill_attention(query, key, value, query_ends, kv_ends, scale, causal):
-    """A TND batch: ``query [T, N, D]`` over contiguous ``key [T_kv, N, D]`` and ``value
-    [T_kv, N, V]`` with cumulative lengths, each sequence on its own (causal aligns its query row i
-    to key s - q + i), in float32. Returns the output ``[T, N, V]`` in the query's dtype (zero
-    rows for a sequence without keys) and the float32 log-sum-exp of each row's scaled scores
-    ``[T, N, 1]`` (-inf there)."""
-    tokens, heads = query.shape[:2]
-    out = query.new_zeros(tokens, heads, value.shape[2])
-    lse = torch.full((tokens, heads, 1), float("-inf"), device=query.device)
-    q_start = kv_start = 0
-    for q_end, kv_end in zip(query_ends, kv_ends):
-        q_len, kv_len = q_end - q_start, kv_end - kv_start
-        if q_len and kv_len:
-            scores = torch.einsum("qnd,snd->nqs", query[q_start:q_end].float(),
-                                  key[kv_start:kv_end].float()) * scale
-            if causal:
-                rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-                scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows,
-                                            float("-inf"))
-            row_lse = scores.logsumexp(dim=-1, keepdim=True)
-            out[q_start:q_end] = torch.einsum("nqs,snv->qnv", (scores - row_lse).exp(),
-                                              value[kv_start:kv_end].float())
-            lse[q_start:q_end] = row_lse.transpose(0, 1)
-        q_start, kv_start = q_end, kv_end
-    return out, lse
-
-
-def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, scale):
-    """Single-token absorbed queries ``[B, N, L]``/``[B, N, R]`` over the latent planes, every
-    sequence in one batched computation; returns ``[B, N, L]``."""
-    batch = q_nope.shape[0]
-    block_size = kv_c_cache.shape[1]
-    lengths = torch.tensor(lengths, device=q_nope.device)
-    blocks_used = (lengths + block_size - 1) // block_size
-    width = int(blocks_used.max())
-    in_use = torch.arange(width, device=q_nope.device) < blocks_used[:, None]
-    ids = block_table[:, :width].long().masked_fill(~in_use, 0)  # unused columns may be stale
-    latent = kv_c_cache[ids].view(batch, width * block_size, -1).float()
-    rope = k_pe_cache[ids].view(batch, width * block_size, -1).float()
-    scores = (torch.einsum("bnl,bsl->bns", q_nope.float(), latent)
-              + torch.einsum("bnr,bsr->bns", q_rope.float(), rope))
-    visible = torch.arange(width * block_size, device=q_nope.device) < lengths[:, None]
-    probs = (scores * scale).masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
-    return torch.einsum("bns,bsl->bnl", probs, latent).to(q_nope.dtype)
 
 
 # --- npu_fused_infer_attention_score, the MLA prefill form ----------------------------------------
@@ -172,16 +116,16 @@ def fused_infer_attention_score_mla(
         check_dtype(op, name, tensor, (torch.bfloat16,))  # [FIA-WHEEL] TND: 数据类型仅支持BFLOAT16
     tokens, heads, head_dim = query.shape
     for name, rows in (("query", tokens), ("key", key.shape[0])):
-        require(rows <= FIA_TND_MAX_TOKENS, op, name, f"at most {FIA_TND_MAX_TOKENS} tokens (T) "
+        require(rows <= limits.FIA_TND_MAX_TOKENS, op, name, f"at most {limits.FIA_TND_MAX_TOKENS} tokens (T) "
                 "in TND", rows)
     require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
-    require(heads in FIA_TND_HEADS, op, "num_heads", "8, 16, 32, 64 or 128 in TND", heads)
+    require(heads in limits.FIA_TND_MLA_HEADS, op, "num_heads", "8, 16, 32, 64 or 128 in TND", heads)
     # [FIA-WHEEL] TND: Q_N、K_N、V_N相等 (num_key_value_heads 0 means num_heads).
     require((num_key_value_heads or heads) == heads == key.shape[1] == value.shape[1], op,
             "num_key_value_heads", f"{heads} like num_heads, with key and value of {heads} heads",
             (num_key_value_heads, key.shape[1], value.shape[1]))
     dims = (head_dim, value.shape[2])
-    require(key.shape[2] == head_dim and dims in FIA_TND_HEAD_DIMS, op, "head dims (Q_D, K_D, V_D)",
+    require(key.shape[2] == head_dim and dims in limits.FIA_TND_MLA_HEAD_DIMS, op, "head dims (Q_D, K_D, V_D)",
             "(192, 192, 128) or (192, 192, 192) in TND without rope",
             (head_dim, key.shape[2], value.shape[2]))
     require(value.shape[0] == key.shape[0], op, "value", f"{key.shape[0]} tokens like key",
@@ -220,15 +164,15 @@ def _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads)
             "both given or both None", "one of them")  # [FIA] 必须同时配置或同时不配置
     check_tensor(op, "query", query)
     head_dim = query.shape[-1] // num_heads if input_layout == "BSH" else query.shape[-1]
-    require(head_dim == LATENT_DIM, op, "query head dim (D) with query_rope",
+    require(head_dim == limits.LATENT_DIM, op, "query head dim (D) with query_rope",
             "512 (the torch-npu wheels document no other with rope)", head_dim)
-    require(input_layout in _ROPE_LAYOUTS, op, "input_layout",
+    require(input_layout in limits.FIA_ROPE_LAYOUTS, op, "input_layout",
             "BSH, BSND or BNSD with query_rope (query D = 512)", input_layout)
     seq_axis = 2 if input_layout == "BNSD" else 1  # (B, N, S, D); (B, S, N, D) and (B, S, H)
-    require(query.shape[seq_axis] <= _ROPE_MAX_QUERY, op, "query",
-            f"at most {_ROPE_MAX_QUERY} tokens per sequence (S) with query_rope",
+    require(query.shape[seq_axis] <= limits.FIA_ROPE_MAX_QUERY, op, "query",
+            f"at most {limits.FIA_ROPE_MAX_QUERY} tokens per sequence (S) with query_rope",
             query.shape[seq_axis])
-    require(num_heads in _ROPE_HEADS, op, "num_heads", "32, 64 or 128 with query_rope", num_heads)
+    require(num_heads in limits.FIA_ROPE_HEADS, op, "num_heads", "32, 64 or 128 with query_rope", num_heads)
 
 
 # --- torch_npu.atb.npu_multi_head_latent_attention ------------------------------------------------
@@ -249,21 +193,22 @@ def multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, block_tables, cont
         require(tensor.dtype == q_nope.dtype, op, name, f"{q_nope.dtype} like q_nope", tensor.dtype)
     check_dims(op, "q_nope", q_nope, 3)  # [ATB-MLA] q_nope [num_tokens, num_heads, 512]
     tokens, heads, latent = q_nope.shape
-    require(latent == LATENT_DIM, op, "q_nope", "[num_tokens, num_heads, 512]",
+    require(latent == limits.LATENT_DIM, op, "q_nope", "[num_tokens, num_heads, 512]",
             tuple(q_nope.shape))
-    require(q_rope.shape == (tokens, heads, ROPE_DIM), op, "q_rope",
-            f"shape {(tokens, heads, ROPE_DIM)} ([num_tokens, num_heads, 64])", tuple(q_rope.shape))
+    require(q_rope.shape == (tokens, heads, limits.ROPE_DIM), op, "q_rope",
+            f"shape {(tokens, heads, limits.ROPE_DIM)} ([num_tokens, num_heads, 64])", tuple(q_rope.shape))
     # [ATB-MLA] 'krope_ctkv': ctkv [num_blocks, block_size, kv_heads, 512], k_rope [.., 64].
     check_dims(op, "ctkv", ctkv, 4)
     num_blocks, block_size, cache_heads = ctkv.shape[:3]
-    require(ctkv.shape[3] == LATENT_DIM, op, "ctkv", "[num_blocks, block_size, kv_heads, 512]",
+    require(ctkv.shape[3] == limits.LATENT_DIM, op, "ctkv", "[num_blocks, block_size, kv_heads, 512]",
             tuple(ctkv.shape))
-    require(k_rope.shape == (num_blocks, block_size, cache_heads, ROPE_DIM), op, "k_rope",
-            f"shape {(num_blocks, block_size, cache_heads, ROPE_DIM)}", tuple(k_rope.shape))
-    require(block_size <= 128, op, "block_size (ctkv.shape[1])", "≤ 128", block_size)
+    require(k_rope.shape == (num_blocks, block_size, cache_heads, limits.ROPE_DIM), op, "k_rope",
+            f"shape {(num_blocks, block_size, cache_heads, limits.ROPE_DIM)}", tuple(k_rope.shape))
+    require(block_size <= limits.ATB_MLA_MAX_BLOCK_SIZE, op, "block_size (ctkv.shape[1])",
+            f"≤ {limits.ATB_MLA_MAX_BLOCK_SIZE}", block_size)
     # [ATB-MLA] MultiLatentAttentionParam: headNum {8,16,32,64,128}, kvHeadNum 1, qkScale (0, 1].
     require(q_headnum == heads, op, "q_headnum", f"q_nope.shape[1] = {heads}", q_headnum)
-    require(heads in ATB_MLA_HEADS, op, "q_headnum", "8, 16, 32, 64 or 128", heads)
+    require(heads in limits.ATB_MLA_HEADS, op, "q_headnum", "8, 16, 32, 64 or 128", heads)
     require(kv_headnum == 1 and cache_heads == 1, op, "kv_headnum", "1 (and ctkv.shape[2] = 1)",
             (kv_headnum, cache_heads))
     require(isinstance(qk_scale, (int, float)) and 0 < qk_scale <= 1, op, "qk_scale",
@@ -276,7 +221,7 @@ def multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, block_tables, cont
             block_tables.shape[0])
     lengths = check_int_list(op, "context_lens", context_lens)  # [ATB-MLA] int类型数组 (host)
     require(len(lengths) == tokens, op, "context_lens", f"{tokens} entries", len(lengths))
-    require(tokens <= 8192, op, "batch", "≤ 8192", tokens)  # [ATB-MLA] 规格约束
+    require(tokens <= limits.ATB_MLA_MAX_BATCH, op, "batch", f"≤ {limits.ATB_MLA_MAX_BATCH}", tokens)  # [ATB-MLA] 规格约束
     capacity = block_tables.shape[1] * block_size
     for length in lengths:
         require(1 <= length <= capacity, op, "context_lens",

@@ -3,7 +3,7 @@ re-executes exactly that work on the captured tensors.
 
 It offers the part of ``torch_npu.npu`` the graph path calls (``NPUGraph``, ``graph``,
 ``graph_pool_handle``, ``ExternalEvent``, ``graph_task_group_begin/end``,
-``graph_task_update_begin/end``), so :mod:`.acl_graph` and the attention backend make the same
+``graph_task_update_begin/end``), so :mod:`ascend_patch.npu.compilation.acl_graph` and the attention backend make the same
 calls on the emulated NPU as on a real one, where these names are torch_npu's.
 
 **What a capture records.** Every kernel-seam call (:mod:`ascend_patch.npu.kernels`) as one launch,
@@ -58,6 +58,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ascend_patch.npu import kernels
+
 # The tensor arguments each seam op reads on the host when launched; the others are device memory.
 # (_npu_paged_attention: AtbCommon hands CPU inputs to ATB as host data, which PagedAttention reads
 # at launch: paged_attention_operation.cpp, inTensor[4].hostData.)
@@ -98,6 +100,17 @@ _update: _Update | None = None
 # -- the graph ------------------------------------------------------------------------------------
 
 
+# The HBM books graph pools are charged to: those of the emulated runtime that handed out this
+# graph API (EmulatedRuntime.graphs), so the graph never reaches back for a runtime.
+_books = None
+
+
+def charge_pools_to(books) -> None:
+    """Charge the pools' memory to ``books`` (anything with ``charge(what, nbytes, lifetime)``)."""
+    global _books
+    _books = books
+
+
 class _Pool:
     """A graph memory pool (``graph_pool_handle()``). Graphs captured into one pool are never
     replayed together, so the device overlays their memory: the pool holds its largest graph."""
@@ -107,9 +120,8 @@ class _Pool:
 
     def hold(self, nbytes: int) -> None:
         if nbytes > self.nbytes:
-            from ascend_patch.npu.device import active_runtime
-
-            active_runtime().charge("graph pool", nbytes - self.nbytes, self)
+            if _books is not None:
+                _books.charge("graph pool", nbytes - self.nbytes, self)
             self.nbytes = nbytes
 
 
@@ -358,29 +370,18 @@ def _by_value(name, signature, args, kwargs):
     return bound.args, bound.kwargs
 
 
-@contextlib.contextmanager
 def _swap_seam(launch):
     """Route every kernel-seam op through ``launch(name, fn, signature, args, kwargs)``."""
-    from ascend_patch.npu import kernels
-
-    originals = {name: getattr(kernels, name) for name in kernels.OPS}
 
     def routed(name, fn):
         signature = _signature(fn)
 
-        @functools.wraps(fn)
         def call(*args, **kwargs):
             return launch(name, fn, signature, args, kwargs)
 
         return call
 
-    for name, fn in originals.items():
-        setattr(kernels, name, routed(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(kernels, name, fn)
+    return kernels.swapped(routed)
 
 
 # -- task groups: host-parameter updates of captured launches -------------------------------------

@@ -1,7 +1,8 @@
 """Plain-torch references for the Mixture-of-Experts ops of the kernel seam.
 
-Like :mod:`.reference`, each function enforces its torch_npu op's documented input contract and
-computes the documented output; :mod:`.npu` holds the real twins and :mod:`.reference` re-exports
+Like the other references, each function enforces its torch_npu op's documented input contract and
+computes the documented output; :mod:`ascend_patch.npu.kernels.npu` holds the real twins and
+:mod:`ascend_patch.npu.emulation.reference` re-exports
 these, so both backends bind the same names. Signatures (names, argument names, defaults) are the
 documented torch_npu ones. Work is vectorised over tokens; grouped matmul loops over experts.
 
@@ -100,7 +101,8 @@ so code that reads them fails in emulation instead of passing by luck.
 
 import torch
 
-from .contracts import (
+from ascend_patch.npu.kernels import limits
+from ascend_patch.npu.kernels.contracts import (
     check_contiguous,
     check_dims,
     check_dtype,
@@ -147,7 +149,8 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
     experts = x.shape[-1]
     _check_int(op, "k", k)
     # [SOFTMAX-TOPK] 0 < k <= x的-1轴大小, k <= 1024.
-    require(0 < k <= min(experts, 1024), op, "k", f"in [1, {min(experts, 1024)}]", k)
+    top = min(experts, limits.SOFTMAX_TOP_K_MAX)
+    require(0 < k <= top, op, "k", f"in [1, {top}]", k)
     if finished is not None:
         check_tensor(op, "finished", finished)
         check_dtype(op, "finished", finished, (torch.bool,))  # [SOFTMAX-TOPK] bool
@@ -185,7 +188,8 @@ def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1
     check_dtype(op, "x", x, _FLOATS)
     check_non_empty(op, "x", x)  # [GATING-ACLNN] 输入不支持空Tensor
     experts = x.shape[1]
-    require(experts <= 2048, op, "x", "at most 2048 experts (last dim)", experts)
+    require(experts <= limits.GATING_MAX_EXPERTS, op, "x",
+            f"at most {limits.GATING_MAX_EXPERTS} experts (last dim)", experts)
     for name, value in (("k", k), ("k_group", k_group), ("group_count", group_count),
                         ("group_select_mode", group_select_mode), ("renorm", renorm),
                         ("norm_type", norm_type)):
@@ -197,7 +201,8 @@ def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1
     require(group_size > 2, op, "group_count", "a grouping with more than 2 experts per group",
             f"{group_count} groups of {group_size}")
     aligned = -(-group_size // 32) * 32 * group_count
-    require(aligned <= 2048, op, "group_count", "a grouping whose 32-aligned size is ≤ 2048",
+    require(aligned <= limits.GATING_MAX_EXPERTS, op, "group_count",
+            f"a grouping whose 32-aligned size is ≤ {limits.GATING_MAX_EXPERTS}",
             f"{group_count} groups of {group_size} ({aligned} aligned)")
     require(1 <= k_group <= group_count, op, "k_group", f"in [1, {group_count}]", k_group)
     # [GATING] 1 <= k <= x_shape[-1] / group_count * k_group.
@@ -283,7 +288,8 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     # [INIT-V2-WHEEL] expert_num: (0, 10240]; the default -1 only works with an explicit range,
     # whose end must not exceed it anyway, so it is required.
     _check_int(op, "expert_num", expert_num)
-    require(0 < expert_num <= 10240, op, "expert_num", "in (0, 10240] (pass the expert count)",
+    require(0 < expert_num <= limits.INIT_ROUTING_MAX_EXPERTS, op, "expert_num",
+            f"in (0, {limits.INIT_ROUTING_MAX_EXPERTS}] (pass the expert count)",
             expert_num)
     expert_range = check_int_list(op, "active_expert_range", active_expert_range)
     if not expert_range:
@@ -359,7 +365,6 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
 
 # [GMM] table 2, int8 rows: scale dtype -> the output dtype it dequantises to.
 _INT8_SCALE_OUTPUT = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
-_INNER_LIMIT = 65536  # [GMM] 内轴限制 InnerLimit
 
 
 def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
@@ -380,7 +385,8 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
         ok = isinstance(tensors, (list, tuple)) and all(isinstance(t, torch.Tensor)
                                                         for t in tensors)
         require(ok, op, name, "a list of tensors", type(tensors).__name__)
-        require(1 <= len(tensors) <= 128, op, name, "1 to 128 tensors", len(tensors))
+        require(1 <= len(tensors) <= limits.GMM_MAX_TENSORS, op, name,
+                f"1 to {limits.GMM_MAX_TENSORS} tensors", len(tensors))
     if len(x) != 1 or len(weight) != 1 or weight[0].dim() != 3:
         raise NotImplementedError(f"{op}: only the MoE form is implemented: one 2-D x, one 3-D "
                                   f"weight [E, K, N] (got {len(x)} x, {len(weight)} weight of "
@@ -415,7 +421,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     experts, weight_inner, cols = weights.shape
     require(weight_inner == inner, op, "weight[0]", f"shape (E, {inner}, N) (K of x[0])",
             tuple(weights.shape))
-    require(inner < _INNER_LIMIT and cols < _INNER_LIMIT, op, "K and N", f"below {_INNER_LIMIT}",
+    require(inner < limits.GMM_INNER_LIMIT and cols < limits.GMM_INNER_LIMIT, op, "K and N", f"below {limits.GMM_INNER_LIMIT}",
             (inner, cols))
 
     counts = _group_sizes(op, group_list, group_list_type, experts, rows)
@@ -462,7 +468,8 @@ def _group_sizes(op, group_list, group_list_type, experts, rows):
     check_dims(op, "group_list", group_list, 1)
     require(group_list.numel() == experts, op, "group_list",
             f"{experts} entries (one per expert of weight[0])", group_list.numel())
-    require(1 <= experts <= 1024, op, "group_list", "1 to 1024 groups", experts)
+    require(1 <= experts <= limits.GMM_MAX_GROUPS, op, "group_list",
+            f"1 to {limits.GMM_MAX_GROUPS} groups", experts)
     values = group_list.tolist()
     if group_list_type == 0:
         steps = [b - a for a, b in zip([0, *values], values)]
@@ -556,8 +563,9 @@ def moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode
         check_dims(op, "probs", probs, 2)  # [UNPERMUTE] probs (tokens_num, topK_num)
         check_dtype(op, "probs", probs, (torch.bfloat16,))
         top_k = probs.shape[1]
-        require(1 <= top_k <= 512 and probs.numel() == pairs, op, "probs",
-                f"shape (tokens, k) with tokens * k = {pairs} and k ≤ 512", tuple(probs.shape))
+        require(1 <= top_k <= limits.UNPERMUTE_MAX_TOP_K and probs.numel() == pairs, op, "probs",
+                f"shape (tokens, k) with tokens * k = {pairs} and k ≤ {limits.UNPERMUTE_MAX_TOP_K}",
+                tuple(probs.shape))
     if pairs:
         # [UNPERMUTE] sortedIndices: 取值范围 [0, tokens_num * topK_num - 1], 且没有重复索引.
         low, high = (int(v) for v in sorted_indices.aminmax())

@@ -1,7 +1,8 @@
 """Plain-torch references for the int8 quantisation ops of the kernel seam (W8A8 linear layers).
 
-Like :mod:`.reference`, each function enforces its torch_npu op's documented input contract and
-computes the documented output; :mod:`.npu` holds the real twins and :mod:`.reference` re-exports
+Like the other references, each function enforces its torch_npu op's documented input contract and
+computes the documented output; :mod:`ascend_patch.npu.kernels.npu` holds the real twins and
+:mod:`ascend_patch.npu.emulation.reference` re-exports
 these. Only the forms the W8A8 path uses are implemented; other documented forms (int4, int8
 output, batched operands, smoothing) raise ``NotImplementedError`` naming what was asked for.
 
@@ -43,12 +44,12 @@ undefined). NZ weight layouts are not emulated: weights stay ND, which every op 
 
 import torch
 
-from .contracts import check_dims, check_dtype, check_tensor, fail, require
+from ascend_patch.npu.kernels import limits
+from ascend_patch.npu.kernels.contracts import check_dims, check_dtype, check_tensor, fail, require
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INT8_MAX = 127
-_INNER_LIMIT = 65535  # [QMM] "x1与x2最后一维的shape大小不能超过65535"
 
 
 def _saturate_int8(values: torch.Tensor) -> torch.Tensor:
@@ -151,8 +152,8 @@ def quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, 
     rows, inner = x1.shape
     require(x2.shape[0] == inner, op, "x2", f"shape ({inner}, n) (k of x1)", tuple(x2.shape))
     cols = x2.shape[1]
-    require(inner <= _INNER_LIMIT and cols <= _INNER_LIMIT, op, "x1/x2",
-            f"last dims ≤ {_INNER_LIMIT}", (inner, cols))
+    require(inner <= limits.QMM_INNER_LIMIT and cols <= limits.QMM_INNER_LIMIT, op, "x1/x2",
+            f"last dims ≤ {limits.QMM_INNER_LIMIT}", (inner, cols))
     if scale.dtype == torch.int64:
         raise NotImplementedError(f"{op}: an int64 (npu_trans_quant_param) scale is not "
                                   "implemented; pass the fp32 scale")

@@ -103,3 +103,52 @@ def softmax_attention(query, key, value, allowed, scale, soft_cap=None, causal=F
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return scores.softmax(dim=-1).to(value.dtype) @ value
+
+
+# --- multi-head latent attention (fp32 over the latent cache) -----------------------------------
+
+
+def prefill_attention(query, key, value, query_ends, kv_ends, scale, causal):
+    """A TND batch: ``query [T, N, D]`` over contiguous ``key [T_kv, N, D]`` and ``value
+    [T_kv, N, V]`` with cumulative lengths, each sequence on its own (causal aligns its query row i
+    to key s - q + i), in float32. Returns the output ``[T, N, V]`` in the query's dtype (zero
+    rows for a sequence without keys) and the float32 log-sum-exp of each row's scaled scores
+    ``[T, N, 1]`` (-inf there)."""
+    tokens, heads = query.shape[:2]
+    out = query.new_zeros(tokens, heads, value.shape[2])
+    lse = torch.full((tokens, heads, 1), float("-inf"), device=query.device)
+    q_start = kv_start = 0
+    for q_end, kv_end in zip(query_ends, kv_ends):
+        q_len, kv_len = q_end - q_start, kv_end - kv_start
+        if q_len and kv_len:
+            scores = torch.einsum("qnd,snd->nqs", query[q_start:q_end].float(),
+                                  key[kv_start:kv_end].float()) * scale
+            if causal:
+                rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+                scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows,
+                                            float("-inf"))
+            row_lse = scores.logsumexp(dim=-1, keepdim=True)
+            out[q_start:q_end] = torch.einsum("nqs,snv->qnv", (scores - row_lse).exp(),
+                                              value[kv_start:kv_end].float())
+            lse[q_start:q_end] = row_lse.transpose(0, 1)
+        q_start, kv_start = q_end, kv_end
+    return out, lse
+
+
+def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, scale):
+    """Single-token absorbed queries ``[B, N, L]``/``[B, N, R]`` over the latent planes, every
+    sequence in one batched computation; returns ``[B, N, L]``."""
+    batch = q_nope.shape[0]
+    block_size = kv_c_cache.shape[1]
+    lengths = torch.tensor(lengths, device=q_nope.device)
+    blocks_used = (lengths + block_size - 1) // block_size
+    width = int(blocks_used.max())
+    in_use = torch.arange(width, device=q_nope.device) < blocks_used[:, None]
+    ids = block_table[:, :width].long().masked_fill(~in_use, 0)  # unused columns may be stale
+    latent = kv_c_cache[ids].view(batch, width * block_size, -1).float()
+    rope = k_pe_cache[ids].view(batch, width * block_size, -1).float()
+    scores = (torch.einsum("bnl,bsl->bns", q_nope.float(), latent)
+              + torch.einsum("bnr,bsr->bns", q_rope.float(), rope))
+    visible = torch.arange(width * block_size, device=q_nope.device) < lengths[:, None]
+    probs = (scores * scale).masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("bns,bsl->bnl", probs, latent).to(q_nope.dtype)

@@ -1,5 +1,6 @@
-"""Plain-torch reference kernels: each enforces a torch_npu op's documented input contract, then
-computes that op's documented output.
+"""Reference kernels of the attention ops: the paged KV-cache write, npu_fused_infer_attention_score
+and _npu_paged_attention. Each enforces its torch_npu op's documented input contract (the numbers
+in :mod:`ascend_patch.npu.kernels.limits`), then computes that op's documented output.
 
 They run the emulated engine on CPU, so a contract violation that would only surface on hardware
 (often as an opaque ACL error, sometimes as silently wrong numbers) fails here first, by name. Every
@@ -7,7 +8,8 @@ function has the signature of its ``ascend_patch.npu.kernels.npu`` twin. Tests c
 independent math (SDPA, vLLM's native layers), never against themselves.
 
 Attention is vectorised per sequence at least: the decode rows of a batch share one SDPA call, and
-each longer query is one SDPA call over its gathered blocks.
+each longer query is one SDPA call over its gathered blocks (:mod:`ascend_patch.npu.kernels.composed`,
+the plain-torch attention the backend's composed path runs too).
 
 Contract sources (cited next to each check by the tag in brackets; op-plugin is Ascend/op-plugin at
 517f2e7d, docs under ``docs/zh/custom_APIs/torch_npu/``):
@@ -26,57 +28,32 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   hands the tensor's storage to ATB as is, so every in-place ATB output must be contiguous.
 - [SCATTER] ``torch_npu-npu_scatter_pa_kv_cache.md`` and the schema in
   ``op_plugin/config/op_plugin_functions.yaml``.
-- [RMS] ``（beta）torch_npu-npu_rms_norm.md``; [RMS-WHEEL] its docstring in the torch-npu 2.11-2.14
-  wheels' ``_op_plugin_docs.py`` ("gamma：...数据类型需要和self保持一致"; the .md's A2/A3 table also
-  lists an fp32 gamma beside fp16/bf16 self, which the wheels' own doc does not allow);
-  [ADD-RMS] ``torch_npu-npu_add_rms_norm.md``;
-  [SWIGLU] ``（beta）torch_npu-npu_swiglu.md``.
-- [ROTARY-MUL] the ``npu_rotary_mul`` docstring in the torch-npu wheels' ``torch_npu/_op_plugin_docs.py``
-  (2.10.0.post4 to 2.14.0, identical: 4-D input, layouts BNSD/BSND/SBND and the cos/sin shapes
-  each takes); ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
-- The Mixture-of-Experts ops and their sources: :mod:`.moe`; the int8 quantisation ops:
-  :mod:`.quant`.
-- [TOPKP] ``torch_npu-npu_top_k_top_p.md`` and the ``npu_top_k_top_p`` docstring in
-  ``codegen/templates/_op_plugin_docs.py`` (algorithm; p and k may not both be None).
 """
 
 import math
 import weakref
 
 import torch
-import torch.nn.functional as F
 
-from .contracts import (
+from ascend_patch.npu.kernels import limits
+from ascend_patch.npu.kernels.composed import attend, decode_batch, gather_sequence
+from ascend_patch.npu.kernels.contracts import (
     check_contiguous,
     check_dims,
     check_dtype,
     check_host,
     check_int_list,
-    check_non_empty,
     check_tensor,
     fail,
     require,
 )
-from .moe import (  # noqa: F401 - re-exported: the reference backend is this module's namespace
-    grouped_matmul,
-    moe_finalize_routing,
-    moe_gating_top_k,
-    moe_gating_top_k_softmax,
-    moe_init_routing_v2,
-    moe_token_unpermute,
-)
-from .paged import attend, decode_batch, gather_sequence
-from .quant import dynamic_quant, quant_matmul, quantize  # noqa: F401 - re-exported likewise
 
 _HALF = (torch.float16, torch.bfloat16)
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
 
-# [FIA] "sparse_mode=2/3/4时: shape必须为(2048, 2048)或(1, 2048, 2048)或(1, 1, 2048, 2048)".
-_CAUSAL_MASK_SIZE = 2048
-# [FIA] pre_tokens/next_tokens default: 2147483647 (unbounded).
-_INT_MAX = 2147483647
-_CAUSAL_MASK_SHAPES = {(2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)}
+_INT_MAX = limits.FIA_UNBOUNDED_TOKENS
+_MASK = limits.CAUSAL_MASK_SIZE
+_CAUSAL_MASK_SHAPES = {(_MASK, _MASK), (1, _MASK, _MASK), (1, 1, _MASK, _MASK)}
 
 
 # --- KV-cache write -------------------------------------------------------------------------------
@@ -176,7 +153,8 @@ def fused_infer_attention_score(
 
     paged = block_table is not None
     # [FIA-TILING] TND: D ∈ {64, 128, 192}; [FIA-V2] TND: "GQA和PA场景不支持V_D等于192".
-    head_dims = (64, 128) if paged or kv_heads != num_heads else (64, 128, 192)
+    head_dims = (limits.FIA_TND_PAGED_HEAD_SIZES if paged or kv_heads != num_heads
+                 else limits.FIA_TND_HEAD_SIZES)
     require(head_dim in head_dims, op, "query head dim (D)",
             " or ".join(map(str, head_dims)) + " for TND", head_dim)
 
@@ -245,11 +223,14 @@ def _check_heads(op, heads, num_heads, num_key_value_heads, scale):
     """Returns the KV head count."""
     # [FIA] num_heads 与 query 的 N 轴一致; N ≤ 256.
     require(num_heads == heads, op, "num_heads", f"the query's {heads} heads", num_heads)
-    require(1 <= num_heads <= 256, op, "num_heads", "in [1, 256]", num_heads)
+    require(1 <= num_heads <= limits.FIA_MAX_HEADS, op, "num_heads",
+            f"in [1, {limits.FIA_MAX_HEADS}]", num_heads)
     # [FIA] num_key_value_heads: 0 means num_heads; num_heads 能被整除, 比值 ≤ 64.
     kv_heads = num_key_value_heads or num_heads
-    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op, "num_key_value_heads",
-            f"a divisor of num_heads={num_heads} with ratio ≤ 64", num_key_value_heads)
+    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= limits.FIA_MAX_GQA_RATIO, op,
+            "num_key_value_heads",
+            f"a divisor of num_heads={num_heads} with ratio ≤ {limits.FIA_MAX_GQA_RATIO}",
+            num_key_value_heads)
     require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
     return kv_heads
 
@@ -317,8 +298,10 @@ def _fia_bsh_decode(op, query, key, value, atten_mask, block_table, actual_seq_l
     head_dim = hidden // num_heads
     kv_heads = _check_heads(op, num_heads, num_heads, num_key_value_heads, scale)
     # [FIA] 各轴取值范围: D ≤ 512, float16/bfloat16 16 字节对齐.
-    require(head_dim <= 512 and head_dim * query.element_size() % 16 == 0, op, "query head dim (D)",
-            "≤ 512 and 16-byte aligned", head_dim)
+    require(head_dim <= limits.FIA_DECODE_MAX_HEAD_SIZE
+            and head_dim * query.element_size() % limits.FIA_HEAD_ALIGN_BYTES == 0, op,
+            "query head dim (D)", f"≤ {limits.FIA_DECODE_MAX_HEAD_SIZE} and "
+            f"{limits.FIA_HEAD_ALIGN_BYTES}-byte aligned", head_dim)
     # [FIA] "Q_S = 1且不带rope输入时, sparse_mode参数无效"; pre/next_tokens "Q_S=1时无效": a window
     # must come as an explicit mask, so the seam refuses values the op would silently ignore.
     require(sparse_mode == 0 and pre_tokens == _INT_MAX and next_tokens == _INT_MAX, op,
@@ -334,7 +317,8 @@ def _fia_bsh_decode(op, query, key, value, atten_mask, block_table, actual_seq_l
     kv_lens = kv_arg[:batch] if len(kv_arg) > 1 else kv_arg * batch
     # [FIA] Q_S = 1: KV_S ≤ 262144.
     for length in kv_lens:
-        require(0 <= length <= 262144, op, "actual_seq_lengths_kv", "in [0, 262144]", length)
+        require(0 <= length <= limits.FIA_DECODE_MAX_KV_LEN, op, "actual_seq_lengths_kv",
+                f"in [0, {limits.FIA_DECODE_MAX_KV_LEN}]", length)
     queries = query.view(batch, num_heads, head_dim)
     key_cache, value_cache = _check_fia_paged(op, queries, key, value, block_table, kv_lens,
                                               kv_heads, block_size, 1)
@@ -427,12 +411,14 @@ def _check_paged_attention(op, query, key_cache, value_cache, num_kv_heads, num_
     # selects, head_size ≤ 576 and block_size ≤ 128 once head_size > 256 (KVCacheDimCheck910B);
     # the (0, 256] and block_size * head_size ≤ 128*128 limits bind only on 310P and in the
     # compression, parallel-decode and quantised modes, none of which the seam uses.
-    require(cache_block_size % 16 == 0, op, "block_size (key_cache.shape[1])", "a multiple of 16",
-            cache_block_size)
-    require(head_size <= 576, op, "head_size", "≤ 576", head_size)
-    if head_size > 256:
-        require(cache_block_size <= 128, op, "block_size (key_cache.shape[1])",
-                "≤ 128 when head_size > 256", cache_block_size)
+    require(cache_block_size % limits.PA_BLOCK_ALIGN == 0, op, "block_size (key_cache.shape[1])",
+            f"a multiple of {limits.PA_BLOCK_ALIGN}", cache_block_size)
+    require(head_size <= limits.PA_MAX_HEAD_SIZE, op, "head_size", f"≤ {limits.PA_MAX_HEAD_SIZE}",
+            head_size)
+    if head_size > limits.PA_LARGE_HEAD_SIZE:
+        require(cache_block_size <= limits.PA_LARGE_HEAD_MAX_BLOCK_SIZE, op,
+                "block_size (key_cache.shape[1])", f"≤ {limits.PA_LARGE_HEAD_MAX_BLOCK_SIZE} when "
+                f"head_size > {limits.PA_LARGE_HEAD_SIZE}", cache_block_size)
 
     check_tensor(op, "block_table", block_table)
     check_dtype(op, "block_table", block_table, (torch.int32,))  # [PA] blockTables int32
@@ -480,18 +466,16 @@ def _check_fia_paged(op, query, key, value, block_table, kv_lens, kv_heads, bloc
             f"{len(kv_lens)} rows (one per sequence)", block_table.shape[0])
     # [FIA] cache layout BnBsH (blocknum, block_size, KV_N*D); KV_N*D > 65535 is rejected.
     check_dims(op, "key", key, 3)
-    require(key.shape[2] == kv_heads * head_dim and key.shape[2] <= 65535, op, "key",
+    require(key.shape[2] == kv_heads * head_dim and key.shape[2] <= limits.FIA_MAX_KV_HIDDEN, op, "key",
             f"a paged cache (num_blocks, block_size, {kv_heads}*{head_dim})", tuple(key.shape))
     require(isinstance(block_size, int) and block_size == key.shape[1], op, "block_size",
             f"key.shape[1] = {key.shape[1]}", block_size)
     # [FIA] PageAttention约束: Q_S > 1 → block_size in [128, 512], a multiple of 128;
     # Q_S = 1 → non-zero, ≤ 512; [FIA] TND (D ≠ 512): block_size a multiple of 16.
-    if max_q_len > 1:
-        require(block_size % 128 == 0 and 128 <= block_size <= 512, op, "block_size",
-                "a multiple of 128 in [128, 512] when a query is longer than 1", block_size)
-    else:
-        require(block_size % 16 == 0 and 16 <= block_size <= 512, op, "block_size",
-                "a multiple of 16 in [16, 512] for decode", block_size)
+    align = limits.FIA_PREFILL_BLOCK_ALIGN if max_q_len > 1 else limits.FIA_DECODE_BLOCK_ALIGN
+    require(block_size % align == 0 and align <= block_size <= limits.FIA_MAX_BLOCK_SIZE, op,
+            "block_size", f"a multiple of {align} in [{align}, {limits.FIA_MAX_BLOCK_SIZE}]"
+            + (" when a query is longer than 1" if max_q_len > 1 else " for decode"), block_size)
     # Paged TND reads one kv length per sequence: [FIA] derives each batch's block count from
     # actual_seq_lengths_kv and block_size ("blocknum ≥ 各batch block数之和"), [FIA-V2] calls it
     # "每个batch的实际长度" for the paged case, and vllm-ascend passes seq_lens_list here.
@@ -533,7 +517,8 @@ def _check_tnd_lengths(op, tokens, actual_seq_lengths, actual_seq_lengths_kv):
     # [FIA] actual_seq_lengths: TND 时必须传入, 元素为累加和 (后值 ≥ 前值, 非负), 个数即 batch (≤ 4096).
     q_ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
     batch = len(q_ends)
-    require(1 <= batch <= 4096, op, "actual_seq_lengths", "1 to 4096 entries (TND batch)", batch)
+    require(1 <= batch <= limits.FIA_TND_MAX_BATCH, op, "actual_seq_lengths",
+            f"1 to {limits.FIA_TND_MAX_BATCH} entries (TND batch)", batch)
     q_lens = _lengths_from_cumulative(op, "actual_seq_lengths", q_ends)
     # [FIA] TND: T 为所有 batch 的 S 累加和.
     require(q_ends[-1] == tokens, op, "actual_seq_lengths",
@@ -561,196 +546,8 @@ def _check_causal_mask(op, atten_mask, sparse_mode):
     if version is not None and verified_ref is not None and verified_ref() is atten_mask \
             and verified_version == version:
         return
-    size = _CAUSAL_MASK_SIZE
+    size = _MASK
     upper = torch.ones(size, size, dtype=torch.bool, device=atten_mask.device).triu(1)
     require(torch.equal(atten_mask.reshape(size, size) != 0, upper), op, "atten_mask",
             "nonzero exactly above the diagonal (torch.triu(ones, 1))", "another pattern")
     _verified_mask = (weakref.ref(atten_mask), version)
-
-
-# --- norms and activation -------------------------------------------------------------------------
-
-def rms_norm(self, gamma, epsilon=1e-6):
-    """``y = x / sqrt(mean(x²) + eps) * gamma`` over gamma's trailing dims; returns (y, rstd)."""
-    op = "npu_rms_norm"
-    check_tensor(op, "self", self)
-    check_tensor(op, "gamma", gamma)
-    check_dims(op, "self", self, 2, 8)  # [RMS] self: shape 支持 2-8 维
-    check_dtype(op, "self", self, _FLOATS)  # [RMS-WHEEL] float16、bfloat16、float32
-    require(gamma.dtype == self.dtype, op, "gamma", f"{self.dtype} like self", gamma.dtype)  # [RMS-WHEEL]
-    _check_trailing(op, "gamma", gamma, self)  # [RMS] gamma_shape = self_shape[n:]
-    return _rms(self.float(), gamma, epsilon, self.dtype)
-
-
-def add_rms_norm(x1, x2, gamma, epsilon=1e-6):
-    """``x = x1 + x2``; returns ``(rms_norm(x) * gamma, rstd, x)``: x is the new residual."""
-    op = "npu_add_rms_norm"
-    for name, tensor in (("x1", x1), ("x2", x2), ("gamma", gamma)):
-        check_tensor(op, name, tensor)
-        check_non_empty(op, name, tensor)  # [ADD-RMS] 不支持空Tensor
-    check_dims(op, "x1", x1, 1, 8)  # [ADD-RMS] 1-8 维
-    check_dtype(op, "x1", x1, _FLOATS)  # [ADD-RMS] float32、float16、bfloat16
-    # [ADD-RMS] x = x1 + x2 element-wise; gamma 数据类型与 x1 一致, shape 为 x1 的后几维.
-    require(x2.shape == x1.shape and x2.dtype == x1.dtype, op, "x2",
-            f"{x1.dtype} of shape {tuple(x1.shape)} like x1", f"{x2.dtype} {tuple(x2.shape)}")
-    require(gamma.dtype == x1.dtype, op, "gamma", f"{x1.dtype} like x1", gamma.dtype)
-    _check_trailing(op, "gamma", gamma, x1)
-    total = x1.float() + x2.float()
-    y, rstd = _rms(total, gamma, epsilon, x1.dtype)
-    return y, rstd, total.to(x1.dtype)
-
-
-def _check_trailing(op, arg, gamma, x):
-    require(1 <= gamma.dim() <= x.dim() and gamma.shape == x.shape[x.dim() - gamma.dim():], op, arg,
-            f"trailing dims of {tuple(x.shape)}", tuple(gamma.shape))
-
-
-def _rms(x, gamma, epsilon, dtype):
-    """rstd is fp32 and keeps the normalised dims as 1s ([ADD-RMS] x1 (2,3,4,8), gamma (8) →
-    rstd (2,3,4,1))."""
-    dims = tuple(range(-gamma.dim(), 0))
-    rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
-    return (x * rstd * gamma.float()).to(dtype), rstd
-
-
-def swiglu(self, dim=-1):
-    """``silu(A) * B`` where A, B are the first and second halves of ``self`` along ``dim``."""
-    op = "npu_swiglu"
-    check_tensor(op, "self", self)
-    check_dims(op, "self", self, 1, 8)  # [SWIGLU] 1-8 维
-    check_dtype(op, "self", self, _FLOATS)  # [SWIGLU] float32、float16、bfloat16
-    check_contiguous(op, "self", self)  # [SWIGLU] 不支持非连续的Tensor
-    check_non_empty(op, "self", self)  # [SWIGLU] 不支持空Tensor
-    rank = self.dim()
-    require(-rank <= dim < rank, op, "dim", f"in [{-rank}, {rank - 1}]", dim)
-    # [SWIGLU] shape 必须在 dim 对应维度上可被 2 整除.
-    require(self.shape[dim] % 2 == 0, op, "self", f"even-sized on dim {dim}", tuple(self.shape))
-    first, second = self.float().chunk(2, dim=dim)
-    return (F.silu(first) * second).to(self.dtype)
-
-
-# --- rotary embedding -----------------------------------------------------------------------------
-
-
-# [ROTARY-MUL] 约束说明, jit_compile=False (the A2/A3 path): the input's layout is BNSD, BSND or
-# SBND, and r1/r2 "对应input layout的支持情况" take these shapes (1: a broadcast axis).
-_ROTARY_FACTORS = {
-    "half": {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"),
-             "SBND": ("S11D", "SB1D", "SBND")},
-    "interleave": {"BNSD": ("11SD",), "BSND": ("1S1D",), "SBND": ("S11D",)},
-}
-
-
-def rotary_mul(self, r1, r2, rotary_mode="half"):
-    """``x * r1 + rotate(x) * r2``; "half" rotates halves (NeoX), "interleave" pairs (GPT-J)."""
-    op = "npu_rotary_mul"
-    # [ROTARY-MUL] binding: rotary_mode must be "half" or "interleave".
-    require(rotary_mode in ("half", "interleave"), op, "rotary_mode", "'half' or 'interleave'",
-            repr(rotary_mode))
-    check_tensor(op, "self", self)
-    # [ROTARY-MUL] 参数说明: input, cos, sin "4维Tensor" (the wheel's doc, torch-npu 2.10-2.14);
-    # a 3-D [T, N, D] query must be viewed as one of the 4-D layouts first.
-    check_dims(op, "self", self, 4)
-    check_dtype(op, "self", self, _FLOATS)
-    head_dim = self.shape[-1]
-    # [ROTARY-MUL] jit_compile=False: D < 896 且为 2 的倍数.
-    require(head_dim % 2 == 0 and head_dim < 896, op, "self", "an even last dim below 896",
-            head_dim)
-    check_tensor(op, "r1", r1)
-    check_tensor(op, "r2", r2)
-    # [ROTARY-MUL] "r2: 同r1" (and the CANN tiling: "cos shape and sin shape should be equal").
-    require(r2.shape == r1.shape, op, "r2", f"shape {tuple(r1.shape)} like r1", tuple(r2.shape))
-    readings = _rotary_layouts(op, self, r1, rotary_mode)
-    # [ROTARY-MUL] half: "B, N < 1000"; interleave: "B * N < 1000". The op has no layout
-    # argument: it reads the layout off the factors' broadcast axes, and a shape several
-    # layouts explain computes the same product, so one reading within the limits suffices.
-    within = [(layout, b, n) for layout, b, n in readings
-              if (b < 1000 and n < 1000 if rotary_mode == "half" else b * n < 1000)]
-    limit = "B and N below 1000" if rotary_mode == "half" else "B * N below 1000"
-    require(bool(within), op, "self", f"{limit} in {rotary_mode} mode",
-            ", ".join(f"{layout} with B={b}, N={n}" for layout, b, n in readings))
-    for name, factor in (("r1", r1), ("r2", r2)):
-        check_dtype(op, name, factor, _FLOATS)  # mixed dtypes are cast to self's by the binding
-        # [ROTARY-MUL] r1、r2 数据范围 [-1, 1].
-        if factor.numel():
-            low, high = factor.aminmax()
-            require(-1 <= low and high <= 1, op, name, "within [-1, 1]",
-                    f"range [{float(low)}, {float(high)}]")
-    x = self.float()
-    cos, sin = r1.to(self.dtype).float(), r2.to(self.dtype).float()
-    if rotary_mode == "half":
-        first, second = x.chunk(2, dim=-1)
-        rotated = torch.cat((-second, first), dim=-1)
-    else:
-        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    return (x * cos + rotated * sin).to(self.dtype)
-
-
-def _rotary_layouts(op, x, factor, rotary_mode):
-    """The layouts of ``x`` whose documented factor shapes ``factor`` has, as (layout, B, N)."""
-    readings = []
-    for layout, patterns in _ROTARY_FACTORS[rotary_mode].items():
-        sizes = {**dict(zip(layout, x.shape)), "1": 1}
-        shapes = [tuple(sizes[axis] for axis in pattern) for pattern in patterns]
-        if tuple(factor.shape) in shapes:
-            readings.append((layout, sizes["B"], sizes["N"]))
-    allowed = "; ".join(f"{layout}: {', '.join(patterns)}"
-                        for layout, patterns in _ROTARY_FACTORS[rotary_mode].items())
-    require(bool(readings), op, "r1", f"one of {rotary_mode} mode's cos/sin layouts for the input "
-            f"{tuple(x.shape)} ({allowed})", tuple(factor.shape))
-    return readings
-
-
-# --- sampling -------------------------------------------------------------------------------------
-
-
-def top_k_top_p(logits, p=None, k=None):
-    """Mask logits outside each row's top-k and then top-p set to -inf ([TOPKP] algorithm)."""
-    op = "npu_top_k_top_p"
-    require(p is not None or k is not None, op, "p/k", "at least one of p and k", "both None")
-    check_tensor(op, "logits", logits)
-    check_dims(op, "logits", logits, 2)  # [TOPKP] 维数支持 2 维
-    check_dtype(op, "logits", logits, _FLOATS)
-    rows, vocab = logits.shape
-    if p is not None:
-        check_tensor(op, "p", p)
-        check_dims(op, "p", p, 1)
-        # [TOPKP] p: 数据类型需要与 logits 一致, shape 与 logits 的第一维相同, 值域 [0, 1].
-        require(p.dtype == logits.dtype, op, "p", f"{logits.dtype} like logits", p.dtype)
-        require(p.numel() == rows, op, "p", f"{rows} entries (logits.shape[0])", p.numel())
-        if rows:
-            low, high = p.aminmax()
-            require(0 <= low and high <= 1, op, "p", "within [0, 1]",
-                    f"range [{float(low)}, {float(high)}]")
-    if k is not None:
-        check_tensor(op, "k", k)
-        check_dims(op, "k", k, 1)
-        # [TOPKP] k: int32, 值域 [1, 1024], 最大值 ≤ logits.size(1), shape 与 logits 的第一维相同.
-        check_dtype(op, "k", k, (torch.int32,))
-        require(k.numel() == rows, op, "k", f"{rows} entries (logits.shape[0])", k.numel())
-        if rows:
-            low, high = (int(v) for v in k.aminmax())
-            require(1 <= low and high <= 1024, op, "k", "within [1, 1024]",
-                    f"range [{low}, {high}]")
-            require(high <= vocab, op, "k", f"≤ vocab size {vocab}", high)
-
-    # [TOPKP] 1: stable ascending sort; 2-4: drop values below the k-th largest; 5-8: softmax,
-    # cumulative sum from the smallest, drop where it is ≤ 1 - p but keep the largest; 9: unsort.
-    values, order = logits.sort(dim=-1, stable=True)
-    if k is not None:
-        threshold = values.gather(1, (vocab - k.long())[:, None])
-        values = values.masked_fill(values < threshold, float("-inf"))
-    if p is not None:
-        cumulative = values.float().softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - p.float())[:, None]
-        drop[:, -1] = False
-        values = values.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, values)
-
-
-# --- multi-head latent attention ------------------------------------------------------------------
-# Imported last: the MLA references (kernels/mla.py) reuse this module's paged-cache checks.
-from .mla import (  # noqa: E402,F401 - re-exported like the MoE references
-    fused_infer_attention_score_mla,
-    multi_head_latent_attention,
-)

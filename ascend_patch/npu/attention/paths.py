@@ -1,0 +1,89 @@
+"""Which kernels serve an attention layer's steps, decided from the kernels' documented limits
+(:mod:`ascend_patch.npu.kernels.limits`, which the reference kernels enforce too).
+
+A layer's prefill (prefill, chunked and mixed batches) runs ``npu_fused_infer_attention_score``
+in TND layout ("fused") or composed attention; its decode-only batches run
+``_npu_paged_attention``, the BSH form of ``npu_fused_infer_attention_score`` with the window as a
+mask ("fused_masked"), or composed attention. What no fused kernel takes runs composed: every
+layer of an fp32 model, every layer with soft-capped logits, and the head sizes a kernel rejects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ascend_patch.npu.kernels import limits
+
+# Block sizes the fused kernels accept for queries longer than one token
+# (npu_fused_infer_attention_score PageAttention rule: a multiple of 128 in [128, 512]).
+KERNEL_BLOCK_SIZE = limits.FIA_PREFILL_BLOCK_ALIGN
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+# npu_fused_infer_attention_score TND over a paged cache takes 64 and 128 ([FIA-TILING], [FIA-V2]).
+FIA_TND_HEAD_SIZES = limits.FIA_TND_PAGED_HEAD_SIZES
+
+
+def decodes_on_paged_attention(model_config, head_size: int) -> bool:
+    """Whether every attention layer of the model decodes on ``_npu_paged_attention`` (the one
+    decode kernel FULL graphs hold), as :func:`choose_paths` decides: fp16 or bf16, no sliding
+    window in any layer, no soft-capped logits, a head size it takes (MLA
+    models decode on their own kernel)."""
+    window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
+    # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
+    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)  # not a seam: HF
+    return (not model_config.use_mla and model_config.dtype in FUSED_DTYPES and window is None
+            and not soft_cap
+            and head_size <= limits.PA_MAX_HEAD_SIZE)
+
+
+@dataclass(frozen=True)
+class AttentionPaths:
+    """What serves a layer's steps: ``prefill`` (prefill, chunked and mixed batches) is
+    "fused" or "composed"; ``decode`` (decode-only batches) is "paged_attention",
+    "fused_masked" or "composed"; ``why`` says what forces the composed path, if anything."""
+
+    prefill: str
+    decode: str
+    why: str | None = None
+
+    def composed_steps(self) -> str:
+        if self.prefill == self.decode == "composed":
+            return "every step"
+        if self.prefill == "composed":
+            return "prefill and mixed batches (decode-only batches stay fused)"
+        return "decode-only batches"
+
+
+def choose_paths(dtype: torch.dtype, head_size: int, num_kv_heads: int,
+                 sliding_window: int | None, soft_cap: float | None) -> AttentionPaths:
+    """The kernels that serve a layer of these dimensions for a model in ``dtype``."""
+    if dtype not in FUSED_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        return AttentionPaths("composed", "composed",
+                              f"{name}: the fused attention kernels take fp16/bf16 only")
+    if soft_cap is not None:
+        return AttentionPaths("composed", "composed",
+                              f"logits soft-cap {soft_cap:g}: the fused attention "
+                              f"kernels have no soft-cap input")
+    size = head_size
+    prefill = "fused" if size in FIA_TND_HEAD_SIZES else "composed"
+    if sliding_window is None:
+        decode = "paged_attention" if size <= limits.PA_MAX_HEAD_SIZE else "composed"
+    else:
+        aligned = (size * dtype.itemsize % limits.FIA_HEAD_ALIGN_BYTES == 0
+                   and num_kv_heads * size <= limits.FIA_MAX_KV_HIDDEN)
+        decode = ("fused_masked" if size <= limits.FIA_DECODE_MAX_HEAD_SIZE and aligned
+                  else "composed")
+    reasons = []
+    if prefill == "composed":
+        reasons.append("npu_fused_infer_attention_score over a paged cache (TND) takes "
+                       + " and ".join(map(str, FIA_TND_HEAD_SIZES)))
+    if decode == "composed" and sliding_window is None:
+        reasons.append(f"_npu_paged_attention takes at most {limits.PA_MAX_HEAD_SIZE}")
+    elif decode == "composed":
+        reasons.append("npu_fused_infer_attention_score for one-token queries takes at most "
+                       f"{limits.FIA_DECODE_MAX_HEAD_SIZE}, {limits.FIA_HEAD_ALIGN_BYTES}-byte "
+                       "aligned")
+    why = f"head size {size}: {'; '.join(reasons)}" if reasons else None
+    return AttentionPaths(prefill, decode, why)

@@ -1,0 +1,36 @@
+"""The reference kernel backend (``kernels.use("reference")``): one plain-torch twin per seam op,
+with the signature of its :mod:`ascend_patch.npu.kernels.npu` counterpart. Each enforces its op's
+documented input contract (the limits in :mod:`ascend_patch.npu.kernels.limits`), then computes
+the op's documented output, so the emulated engine fails where the NPU would, and says why.
+
+One module per area: :mod:`.attention` (the KV-cache write, fused and paged attention),
+:mod:`.layers` (norms, SwiGLU, rotary), :mod:`.sampling`, :mod:`.moe`, :mod:`.quant` and
+:mod:`.mla`; this package's namespace is the backend.
+"""
+
+from .attention import (
+    fused_infer_attention_score,
+    paged_attention,
+    paged_attention_workspace,
+    scatter_pa_kv_cache,
+)
+from .layers import add_rms_norm, rms_norm, rotary_mul, swiglu
+from .mla import fused_infer_attention_score_mla, multi_head_latent_attention
+from .moe import (
+    grouped_matmul,
+    moe_finalize_routing,
+    moe_gating_top_k,
+    moe_gating_top_k_softmax,
+    moe_init_routing_v2,
+    moe_token_unpermute,
+)
+from .quant import dynamic_quant, quant_matmul, quantize
+from .sampling import top_k_top_p
+
+__all__ = [
+    "add_rms_norm", "dynamic_quant", "fused_infer_attention_score",
+    "fused_infer_attention_score_mla", "grouped_matmul", "moe_finalize_routing",
+    "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
+    "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
+    "quantize", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swiglu", "top_k_top_p",
+]

@@ -1,0 +1,95 @@
+"""Every seam op's documented limits, in one table that dispatch and the references both read.
+
+Dispatch (the attention paths, the MLA backend, the sampler, the custom ops) decides from these
+which kernel a layer or a batch can take; the reference kernels
+(:mod:`ascend_patch.npu.emulation.reference`) refuse a call outside them by name. The tag in
+brackets names the source; the references' module docstrings give each tag's full citation
+(op-plugin is Ascend/op-plugin at 517f2e7d, docs under ``docs/zh/custom_APIs/torch_npu/``).
+"""
+
+# --- npu_fused_infer_attention_score (FIA) --------------------------------------------------------
+
+# [FIA] num_heads ≤ 256; num_key_value_heads divides it with a ratio ≤ 64.
+FIA_MAX_HEADS = 256
+FIA_MAX_GQA_RATIO = 64
+# [FIA] actual_seq_lengths: TND batch ≤ 4096 entries.
+FIA_TND_MAX_BATCH = 4096
+# [FIA-TILING] TND: D ∈ {64, 128, 192}; [FIA-V2] TND: "GQA和PA场景不支持V_D等于192".
+FIA_TND_HEAD_SIZES = (64, 128, 192)
+FIA_TND_PAGED_HEAD_SIZES = (64, 128)  # over a paged cache, or with GQA
+# [FIA] cache layout BnBsH: KV_N * D > 65535 is rejected.
+FIA_MAX_KV_HIDDEN = 65535
+# [FIA] PageAttention约束: Q_S > 1 → block_size a multiple of 128 in [128, 512];
+# Q_S = 1 → non-zero, ≤ 512; TND (D ≠ 512): a multiple of 16.
+FIA_PREFILL_BLOCK_ALIGN = 128
+FIA_DECODE_BLOCK_ALIGN = 16
+FIA_MAX_BLOCK_SIZE = 512
+# [FIA] 各轴取值范围 (BSH, Q_S = 1): D ≤ 512, 16-byte aligned in fp16/bf16.
+FIA_DECODE_MAX_HEAD_SIZE = 512
+FIA_HEAD_ALIGN_BYTES = 16
+# [FIA] Q_S = 1: KV_S ≤ 262144.
+FIA_DECODE_MAX_KV_LEN = 262144
+# [FIA] "sparse_mode=2/3/4时: shape必须为(2048, 2048)或(1, 2048, 2048)或(1, 1, 2048, 2048)".
+CAUSAL_MASK_SIZE = 2048
+# [FIA] pre_tokens/next_tokens default: 2147483647 (unbounded).
+FIA_UNBOUNDED_TOKENS = 2147483647
+
+# The MLA prefill form, TND without rope inputs. [FIA-WHEEL] TND: "T小于等于65536";
+# "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等"; "Q_D、K_D等于192, V_D等于128/192" ([FIA] TND布局约束,
+# 无rope: the same pairs, besides Q_D = K_D = V_D = 128, which [FIA-WHEEL] does not list).
+FIA_TND_MAX_TOKENS = 65536
+FIA_TND_MLA_HEADS = (8, 16, 32, 64, 128)
+FIA_TND_MLA_HEAD_DIMS = ((192, 128), (192, 192))
+# [FIA-WHEEL] query_rope约束 (sparse ≠ 4): query D 512, N 32/64/128, S 1-16, BSH/BSND/BNSD.
+FIA_ROPE_HEADS = (32, 64, 128)
+FIA_ROPE_MAX_QUERY = 16
+FIA_ROPE_LAYOUTS = ("BSH", "BSND", "BNSD")
+
+# --- _npu_paged_attention (PA) --------------------------------------------------------------------
+
+# [PA] 规格约束: block_size % 16 == 0; on A2/A3 in the plain mode head_size ≤ 576, and
+# block_size ≤ 128 once head_size > 256 (KVCacheDimCheck910B).
+PA_BLOCK_ALIGN = 16
+PA_MAX_HEAD_SIZE = 576
+PA_LARGE_HEAD_SIZE = 256
+PA_LARGE_HEAD_MAX_BLOCK_SIZE = 128
+
+# --- multi-head latent attention (DeepSeek MLA) ---------------------------------------------------
+
+# [ATB-MLA] the latent (ctkv) and rope widths; MultiLatentAttentionParam.headNum;
+# "block_size <= 128"; "batch <= 8192".
+LATENT_DIM, ROPE_DIM = 512, 64
+ATB_MLA_HEADS = (8, 16, 32, 64, 128)
+ATB_MLA_MAX_BLOCK_SIZE = 128
+ATB_MLA_MAX_BATCH = 8192
+
+# --- npu_rotary_mul -------------------------------------------------------------------------------
+
+# [ROTARY-MUL] jit_compile=False: D < 896 and even; half: B, N < 1000; interleave: B * N < 1000.
+ROTARY_HEAD_DIM_BELOW = 896
+ROTARY_BATCH_HEADS_BELOW = 1000
+
+# --- npu_top_k_top_p ------------------------------------------------------------------------------
+
+# [TOPKP] k: int32 in [1, 1024].
+TOP_K_MAX = 1024
+
+# --- Mixture of Experts ---------------------------------------------------------------------------
+
+# [SOFTMAX-TOPK] k ≤ 1024 (and ≤ the expert count).
+SOFTMAX_TOP_K_MAX = 1024
+# [GATING] at most 2048 experts, and a grouping whose 32-aligned size is ≤ 2048.
+GATING_MAX_EXPERTS = 2048
+# [INIT-V2-WHEEL] expert_num in (0, 10240].
+INIT_ROUTING_MAX_EXPERTS = 10240
+# [GMM] 内轴限制 InnerLimit; 1 to 128 tensors per list; ≤ 1024 groups.
+GMM_INNER_LIMIT = 65536
+GMM_MAX_TENSORS = 128
+GMM_MAX_GROUPS = 1024
+# [UNPERMUTE] "topK_num要求小于等于512" on A2/A3.
+UNPERMUTE_MAX_TOP_K = 512
+
+# --- int8 quantisation ----------------------------------------------------------------------------
+
+# [QMM] "x1与x2最后一维的shape大小不能超过65535".
+QMM_INNER_LIMIT = 65535

@@ -1,0 +1,87 @@
+"""Device selection and the platform hooks: how ``current_platform`` becomes ``NPUPlatform``.
+
+The platform hooks have not changed signature from 0.20 to 0.33, so one platform class serves
+every set. They are *contracts*: ``NPUPlatform`` overrides them, nothing is patched, and a
+signature change in a new vLLM release makes verification fail loudly instead of leaving an
+override that vLLM no longer calls the same way. This module also holds the two helpers the
+other area modules declare with (:func:`platform_hook`, :func:`contract`).
+
+Each declaration says what it touches, why, where our side is implemented, the upstream code
+that makes it necessary and when it can go. The releases each set serves live in
+``compat_matrix.yaml`` only; a declaration carries ``vllm=`` just when it applies to part of its
+set's releases.
+"""
+
+from ascend_patch.overlay.declarations import Contract, Patch, Seam
+
+PLATFORM = "ascend_patch.npu.platform:NPUPlatform"
+
+_PLATFORM_API = "vllm/platforms/interface.py: the out-of-tree platform interface"
+KEEP = "never: vLLM's own extension point; the contract only guards its signature"
+
+
+def cite(upstream: str, pr: str | None) -> str:
+    """The upstream text naming the PR behind it (``owner/repo#number``), where one is known."""
+    return upstream if pr is None else f"{upstream}; {pr}"
+
+
+def platform_hook(name: str, signature: str, reason: str, pr: str | None = None) -> Contract:
+    """A hook of vLLM's platform interface that NPUPlatform overrides."""
+    return Contract(
+        f"vllm.platforms.interface:Platform.{name}",
+        reason=reason,
+        signature=(signature,),
+        upstream=cite(_PLATFORM_API, pr),
+        remove_when=KEEP,
+        implementation=PLATFORM,
+    )
+
+
+def contract(target: str, signature: str | tuple[str, ...] | None, reason: str, *,
+             implementation: str, upstream: str, remove_when: str = KEEP,
+             vllm: str | None = None, pr: str | None = None) -> Contract:
+    """A contract; a single signature may be given bare."""
+    if isinstance(signature, str):
+        signature = (signature,)
+    return Contract(target, reason=reason, signature=signature, upstream=cite(upstream, pr),
+                    remove_when=remove_when, implementation=implementation, vllm=vllm)
+
+
+DEVICE_SELECTION = [
+    Patch(
+        "vllm.platforms:resolve_current_platform_cls_qualname",
+        reason="device selection: current_platform resolves to NPUPlatform, not CUDA/CPU",
+        signature=("()",),
+        wrapper="ascend_patch.npu.platform:select_platform",
+        upstream="vllm/platforms/__init__.py picks the platform from `vllm.platform_plugins` "
+                 "entry points; the overlay is not a platform plugin, so the version check and "
+                 "all-or-nothing verification run before the platform is chosen; vllm-project/vllm#11602",
+        remove_when="never while ascend-patch is an overlay (a platform plugin could not refuse "
+                    "a vLLM it has not verified)",
+    ),
+    platform_hook("get_device_name", "(cls, device_id=...)", "device name from the NPU runtime"),
+    platform_hook("get_device_uuid", "(cls, device_id=...)", "device identity from the NPU runtime"),
+    platform_hook("get_device_total_memory", "(cls, device_id=...)", "HBM size (emulated HBM when emulating)"),
+    platform_hook("set_device", "(cls, device)", "select the NPU for this worker"),
+    platform_hook("manual_seed_all", "(cls, seed)", "seed the NPU generators",
+                  pr="vllm-project/vllm#38468"),
+    platform_hook("get_current_memory_usage", "(cls, device=...)", "memory in use on the NPU"),
+    platform_hook("is_pin_memory_available", "(cls)", "pinned host memory needs the NPU runtime"),
+    platform_hook("check_if_supports_dtype", "(cls, dtype)", "fp16/bf16/fp32 only"),
+    platform_hook("inference_mode", "(cls)", "torch.inference_mode on NPU"),
+    platform_hook("num_compute_units", "(cls, device_id=...)", "AI core count",
+                  pr="vllm-project/vllm#35042"),
+    platform_hook("support_hybrid_kv_cache", "(cls)",
+                  "False: vLLM's hybrid KV-cache manager stays off, so a model mixing windowed and "
+                  "full layers keeps every token's blocks (one block table) and the attention "
+                  "applies the windows"),
+    platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
+]
+
+# Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
+SEAMS = [
+    Seam("vllm.config.kernel:IrOpPriorityConfig.fused_add_rms_norm",
+         "put the ascend fused_add_rms_norm first", since="0.21",
+         implementation="ascend_patch.npu.platform:NPUPlatform.get_default_ir_op_priority",
+         pr="vllm-project/vllm#36823"),
+]

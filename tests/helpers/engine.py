@@ -1,0 +1,79 @@
+"""The engine on the emulated NPU in a fresh interpreter, and its output against the HF oracle."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ascend_patch.kit import oracle
+from ascend_patch.kit.oracle import hf_greedy
+from tests.helpers.process import ROOT, clean_env
+
+
+def for_installed_vllm(declarations) -> list:
+    """The declarations of a patch set that apply to the installed vLLM (their own sub-range
+    admits it), as the loader selects them."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from ascend_patch.overlay.declarations import applies_to
+
+    release = Version(Version(version("vllm")).base_version)
+    return [d for d in declarations if applies_to(d, release)]
+
+
+MODELS_DIR = ROOT / ".cache" / "models"
+
+
+def assert_greedy_equals_hf(engine: dict, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
+    """An fp32 engine's two greedy runs of ``prompts`` (the second served from the prefix cache)
+    equal HF transformers token for token."""
+    assert "error" not in engine, engine.get("error")
+    oracle = hf_greedy(model_dir, prompts, max_tokens)
+    first, cached = engine["runs"]
+    assert first["tokens"] == oracle
+    assert cached["tokens"] == oracle, "served from the prefix cache"
+    assert sum(cached["cached"]) > 0
+
+
+def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
+                            min_exact: float = 0.9, routed: bool = False,
+                            bf16_oracle: bool = False) -> None:
+    """Reduced-precision greedy output tracks the fp32 HF oracle within bf16 rounding
+    (:func:`ascend_patch.kit.oracle.hf_logit_tracking`, which says why ``routed`` and
+    ``bf16_oracle`` admit HF bf16 as a second oracle). The expert path's own bf16 numerics,
+    routing held fixed, are checked tightly in tests/kernels/test_moe_ops.py."""
+    tracking = oracle.hf_logit_tracking(model_dir, prompts, generated, min_exact, routed, bf16_oracle)
+    assert tracking.ok, tracking.message
+
+
+def assert_tracks_logits(oracles: list[list], prompts: list[list[int]], generated: list[list[int]],
+                         min_exact: float = 0.9, routed: bool = False) -> None:
+    """The check of :func:`assert_tracks_hf_logits` against given oracles: per oracle, the
+    next-token logits at every position of each prompt + generated sequence."""
+    tracking = oracle.logit_tracking(oracles, prompts, generated, min_exact, routed)
+    assert tracking.ok, tracking.message
+
+
+def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600,
+               python: str = sys.executable) -> dict:
+    """Run tests/engine_driver.py on ``spec`` in a fresh interpreter (emulated NPU) of ``python``'s
+    environment."""
+    spec_file = tmp_path / f"engine-spec-{len(list(tmp_path.glob('engine-spec-*')))}.json"
+    spec_file.write_text(json.dumps(spec))
+    environment = env or clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
+    proc = subprocess.run(
+        [python, str(ROOT / "tests" / "engine_driver.py"), str(spec_file)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, f"engine driver failed:\n{proc.stderr[-6000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"engine driver printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
