@@ -33,14 +33,19 @@ IMPLEMENTATIONS = {f"{module}.{fn.__name__}": fn
 def kernel_arg_names(kernel) -> tuple[str, ...]:
     """A kernel's parameter names: a Triton ``JITFunction``'s ``arg_names``, or (vLLM without
     Triton, where ``@triton.jit`` leaves the function as it is) the function's own."""
-    names = getattr(kernel, "arg_names", None)
+    names = getattr(kernel, "arg_names", None)  # not a seam: Triton present or not
     if names is None:
-        names = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+        names = inspect.signature(_function(kernel)).parameters
     return tuple(names)
 
 
+def _function(kernel):
+    """The function a Triton ``JITFunction`` compiles, or the kernel itself without Triton."""
+    return getattr(kernel, "fn", kernel)  # not a seam: Triton present or not
+
+
 def _qualified_name(kernel) -> str:
-    function = getattr(kernel, "fn", kernel)  # a JITFunction keeps the function it compiles
+    function = _function(kernel)
     return f"{function.__module__}.{function.__name__}"
 
 
@@ -72,7 +77,7 @@ class Launch:
         self.kernel = kernel
         self.arg_names = kernel_arg_names(kernel)
         self.__name__ = implementation.__name__
-        self.__module__ = getattr(getattr(kernel, "fn", kernel), "__module__", "")
+        self.__module__ = _function(kernel).__module__
 
     def __getitem__(self, grid):
         return self.implementation
@@ -105,7 +110,7 @@ def register_overrides() -> None:
     for name, implementation in IMPLEMENTATIONS.items():
         module, _, attr = name.rpartition(".")
         current = getattr(importlib.import_module(module), attr)
-        if getattr(current, "func", None) is implementation:  # vLLM's KernelOverride of it
+        if getattr(current, "func", None) is implementation:  # not a seam: registered already
             continue
         overrides[name] = implementation_of(current)
     if overrides:
