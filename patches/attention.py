@@ -29,6 +29,15 @@ ATTENTION_CONTRACTS = [
              "the Ascend metadata builder",
              implementation="ascend_patch.npu.attention.backend:AscendMetadataBuilder",
              upstream="vllm/v1/attention/backend.py: the attention backend interface"),
+    contract("vllm.model_executor.layers.attention.encoder_only_attention:"
+             "create_encoder_only_attention_backend", "(underlying_attn_backend)",
+             "encoder-only layers (BERT, XLM-RoBERTa) get the platform's encoder backend wrapped in "
+             "a builder that clears `causal`; the encoder impl attends without a mask because of "
+             "it (and refuses causal metadata)",
+             implementation="ascend_patch.npu.attention.encoder:AscendEncoderOnlyImpl",
+             upstream="vllm/model_executor/layers/attention/encoder_only_attention.py: "
+                      "EncoderOnlyAttention subclasses the selected backend with a builder that "
+                      "copies the common metadata with causal=False"),
 ]
 
 

@@ -26,6 +26,8 @@ for ``logprobs``, each one's log-probability ("logprobs"), the number of prompt 
 served from the prefix cache, and "outputs": the prompt's token ids and prompt logprobs
 and every completion with its tokens, text, finish reason and logprobs (per position a
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
+An engine that keeps stats (``"disable_log_stats": false``) also reports, per run, vLLM's own
+speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens).
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An engine spec with
 ``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
@@ -99,6 +101,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
     result["runs"] = []
     for run in spec["runs"]:
+        before = engine.spec_decode_counts(llm)
         with engine.measured() as measured:
             try:
                 report = _run(llm, run)
@@ -108,6 +111,9 @@ def _generate(spec: dict, report_errors: bool) -> dict:
                 # e.g. a rejected request: the next run shows whether the engine survived it
                 traceback.print_exc()
                 report = {"error": f"{type(exc).__name__}: {exc}"}
+        if before is not None:  # the process's counters: this run's share
+            after = engine.spec_decode_counts(llm)
+            measured["spec_decode"] = {name: after[name] - before[name] for name in after}
         result["runs"].append({**report, **measured})
     engine.shutdown(llm)
     return result

@@ -156,6 +156,22 @@ def request_outputs(outputs) -> dict:
     }
 
 
+SPEC_DECODE_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def spec_decode_counts(llm) -> dict[str, int] | None:
+    """vLLM's own speculative-decoding counters (``vllm:spec_decode_num_*``) so far in this
+    process, or None when the engine keeps no stats (``disable_log_stats``)."""
+    if llm.llm_engine.log_stats is False:
+        return None
+    counts = dict.fromkeys(SPEC_DECODE_COUNTERS, 0)
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_num_")
+        if name in counts:
+            counts[name] += metric.value
+    return counts
+
+
 def shutdown(llm) -> None:
     """Free the engine and its device memory before the next one starts."""
     import torch

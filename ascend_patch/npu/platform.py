@@ -104,7 +104,8 @@ class NPUPlatform(Platform):
             # run their kernel-seam contract checks in Python, which dynamo cannot trace.
             compilation.custom_ops.append("none")
         if compilation.cudagraph_mode is None:
-            on = vllm_config.optimization_level > 0 and graphs_by_default(vllm_config.model_config)
+            on = (vllm_config.optimization_level > 0 and graphs_by_default(vllm_config.model_config)
+                  and vllm_config.speculative_config is None)  # see settle_graph_mode
             compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY if on else CUDAGraphMode.NONE
 
     @classmethod
@@ -114,9 +115,11 @@ class NPUPlatform(Platform):
         from ascend_patch.npu import quantization
         from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
 
+        from ascend_patch.npu import spec_decode
+
         model = vllm_config.model_config
+        spec_decode.config.check(vllm_config)
         unsupported = {
-            "speculative decoding": vllm_config.speculative_config is not None,
             "LoRA": vllm_config.lora_config is not None,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
             # Their layers keep a recurrent state instead of (or beside) a KV cache.
@@ -156,6 +159,19 @@ class NPUPlatform(Platform):
             compilation.mode = CompilationMode.NONE
         if vllm_config.model_config is not None:
             settle_graph_mode(vllm_config)
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        # vLLM 0.31+ asks before any worker code runs (0.20-0.30: the kernel patches).
+        from ascend_patch.npu.spec_decode import install
+
+        install.register_overrides()
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # A draft model's layers share the target's layer indices; the runner's flat KV list is
+        # only iterated whole (block copies), never indexed by layer on the NPU path.
+        return None
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:
@@ -311,6 +327,11 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs are not supported for MLA models yet (the MLA decode "
                          "kernel's host context lengths are not updated on replay): run with "
                          "--enforce-eager or -cc.cudagraph_mode=NONE")
+    if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None:
+        # Verification rows are 1 + k tokens: the Ascend builder captures single-token decode
+        # only, and vLLM would drop the graphs with no more than a warning.
+        raise ValueError(f"{mode.name} ACL graphs are not supported with speculative decoding yet: "
+                         "run with --enforce-eager or -cc.cudagraph_mode=NONE")
     sizes = sorted(compilation.cudagraph_capture_sizes or [])
     kept, reasons = sizes, []
     full, piecewise = mode.has_full_cudagraphs(), mode.has_piecewise_cudagraphs()

@@ -177,6 +177,10 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         # Slot i of the null block for token i (block 0, which vLLM never hands to a request).
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._null_slots = torch.arange(tokens, device=device) % kv_cache_spec.block_size
+        # With speculative decoding vLLM's host KV lengths are not exact: async scheduling
+        # counts every draft as accepted, and the drafter lengthens queries on the device only
+        # (spec_decode/utils.py extend_all_queries_by_N).
+        self._host_lengths_exact = vllm_config.speculative_config is None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -201,9 +205,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         meta = common_attn_metadata
         num_seqs = meta.num_reqs
         query_ends = meta.query_start_loc_cpu[1 : num_seqs + 1].tolist()
-        # A host copy of the KV lengths, exact outside speculative decoding (which
-        # this backend does not support); otherwise one device-to-host copy.
-        host_seq_lens = meta.seq_lens_cpu_upper_bound
+        # vLLM's host copy of the KV lengths where it is exact; otherwise one device-to-host copy.
+        host_seq_lens = meta.seq_lens_cpu_upper_bound if self._host_lengths_exact else None
         if host_seq_lens is None:
             host_seq_lens = meta.seq_lens.cpu()
         seq_lens = host_seq_lens[:num_seqs].to(torch.int32)

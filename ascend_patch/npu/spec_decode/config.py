@@ -1,0 +1,34 @@
+"""Which speculative-decoding configurations the NPU path serves exactly, settled at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm.ascend_patch")
+
+METHODS = ("ngram", "draft_model")
+"""The methods served: their drafters are vLLM's own and reach only the kernels of
+:mod:`.kernels`. EAGLE, EAGLE-3 and MTP need the drafter's attention metadata from the Ascend
+builders (not done yet); suffix decoding, DFlash and the rest are not ported."""
+
+
+def check(vllm_config) -> None:
+    """Refuse a method the NPU path does not serve, in one line, and turn async scheduling off.
+
+    Under async scheduling vLLM schedules a step before the previous step's drafts are verified,
+    so a verification row's ``seq_lens_cpu_upper_bound`` counts every draft as accepted; the
+    Ascend attention ops take host KV lengths, and would attend over the rejected drafts' slots.
+    """
+    speculative = vllm_config.speculative_config
+    if speculative is None:
+        return
+    if speculative.method not in METHODS:
+        raise NotImplementedError(
+            f"speculative decoding with method {speculative.method!r} is not supported by "
+            f"ascend-patch yet (supported: {', '.join(METHODS)})")
+    scheduler = vllm_config.scheduler_config
+    if scheduler.async_scheduling:
+        logger.warning("ascend-patch: async scheduling is off with speculative decoding (the Ascend "
+                       "attention takes exact host KV lengths, which async scheduling does not "
+                       "have for verification rows)")
+        scheduler.async_scheduling = False

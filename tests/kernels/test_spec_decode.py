@@ -1,0 +1,232 @@
+"""The NPU implementations of vLLM's speculative-decoding kernels (ascend_patch.npu.spec_decode).
+
+Oracles: per-request loops written from the Triton kernels' source (vLLM 0.33
+``v1/sample/rejection_sampler.py``, ``v1/spec_decode/utils.py``), hand-derived vectors, and for
+random rejection sampling the distribution it must keep (Leviathan et al. 2023): whatever the
+draft distribution q, the emitted token is distributed as the target p.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ascend_patch.npu.spec_decode import install, kernels
+
+
+def _requests(cu: list[int]):
+    return [(0 if b == 0 else cu[b - 1], cu[b]) for b in range(len(cu))]
+
+
+def loop_verify(output, cu, drafts, accept, replacement, bonus, rows):
+    """Both rejection kernels' loop: keep drafts while accepted, write the replacement at the first
+    rejection, the bonus token when none was rejected."""
+    for b, (start, end) in enumerate(_requests(cu)):
+        if not rows[b]:
+            continue
+        rejected = False
+        for pos in range(end - start):
+            if rejected:
+                break
+            t = start + pos
+            if accept(t, pos):
+                output[b, pos] = drafts[t]
+            else:
+                rejected = True
+                output[b, pos] = replacement[t]
+        if not rejected:
+            output[b, end - start] = bonus[b]
+
+
+def _batch(seed: int, batch: int = 5, width: int = 4, vocab: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, width + 1, (batch,), generator=g)
+    cu = torch.cumsum(counts, 0).to(torch.int32)
+    tokens = int(cu[-1])
+    return g, cu, tokens, {
+        "drafts": torch.randint(0, vocab, (tokens,), generator=g, dtype=torch.int32),
+        "bonus": torch.randint(0, vocab, (batch,), generator=g, dtype=torch.int64),
+        "output": torch.full((batch, width + 1), -1, dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_rejection_equals_the_kernels_loop(seed):
+    g, cu, tokens, data = _batch(seed)
+    # argmax equal to the draft about half the time, so requests stop at different positions
+    argmax = torch.where(torch.rand(tokens, generator=g) < 0.6, data["drafts"].long(),
+                         torch.randint(0, 6, (tokens,), generator=g))
+    is_greedy = torch.rand(cu.shape[0], generator=g) < 0.7
+    expected = data["output"].clone()
+    loop_verify(expected, cu.tolist(), data["drafts"].tolist(),
+                lambda t, pos: int(data["drafts"][t]) == int(argmax[t]), argmax.tolist(),
+                data["bonus"].tolist(), is_greedy.tolist())
+    output = data["output"].clone()
+    kernels.rejection_greedy_sample_kernel(output, cu, data["drafts"], argmax, data["bonus"],
+                                           is_greedy, 4)
+    assert torch.equal(output, expected)
+
+
+def test_greedy_rejection_by_hand():
+    # request 0: drafts 3 7, argmax 3 7 -> both kept, bonus 9; request 1: draft 4 vs argmax 5 ->
+    # 5 written, nothing after; request 2: no drafts -> only its bonus.
+    output = torch.full((3, 3), -1, dtype=torch.int32)
+    kernels.rejection_greedy_sample_kernel(
+        output, torch.tensor([2, 3, 3], dtype=torch.int32), torch.tensor([3, 7, 4], dtype=torch.int32),
+        torch.tensor([3, 7, 5]), torch.tensor([9, 8, 6]), None, 2)
+    assert output.tolist() == [[3, 7, 9], [5, -1, -1], [6, -1, -1]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("no_draft_probs", [False, True])
+def test_random_rejection_equals_the_kernels_loop(seed, no_draft_probs):
+    g, cu, tokens, data = _batch(seed)
+    target = torch.rand(tokens, 6, generator=g).softmax(-1)
+    draft = torch.rand(tokens, 6, generator=g).softmax(-1)
+    if tokens:
+        draft[0, data["drafts"][0]] = 0.0  # a zero draft probability is rejected
+    uniform = torch.rand(tokens, generator=g, dtype=torch.float64)
+    recovered = torch.randint(0, 6, (tokens,), generator=g, dtype=torch.int32)
+    is_greedy = torch.rand(cu.shape[0], generator=g) < 0.3
+    drafts = data["drafts"]
+
+    def accept(t, pos):
+        q = 1.0 if no_draft_probs else float(draft[t, drafts[t]])
+        return q > 0 and float(target[t, drafts[t]]) / q >= float(uniform[t])
+
+    expected = data["output"].clone()
+    loop_verify(expected, cu.tolist(), drafts.tolist(), accept, recovered.tolist(),
+                data["bonus"].tolist(), (~is_greedy).tolist())
+    output = data["output"].clone()
+    kernels.rejection_random_sample_kernel(output, cu, drafts, None if no_draft_probs else draft,
+                                           target, data["bonus"], recovered, uniform, is_greedy, 4, 6,
+                                           NO_DRAFT_PROBS=no_draft_probs)
+    assert torch.equal(output, expected)
+
+
+@pytest.mark.parametrize("no_draft_probs", [False, True])
+def test_recovered_tokens_equal_the_kernels_loop(no_draft_probs):
+    g, cu, tokens, data = _batch(7)
+    target = torch.rand(tokens, 6, generator=g).softmax(-1)
+    draft = torch.rand(tokens, 6, generator=g).softmax(-1)
+    inv_q = torch.empty(cu.shape[0], 6).exponential_(generator=g).reciprocal()
+    expected = []
+    for b, (start, end) in enumerate(_requests(cu.tolist())):
+        for t in range(start, end):
+            scores = []
+            for v in range(6):
+                if no_draft_probs:
+                    prob = 0.0 if v == int(data["drafts"][t]) else float(target[t, v])
+                else:
+                    prob = max(float(target[t, v]) - float(draft[t, v]), 0.0)
+                scores.append(prob * float(inv_q[b, v]))
+            expected.append(max(range(6), key=lambda v: (scores[v], -v)))  # first maximum
+    output = torch.empty(tokens, dtype=torch.int32)
+    kernels.sample_recovered_tokens_kernel(output, cu, data["drafts"], None if no_draft_probs else draft,
+                                           target, inv_q, 6, NO_DRAFT_PROBS=no_draft_probs)
+    assert output.tolist() == expected
+
+
+def test_expand_by_hand():
+    # requests own 2, 0 and 3 tokens; 5 (replace_from) becomes 0; the slot past them stays.
+    output = torch.full((6,), -7.0)
+    kernels.expand_kernel(output, torch.tensor([1.5, 2.5, 5.0]), torch.tensor([2, 2, 5], dtype=torch.int32),
+                          5.0, 0.0)
+    assert output.tolist() == [1.5, 1.5, 0.0, 0.0, 0.0, -7.0]
+
+
+def test_eagle_padded_preparation_by_hand():
+    # drafts 3, 0, 2; valid sampled 2 (1 rejected), 1, 3 (none rejected); queries end at 4, 5, 8.
+    indices, rejected = torch.full((4,), -1, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32)
+    kernels.eagle_prepare_inputs_padded_kernel(
+        torch.tensor([3, 3, 5], dtype=torch.int32), torch.tensor([2, 1, 3], dtype=torch.int32),
+        torch.tensor([0, 4, 5, 8], dtype=torch.int32), indices, rejected, 3)
+    assert rejected.tolist() == [2, 0, 0, -1]
+    assert indices.tolist() == [1, 4, 7, -1]
+    # the next token: the last valid sampled one, else the backup (count 0 when discarded)
+    sampled = torch.tensor([[5, 6, -1], [-1, -1, -1], [7, 8, 9]], dtype=torch.int32)
+    next_ids, counts = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    kernels.eagle_prepare_next_token_padded_kernel(
+        sampled, torch.tensor([False, False, True]), torch.tensor([11, 12, 13], dtype=torch.int32),
+        next_ids, counts, 100, 3, 3, 3)
+    assert next_ids.tolist() == [6, 12, 13]
+    assert counts.tolist() == [2, 0, 0]
+
+
+def test_eagle_step_slot_mapping_by_hand():
+    # block size 4; request 0 at position 5 -> 6 in its block 1 (id 9): slot 38; request 1 at
+    # position 7 reaches max_model_len 8 -> position 0, the pad slot, length 1; padding rows: PAD.
+    positions = torch.tensor([5, 7])
+    seq_lens = torch.tensor([6, 8], dtype=torch.int32)
+    block_table = torch.tensor([[3, 9], [4, 5]], dtype=torch.int32)
+    clamped, slots = torch.empty(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    kernels.eagle_step_slot_mapping_metadata_kernel(positions, block_table, 2, seq_lens, clamped, slots,
+                                                    4, 8, 2, -1, 2)
+    assert clamped.tolist() == [6, 0]
+    assert slots.tolist() == [38, -1, -1]
+    assert seq_lens.tolist() == [7, 1]
+
+
+def _emitted(p: torch.Tensor, q: torch.Tensor, rows: int, recovered_from_residual: bool) -> torch.Tensor:
+    """Token 0 of ``rows`` one-draft verifications, composed as vLLM's rejection_sample does:
+    draft x ~ q, recovered token by the exponential race over max(p - q, 0) (or, broken, over p),
+    then accept x when p(x) / q(x) >= u."""
+    g = torch.Generator().manual_seed(0)
+    vocab = p.shape[0]
+    drafts = torch.multinomial(q, rows, replacement=True, generator=g).to(torch.int32)
+    target, draft = p.expand(rows, vocab).contiguous(), q.expand(rows, vocab).contiguous()
+    cu = torch.arange(1, rows + 1, dtype=torch.int32)
+    inv_q = torch.empty(rows, vocab).exponential_(generator=g).reciprocal()
+    recovered = torch.empty(rows, dtype=torch.int32)
+    kernels.sample_recovered_tokens_kernel(recovered, cu, drafts, draft if recovered_from_residual
+                                           else torch.zeros_like(draft), target, inv_q, vocab)
+    output = torch.full((rows, 2), -1, dtype=torch.int32)
+    kernels.rejection_random_sample_kernel(
+        output, cu, drafts, draft, target, torch.zeros(rows, dtype=torch.int64), recovered,
+        torch.rand(rows, generator=g, dtype=torch.float64), torch.zeros(rows, dtype=torch.bool), 1, vocab)
+    return output[:, 0]
+
+
+CHI2_DF4_P001 = 18.467  # the chi-square distribution's 0.999 quantile at 4 degrees of freedom
+
+
+def _chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    observed = torch.bincount(tokens.long(), minlength=p.shape[0]).double()
+    expected = p.double() * tokens.shape[0]
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def test_random_rejection_keeps_the_target_distribution():
+    p = torch.tensor([0.40, 0.25, 0.15, 0.12, 0.08])
+    q = torch.tensor([0.05, 0.15, 0.40, 0.10, 0.30])
+    assert _chi_square(_emitted(p, q, 40_000, True), p) < CHI2_DF4_P001
+    # the same test catches a recovered-token step that ignores the draft distribution
+    assert _chi_square(_emitted(p, q, 40_000, False), p) > 10 * CHI2_DF4_P001
+
+
+class _Kernel:
+    """A stand-in for a Triton JITFunction of vLLM's: the function it compiles (by its name) and
+    its parameter names."""
+
+    def __init__(self, impl, arg_names):
+        module = next(m for m, functions in kernels.KERNELS.items() if impl in functions)
+        self.fn = types.SimpleNamespace(__module__=module, __name__=impl.__name__)
+        self.arg_names = arg_names
+
+
+def test_installer_accepts_a_kernel_without_flags_added_later():
+    # 0.20-0.22's sample_recovered_tokens_kernel has no USE_FP64_GUMBEL (added 0.23, default False).
+    impl = kernels.sample_recovered_tokens_kernel
+    names = install.kernel_arg_names(impl)
+    older = _Kernel(impl, names[:-1])
+    assert install.npu_kernel(older)[(1, 1)] is impl
+
+
+def test_installer_refuses_a_kernel_whose_parameters_moved():
+    impl = kernels.expand_kernel
+    names = list(install.kernel_arg_names(impl))
+    names[1], names[2] = names[2], names[1]
+    with pytest.raises(RuntimeError, match="ascend-patch: vLLM's .*expand_kernel takes"):
+        install.npu_kernel(_Kernel(impl, tuple(names)))
