@@ -33,6 +33,9 @@ its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An en
 ``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
 negative control of the graph tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
+An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
+rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
+engine core has started, so only engines before the first that starts can be given one.
 A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
 then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 With "record_seam": true in SPEC, the report also holds "seam_calls": every distinct kernel-seam
@@ -95,10 +98,18 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
 
 
 def _generate(spec: dict, report_errors: bool) -> dict:
+    saved = {name: os.environ.get(name) for name in spec.get("env", {})}
+    os.environ.update(spec.get("env", {}))
     try:
         llm, result = engine.start(spec["model"], **spec.get("kwargs", {}))
     except Exception as exc:  # reported, so tests can assert on configuration errors
         return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     result["runs"] = []
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)

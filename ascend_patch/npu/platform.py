@@ -112,8 +112,9 @@ class NPUPlatform(Platform):
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode
 
-        from ascend_patch.npu import quantization
+        from ascend_patch.npu import distributed, quantization
         from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
+        from ascend_patch.npu.distributed import kv_transfer
 
         from ascend_patch.npu import spec_decode
 
@@ -137,6 +138,8 @@ class NPUPlatform(Platform):
 
         quantization.register_config()  # a VllmConfig built without EngineArgs skips the hook
         quantization.detect(vllm_config)
+        kv_transfer.check_config(vllm_config)
+        distributed.check_config(vllm_config)
 
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
