@@ -8,7 +8,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Keep vLLM's caches, IPC sockets and temp files inside the workspace.
 export TMPDIR="$ROOT/.tmp" XDG_CACHE_HOME="$ROOT/.cache" VLLM_CACHE_ROOT="$ROOT/.cache/vllm"
-mkdir -p "$TMPDIR" "$XDG_CACHE_HOME"
+mkdir -p "$TMPDIR" "$XDG_CACHE_HOME/ascend-patch"
+# The vLLM releases the static probes read (19 sdists, ~40 MB of sources each once extracted)
+# are kept outside the checkout too, so a machine downloads each release once.
+RELEASES="${ASCEND_PATCH_RELEASE_CACHE:-$HOME/.cache/ascend-patch-ci/releases}"
+mkdir -p "$RELEASES"
+if [[ ! -e "$XDG_CACHE_HOME/ascend-patch/releases" || -L "$XDG_CACHE_HOME/ascend-patch/releases" ]]; then
+    ln -sfn "$RELEASES" "$XDG_CACHE_HOME/ascend-patch/releases"
+fi
 cd "$ROOT"
 # The torch-npu wheel of every release the matrix names, for the conformance tests: downloaded
 # once into a cache outside the checkout (ASCEND_PATCH_WHEEL_CACHE), sha256-checked on every run.

@@ -64,6 +64,7 @@ from vllm.v1.attention.backend import (
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu import kv_cache as kv_cache_layout
+from ascend_patch.npu.attention import paths
 from ascend_patch.npu.attention.paths import (
     FUSED_DTYPES,
     KERNEL_BLOCK_SIZE,
@@ -268,16 +269,10 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **unsupported,
     ) -> None:
-        features = {
+        paths.refuse_unsupported("Ascend attention backend", {
             "ALiBi": alibi_slopes is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
-            **{name: value is not None for name, value in unsupported.items()},
-        }
-        missing = [name for name, used in features.items() if used]
-        if missing:
-            raise NotImplementedError(
-                f"Ascend attention backend does not support {', '.join(missing)}"
-            )
+        }, unsupported)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

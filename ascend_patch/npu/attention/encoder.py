@@ -37,6 +37,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu.attention import paths
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import composed, limits
 
@@ -115,15 +116,10 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **unsupported,
     ) -> None:
-        features = {
+        paths.refuse_unsupported("Ascend encoder-only attention", {
             "ALiBi": alibi_slopes is not None,
             f"attention type {attn_type}": attn_type != AttentionType.ENCODER_ONLY,
-            **{name: value is not None for name, value in unsupported.items()},
-        }
-        missing = [name for name, used in features.items() if used]
-        if missing:
-            raise NotImplementedError(
-                f"Ascend encoder-only attention does not support {', '.join(missing)}")
+        }, unsupported)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

@@ -59,6 +59,7 @@ from vllm.v1.attention.backend import (
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
+from ascend_patch.npu.attention import paths
 from ascend_patch.npu.attention.paths import FUSED_DTYPES, KERNEL_BLOCK_SIZE
 from ascend_patch.npu.kernels import composed, limits
 
@@ -320,7 +321,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         kv_b_proj,
         **unsupported,
     ) -> None:
-        features = {
+        paths.refuse_unsupported("Ascend MLA backend", {
             "ALiBi": alibi_slopes is not None,
             "sliding window": sliding_window is not None,
             "logits soft-cap": bool(logits_soft_cap),
@@ -328,11 +329,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             "KV sharing": kv_sharing_target_layer_name is not None,
             f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", "float16", "bfloat16"),
             "decode context parallelism": self.dcp_world_size > 1,
-            **{name: value is not None for name, value in unsupported.items()},
-        }
-        missing = [name for name, used in features.items() if used]
-        if missing:
-            raise NotImplementedError(f"Ascend MLA backend does not support {', '.join(missing)}")
+        }, unsupported)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

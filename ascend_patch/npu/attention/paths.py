@@ -87,3 +87,13 @@ def choose_paths(dtype: torch.dtype, head_size: int, num_kv_heads: int,
                        "aligned")
     why = f"head size {size}: {'; '.join(reasons)}" if reasons else None
     return AttentionPaths(prefill, decode, why)
+
+
+def refuse_unsupported(subject: str, features: dict[str, bool], unknown: dict) -> None:
+    """Refuse, in one line naming them all, the features an Ascend attention impl was given and
+    cannot serve; ``unknown`` holds the keyword arguments a newer vLLM passes that it does not
+    know (refused when set)."""
+    features = {**features, **{name: value is not None for name, value in unknown.items()}}
+    missing = [name for name, used in features.items() if used]
+    if missing:
+        raise NotImplementedError(f"{subject} does not support {', '.join(missing)}")
