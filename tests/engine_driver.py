@@ -16,6 +16,9 @@ RUN, by "kind":
   "embed", "classify"   {"prompts": [[token ids], ...]}: a pooling model's vectors ("embeddings",
                         "probabilities"), per prompt
   "score"               {"query": TEXT, "documents": [TEXT, ...]}: a cross-encoder's "scores"
+  "sleep"               {"level": 1 or 2}: ``LLM.sleep``; reports the emulated HBM's books (bytes by
+                        what holds them) before ("books_before") and after ("books")
+  "wake_up"             {"tags": [...] or absent}: ``LLM.wake_up``; reports the books after ("books")
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one.
 
@@ -55,8 +58,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from ascend_patch.kit import engine  # noqa: E402  (imports nothing of vLLM's or the overlay's)
 
 
+def _books() -> dict[str, int]:
+    from vllm.platforms import current_platform
+
+    return current_platform.runtime().in_use_by_kind()
+
+
 def _run(llm, run: dict) -> dict:
     kind = run.get("kind", "generate")
+    if kind == "sleep":
+        before = _books()
+        llm.sleep(level=run["level"])
+        return {"books_before": before, "books": _books()}
+    if kind == "wake_up":
+        llm.wake_up(tags=run.get("tags"))
+        return {"books": _books()}
     if kind == "beam_search":
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import BeamSearchParams

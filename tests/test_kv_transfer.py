@@ -54,6 +54,8 @@ def disaggregated(tiny_models, tmp_path_factory):
         "block_size": (llama, {**ENGINE, "block_size": 256,
                                "kv_transfer_config": _connector("kv_both", storage)}, {}),
         "mla": (tiny_models["tiny-deepseek-v3"], {**ENGINE, "kv_transfer_config": _connector("kv_both", storage)}, {}),
+        "sleep": (llama, {**ENGINE, "enable_sleep_mode": True,
+                          "kv_transfer_config": _connector("kv_both", storage)}, {}),
     }
     spec = {"engines": [
         *({"model": str(model), "kwargs": kwargs, "env": env, "runs": []} for model, kwargs, env in refused.values()),
@@ -104,6 +106,7 @@ def test_consumer_decodes_from_the_producers_kv(disaggregated):
     ("nixl", "the NixlConnector KV connector is not supported on Ascend"),
     ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
     ("mla", "KV connectors are not supported for MLA models on Ascend"),
+    ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
     ("data_parallel_moe", "data-parallel MoE (--data-parallel-size > 1 with a mixture-of-experts "
                           "model) is not supported by ascend-patch yet"),
 ])

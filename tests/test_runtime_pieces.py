@@ -130,6 +130,24 @@ def test_emulated_hbm_books_follow_tensor_lifetimes():
     assert runtime.memory_allocated() == 0, "the charge ended with its tensor"
 
 
+def test_emulated_hbm_books_read_charged_storages_at_their_current_size():
+    """What sleep mode relies on: a storage resized in place (freed to 0 bytes, regrown) changes
+    what the books hold, by kind; the charge still ends with its lifetime."""
+    runtime = EmulatedRuntime(hbm_bytes=1000)
+    weights, kv = torch.zeros(100, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)
+    runtime.charge_storages("weights", [weights.untyped_storage()], weights)
+    runtime.charge_storages("KV cache", [kv.untyped_storage()], kv)
+    assert runtime.in_use_by_kind() == {"weights": 100, "KV cache": 300}
+    kv.untyped_storage().resize_(0)
+    assert runtime.in_use_by_kind() == {"weights": 100, "KV cache": 0}
+    assert runtime.mem_get_info() == (900, 1000)
+    kv.untyped_storage().resize_(300)
+    assert runtime.memory_allocated() == 400
+    del weights
+    gc.collect()
+    assert runtime.in_use_by_kind() == {"KV cache": 300}
+
+
 def test_activation_tracker_measures_the_transient_peak():
     runtime = EmulatedRuntime(hbm_bytes=1 << 30)
     keep = torch.zeros(1)

@@ -105,10 +105,11 @@ def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
     """Charge the buffers behind the layer caches to the device, until the first
     layer cache dies (the layer caches keep their buffers alive)."""
     from ascend_patch.npu import device
+    from ascend_patch.npu.storage import unique_storages
 
-    backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in layer_caches.values()}
     if layer_caches:
-        device.current_runtime().charge("KV cache", sum(backing.values()), next(iter(layer_caches.values())))
+        device.current_runtime().charge_storages("KV cache", unique_storages(layer_caches.values()),
+                                                 next(iter(layer_caches.values())))
 
 
 def allocate_kv_cache(wrapped, instance, args, kwargs):

@@ -262,6 +262,9 @@ class NPUPlatform(Platform):
     def is_pin_memory_available(cls) -> bool:
         return cls.runtime().pin_memory_available()
 
+    def is_sleep_mode_available(self) -> bool:
+        return True  # offload-and-free, ascend_patch.npu.sleep_mode: no device memory pool needed
+
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):

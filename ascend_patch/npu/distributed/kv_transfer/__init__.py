@@ -14,7 +14,8 @@ Served:
 
 Refused in one line, each with its reason: KV offload (``--kv-offloading-size``; no NPU offloading
 spec yet); MLA models with any connector (the NPU MLA kernels read a layer's region as separate
-latent and rope planes, not the per-token pages the connectors index); a KV block size other than
+latent and rope planes, not the per-token pages the connectors index); sleep mode with any
+connector (sleep frees the KV cache storages the connector holds); a KV block size other than
 the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but Triton's as
 FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA transports, or not
 verified on Ascend).
@@ -54,6 +55,10 @@ def check_config(vllm_config) -> None:
     _check_connector(transfer.kv_connector, transfer.kv_connector_module_path,
                      transfer.kv_connector_extra_config)
     model = vllm_config.model_config
+    if model is not None and model.enable_sleep_mode:
+        raise NotImplementedError(
+            "sleep mode with a KV connector is not supported on Ascend by ascend-patch: sleep frees "
+            "the KV cache storages the connector registered, and the connector is not told")
     if model is not None and model.use_mla:
         raise NotImplementedError(
             "KV connectors are not supported for MLA models on Ascend: the NPU MLA kernels read a "
