@@ -10,6 +10,27 @@ RUNNER = "ascend_patch.npu.model_runner:NPUModelRunner"
 
 _GPU_WORKER = "vllm/v1/worker/gpu_worker.py: the GPU worker NPUWorker subclasses"
 _GPU_RUNNER = "vllm/v1/worker/gpu_model_runner.py: the V1 runner NPUModelRunner subclasses"
+_OFFLOAD_AND_FREE = "ascend_patch.npu.sleep_mode:OffloadAndFree"
+_REMOVE_WITH_OFFLOAD_AND_FREE = ("ascend-patch ships an NPU memory pool that unmaps and remaps device memory "
+                                 "(vllm-ascend's camem allocator over aclrtMallocPhysical/aclrtMapMem)")
+
+# Sleep mode by offload-and-free (ascend_patch.npu.sleep_mode): what it overrides and calls.
+_SLEEP_MODE = [
+    ("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", "(self, tag)",
+     "the CuMem pool is CUDA-only: sleep mode frees the storages themselves", WORKER, _GPU_WORKER),
+    ("vllm.v1.worker.gpu_worker:Worker.sleep", "(self, level=...)",
+     "sleep mode by offload-and-free (vLLM's is the CuMem pool's unmap)", WORKER, _GPU_WORKER),
+    ("vllm.v1.worker.gpu_worker:Worker.wake_up", "(self, tags=...)",
+     "wake by regrowing the freed storages (vLLM's is the CuMem pool's remap)", WORKER, _GPU_WORKER),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights",
+     "(self, weights_iterator=..., weights_path=..., is_checkpoint_format=...)",
+     "waking from sleep level 2 reloads the freed weights from the checkpoint", _OFFLOAD_AND_FREE, _GPU_RUNNER),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.capture_model", "(self)",
+     "waking from sleep captures the graphs again (the storages moved)", _OFFLOAD_AND_FREE, _GPU_RUNNER),
+    ("vllm.compilation.cuda_graph:CUDAGraphWrapper.clear_all_graphs", "(cls)",
+     "sleep drops every captured graph before the storages they address are freed", _OFFLOAD_AND_FREE,
+     "vllm/compilation/cuda_graph.py: every CUDAGraphWrapper (NPUGraphWrapper too)"),
+]
 
 # What the engine classes (NPUWorker, NPUModelRunner, the custom ops, the sampler) override
 # or call; verified, never patched.
@@ -37,13 +58,10 @@ ENGINE_CONTRACTS = [
     contract("vllm.v1.worker.gpu_worker:Worker.init_device", "(self)", "NPUWorker selects the NPU device",
              implementation=WORKER, upstream=_GPU_WORKER + " (init_device hard-codes cuda)",
              remove_when="vLLM's worker initialises the device through current_platform"),
-    contract("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", "(self, tag)",
-             "the CuMem pool is CUDA-only", implementation=WORKER, upstream=_GPU_WORKER,
-             remove_when="ascend-patch supports sleep mode (an NPU memory pool)"),
-    contract("vllm.v1.worker.gpu_worker:Worker.sleep", "(self, level=...)", "sleep mode is unsupported",
-             implementation=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
-    contract("vllm.v1.worker.gpu_worker:Worker.wake_up", "(self, tags=...)", "sleep mode is unsupported",
-             implementation=WORKER, upstream=_GPU_WORKER, remove_when="ascend-patch supports sleep mode"),
+    *(contract(target, signature, reason, implementation=implementation, upstream=upstream,
+               remove_when=_REMOVE_WITH_OFFLOAD_AND_FREE)
+      for target, signature, reason, implementation, upstream in _SLEEP_MODE),
+    platform_hook("is_sleep_mode_available", "(self)", "sleep mode by offload-and-free, no device memory pool"),
     contract("vllm.v1.worker.gpu_worker:init_worker_distributed_environment",
              "(vllm_config, rank, distributed_init_method=..., local_rank=..., backend=...)",
              "NPUWorker initialises HCCL/gloo with it", implementation=WORKER, upstream=_GPU_WORKER),
@@ -126,13 +144,13 @@ RUNNER_GLUE = [
         remove_when="kernel_warmup skips platforms that have none of those kernels",
     ),
     contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
-             "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout",
+             "NPUModelRunner zeroes new KV blocks in the Ascend layouts (block pages, MLA latent/rope planes)",
              implementation=RUNNER,
              upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
              remove_when="vLLM zeroes blocks through the attention backend",
              pr="vllm-project/vllm#35219"),
     contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids", "(self, block_ids)",
-             "NPUModelRunner zeroes new KV blocks in the Ascend [2, blocks, ...] layout",
+             "NPUModelRunner zeroes new KV blocks in the Ascend layouts (block pages, MLA latent/rope planes)",
              implementation=RUNNER,
              upstream=_GPU_RUNNER + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches)",
              remove_when="vLLM zeroes blocks through the attention backend",

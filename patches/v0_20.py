@@ -3,8 +3,9 @@
 Until 0.29 the V1 model runner allocates one int8 buffer per layer
 (``_allocate_kv_cache_tensors``) and views it in the shape the attention
 backend names (``_reshape_kv_cache_tensors`` calling ``get_kv_cache_shape``).
-``AscendAttentionBackend`` names ``[2, blocks, block_size, kv_heads,
-head_size]``, the separate K and V planes the NPU kernels read, so unlike
+``AscendAttentionBackend`` names ``[blocks, 2, block_size, kv_heads,
+head_size]``, block pages whose K and V halves the NPU kernels read as two contiguous
+caches (``kv_cache.kernel_caches``), so unlike
 v0_29 nothing re-views vLLM's allocation: the KV glue only charges the layer
 caches to the emulated HBM. Everything else comes from the area modules, the
 same platform, engine contracts, runner glue, torch device API, settings and
@@ -16,7 +17,7 @@ variants rather than probes: ``TopKTopPSampler(use_fp64_gumbel=)`` (0.23) and
 asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 """
 
-from ascend_patch.overlay.declarations import Contract, Patch
+from ascend_patch.overlay.declarations import Contract, Patch, Seam
 from ascend_patch.patches import attention, device_api, engine, graphs, moe, platform, quant, spec_decode
 
 _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
@@ -36,7 +37,7 @@ PATCHES = [
     attention.hybrid_promotion("kv_cache_utils", pr="vllm-project/vllm#14097"),
     Contract(
         "vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
-        reason="AscendAttentionBackend names the Ascend [2, blocks, block, kv_heads, head] KV layout "
+        reason="AscendAttentionBackend names the Ascend [blocks, 2, block, kv_heads, head] KV layout "
                "(AscendMLABackend: [blocks, block, latent + rope], read as two planes)",
         signature=("(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=...)",),
         upstream=_KV_SHAPE,
@@ -72,7 +73,17 @@ PATCHES = [
     ),
 ]
 
-MANIFEST = [*PATCHES, *device_api.DEVICE_API, *engine.SETTINGS, *platform.SEAMS, *engine.SEAMS,
-            *quant.SEAMS]
+MANIFEST = [
+    *PATCHES,
+    *device_api.DEVICE_API,
+    *engine.SETTINGS,
+    *platform.SEAMS,
+    *engine.SEAMS,
+    *quant.SEAMS,
+    Seam("vllm.distributed.kv_transfer.kv_connector.v1.example_connector:TritonAttentionMetadata",
+         "refuse ExampleConnector where it reads every cache but Triton's as [2, blocks, ...]; from "
+         "0.23 it indexes blocks first, as the Ascend cache is laid out",
+         until="0.23", implementation="ascend_patch.npu.distributed.kv_transfer:check_config"),
+]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

@@ -2,8 +2,9 @@
 
 0.29 replaced per-backend ``get_kv_cache_shape`` with
 ``vllm.v1.worker.utils.allocate_kv_cache``: one int8 backing buffer with strided
-``[blocks, heads, tokens, K|V]`` views per layer. The NPU kernels read separate K and
-V planes, so this set's own glue re-views each layer's bytes
+``[blocks, heads, tokens, K|V]`` views per layer. The NPU kernels read each block's K and
+V as separate halves, so this set's own glue re-views each layer's bytes as ``[blocks, 2,
+tokens, heads, head_size]``
 (``kv_cache.allocate_kv_cache``); everything else is shared with v0_20 through
 the area modules.
 """
@@ -38,7 +39,8 @@ PATCHES = [
     attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(
         "vllm.v1.worker.utils:allocate_kv_cache",
-        reason="view each layer's KV bytes as the separate K/V planes the NPU kernels read",
+        reason="view each layer's KV bytes as [blocks, 2, tokens, heads, head_size] block pages, "
+               "whose K and V halves the NPU kernels read",
         signature=("(kv_cache_config, device, layout, kernel_block_sizes=...)",),
         wrapper="ascend_patch.npu.kv_cache:allocate_kv_cache",
         upstream="vLLM 0.29 moved KV allocation to vllm/v1/worker/utils.py: one int8 buffer "

@@ -16,6 +16,9 @@ RUN, by "kind":
   "embed", "classify"   {"prompts": [[token ids], ...]}: a pooling model's vectors ("embeddings",
                         "probabilities"), per prompt
   "score"               {"query": TEXT, "documents": [TEXT, ...]}: a cross-encoder's "scores"
+  "sleep"               {"level": 1 or 2}: ``LLM.sleep``; reports the emulated HBM's books (bytes by
+                        what holds them) before ("books_before") and after ("books")
+  "wake_up"             {"tags": [...] or absent}: ``LLM.wake_up``; reports the books after ("books")
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one.
 
@@ -33,6 +36,9 @@ its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An en
 ``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
 negative control of the graph tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
+An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
+rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
+engine core has started, so only engines before the first that starts can be given one.
 A run that raises ends the driver with the traceback, unless SPEC has "report_errors": true:
 then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 With "record_seam": true in SPEC, the report also holds "seam_calls": every distinct kernel-seam
@@ -52,8 +58,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from ascend_patch.kit import engine  # noqa: E402  (imports nothing of vLLM's or the overlay's)
 
 
+def _books() -> dict[str, int]:
+    from vllm.platforms import current_platform
+
+    return current_platform.runtime().in_use_by_kind()
+
+
 def _run(llm, run: dict) -> dict:
     kind = run.get("kind", "generate")
+    if kind == "sleep":
+        before = _books()
+        llm.sleep(level=run["level"])
+        return {"books_before": before, "books": _books()}
+    if kind == "wake_up":
+        llm.wake_up(tags=run.get("tags"))
+        return {"books": _books()}
     if kind == "beam_search":
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import BeamSearchParams
@@ -95,10 +114,18 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
 
 
 def _generate(spec: dict, report_errors: bool) -> dict:
+    saved = {name: os.environ.get(name) for name in spec.get("env", {})}
+    os.environ.update(spec.get("env", {}))
     try:
         llm, result = engine.start(spec["model"], **spec.get("kwargs", {}))
     except Exception as exc:  # reported, so tests can assert on configuration errors
         return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     result["runs"] = []
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)

@@ -33,10 +33,15 @@ def _greedy(max_tokens: list[int]) -> list[dict]:
 # first run again, served from the prefix cache.
 RUNS = [(5, _greedy([6, 9, 12, 3, 14])), (8, _greedy([4, 5, 6, 7, 8, 9, 10, 11])),
         (5, _greedy([6, 9, 12, 3, 14]))]
+# Sleep mode between repeats of the first run: level 1 and a full wake, then level 2 and a wake
+# of the weights, then of the KV cache.
+SLEEP_CYCLES = [{"kind": "sleep", "level": 1}, {"kind": "wake_up"}, RUNS[0],
+                {"kind": "sleep", "level": 2}, {"kind": "wake_up", "tags": ["weights"]},
+                {"kind": "wake_up", "tags": ["kv_cache"]}, RUNS[0]]
 ENGINES = {
     "llama graph": ("tiny-llama", ENGINE, RUNS, {}),
     "llama eager": ("tiny-llama", EAGER, RUNS, {}),
-    "qwen2 graph": ("tiny-qwen2", ENGINE, RUNS[:1], {}),
+    "qwen2 graph": ("tiny-qwen2", {**ENGINE, "enable_sleep_mode": True}, RUNS[:1] + SLEEP_CYCLES, {}),
     "qwen2 eager": ("tiny-qwen2", EAGER, RUNS[:1], {}),
     "llama stale host parameters": ("tiny-llama", ENGINE, RUNS[:1], {"stale_host_params": True}),
     # torch.compile: PIECEWISE graphs for mixed batches, FULL graphs for decode.
@@ -52,7 +57,8 @@ def engines(tiny_models, tmp_path_factory):
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
     spec = {"engines": [
         {"model": str(tiny_models[model]), "kwargs": kwargs, **extra,
-         "runs": [{"prompts": prompts[:count], "sampling": sampling} for count, sampling in runs]}
+         "runs": [run if isinstance(run, dict) else {"prompts": prompts[:run[0]], "sampling": run[1]}
+                  for run in runs]}
         for model, kwargs, runs, extra in ENGINES.values()
     ]}
     result = run_engine(spec, tmp_path_factory.mktemp("graph"), timeout=1500)
@@ -63,8 +69,12 @@ def engines(tiny_models, tmp_path_factory):
     return engines
 
 
+def _generated(engine: dict) -> list[dict]:
+    return [run for run in engine["runs"] if "tokens" in run]
+
+
 def _tokens(engine: dict) -> list[list[list[int]]]:
-    return [run["tokens"] for run in engine["runs"]]
+    return [run["tokens"] for run in _generated(engine)]
 
 
 def test_graph_mode_is_on_by_default_and_enforce_eager_turns_it_off(engines):
@@ -79,11 +89,31 @@ def test_graph_mode_is_on_by_default_and_enforce_eager_turns_it_off(engines):
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_replayed_graphs_give_eager_tokens(engines, model):
     graph, eager = engines[f"{model} graph"], engines[f"{model} eager"]
-    assert _tokens(graph) == _tokens(eager)
+    assert _tokens(graph)[: len(eager["runs"])] == _tokens(eager)
     # The first run's decode batches of 5 and 3 requests replay the graphs of 8 and 4 (padded);
     # those of 4, 2 and 1 hit their sizes.
     assert set(graph["runs"][0]["graph_replays_by_size"]) == {"1", "2", "4", "8"}
-    assert all(run["graph_replays"] > 0 for run in graph["runs"])
+    assert all(run["graph_replays"] > 0 for run in _generated(graph))
+
+
+def test_sleep_frees_weights_and_kv_cache_and_wake_up_gives_the_same_tokens(engines):
+    """Sleep mode (offload-and-free, ascend_patch/npu/sleep_mode.py) against the emulated HBM's
+    books: both levels free exactly the weights and the KV cache; a wake of the weights alone
+    brings back only them (level 2: reloaded from the checkpoint); after each full wake the graphs
+    are captured again and replayed, and the tokens are those before sleep."""
+    engine = engines["qwen2 graph"]
+    first, sleep1, wake1, after1, sleep2, weights2, wake2, after2 = engine["runs"]
+    for sleep in (sleep1, sleep2):
+        before, asleep = sleep["books_before"], sleep["books"]
+        assert before["weights"] > 0 and before["KV cache"] > 0
+        assert asleep == {**before, "weights": 0, "KV cache": 0}
+    assert weights2["books"] == {**sleep2["books_before"], "KV cache": 0}
+    assert wake1["books"] == sleep1["books_before"] and wake2["books"] == sleep2["books_before"]
+    assert weights2["graph_captures"] == 0
+    assert wake1["graph_captures"] == wake2["graph_captures"] == engine["graph_captures"] == 4
+    for woken in (after1, after2):
+        assert woken["tokens"] == first["tokens"]
+        assert woken["graph_replays"] == first["graph_replays"] > 0
 
 
 def test_prefix_cache_hits_replay_the_same_graphs(engines):

@@ -1,6 +1,6 @@
 """Unit checks of the engine's own pieces against independent math.
 
-The KV re-view, the torch slot mapping (vLLM's is a Triton kernel), the emulated
+The KV re-view and the kernels' K/V views of it, the torch slot mapping (vLLM's is a Triton kernel), the emulated
 HBM books and activation tracker, and the sampler's filter are each checked on
 inputs built here; the engine tests exercise them end to end.
 """
@@ -21,7 +21,13 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 from ascend_patch.npu import kernels
 from ascend_patch.npu.emulation.runtime import EmulatedRuntime
 from ascend_patch.npu.sample import sampler
-from ascend_patch.npu.kv_cache import ascend_layer_view, compute_slot_mapping
+from ascend_patch.npu.kv_cache import (
+    ascend_layer_view,
+    compute_slot_mapping,
+    kernel_block_table,
+    kernel_caches,
+    kernel_slots,
+)
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
@@ -31,12 +37,39 @@ def test_layer_view_reinterprets_the_same_bytes():
     flat = torch.arange(blocks * tokens * heads * 2 * dim, dtype=torch.float32)
     # vLLM's LBNHC layout: physical [blocks, tokens, heads, K|V], logical [B, H, N, C].
     view = flat.view(blocks, tokens, heads, 2 * dim).permute(0, 2, 1, 3)
-    planes = ascend_layer_view(view)
-    assert planes.shape == (2, blocks, tokens, heads, dim)
-    assert planes.is_contiguous() and planes.data_ptr() == flat.data_ptr()
-    assert planes[0].is_contiguous() and planes[1].is_contiguous()
-    planes[1, 2, 3, 1, 4] = -1.0
-    assert flat[-1] == -1.0, "the planes alias vLLM's buffer, nothing was copied"
+    cache = ascend_layer_view(view)
+    assert cache.shape == (blocks, 2, tokens, heads, dim)
+    assert cache.is_contiguous() and cache.data_ptr() == flat.data_ptr()
+    page = tokens * heads * 2 * dim
+    assert cache.stride(0) == page, "block-outermost: block b's page is vLLM's page b"
+    cache[2, 1, 3, 1, 4] = -1.0
+    assert flat[-1] == -1.0, "the cache aliases vLLM's buffer, nothing was copied"
+
+
+def test_kernel_caches_are_contiguous_k_and_v_over_doubled_blocks():
+    """The kernels' K and V caches (contiguous, as npu_scatter_pa_kv_cache and FIA require) read
+    block b's K and V halves at kernel block 2b, and kernel slots land in the block's own halves."""
+    blocks, tokens, heads, dim = 4, 8, 2, 3
+    cache = torch.randn(blocks, 2, tokens, heads, dim)
+    key_cache, value_cache = kernel_caches(cache)
+    for view in (key_cache, value_cache):
+        assert view.is_contiguous() and view.shape == (2 * blocks - 1, tokens, heads, dim)
+        assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    ids = torch.tensor([[3, 0, 2]], dtype=torch.int32)
+    kernel_ids = kernel_block_table(ids)
+    assert kernel_ids.dtype == torch.int32
+    assert torch.equal(key_cache[kernel_ids[0].long()], cache[ids[0].long(), 0])
+    assert torch.equal(value_cache[kernel_ids[0].long()], cache[ids[0].long(), 1])
+    slots = torch.tensor([0, 7, 8, 29, 31])
+    rows = kernel_slots(slots, tokens)
+    keys = torch.randn(len(slots), heads, dim)
+    key_cache.view(-1, heads, dim)[rows] = keys
+    value_cache.view(-1, heads, dim)[rows] = -keys
+    blocks_of, offsets = slots // tokens, slots % tokens
+    assert torch.equal(cache[blocks_of, 0, offsets], keys)
+    assert torch.equal(cache[blocks_of, 1, offsets], -keys)
+    with pytest.raises(ValueError, match=r"contiguous \[blocks, 2, tokens, heads, head_size\]"):
+        kernel_caches(cache.transpose(0, 1))
 
 
 def test_layer_view_refuses_interleaved_layers():
@@ -95,6 +128,24 @@ def test_emulated_hbm_books_follow_tensor_lifetimes():
     del holder
     gc.collect()
     assert runtime.memory_allocated() == 0, "the charge ended with its tensor"
+
+
+def test_emulated_hbm_books_read_charged_storages_at_their_current_size():
+    """What sleep mode relies on: a storage resized in place (freed to 0 bytes, regrown) changes
+    what the books hold, by kind; the charge still ends with its lifetime."""
+    runtime = EmulatedRuntime(hbm_bytes=1000)
+    weights, kv = torch.zeros(100, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)
+    runtime.charge_storages("weights", [weights.untyped_storage()], weights)
+    runtime.charge_storages("KV cache", [kv.untyped_storage()], kv)
+    assert runtime.in_use_by_kind() == {"weights": 100, "KV cache": 300}
+    kv.untyped_storage().resize_(0)
+    assert runtime.in_use_by_kind() == {"weights": 100, "KV cache": 0}
+    assert runtime.mem_get_info() == (900, 1000)
+    kv.untyped_storage().resize_(300)
+    assert runtime.memory_allocated() == 400
+    del weights
+    gc.collect()
+    assert runtime.in_use_by_kind() == {"KV cache": 300}
 
 
 def test_activation_tracker_measures_the_transient_peak():

@@ -61,12 +61,13 @@ def fused_batches(kernels):
 def measured():
     """Yield a dict that, once the block ends, holds what the block launched in this process:
     kernel-seam launches by op ("launches"), fused-attention launches by batch kind
-    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size)."""
+    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size) and captures
+    ("graph_captures")."""
     from ascend_patch.npu import kernels
     from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 
     report: dict = {}
-    replays = NPUGraphWrapper.replays.copy()
+    replays, captures = NPUGraphWrapper.replays.copy(), NPUGraphWrapper.captures
     with kernels.count_launches() as launches, fused_batches(kernels) as batches:
         try:
             yield report
@@ -74,6 +75,7 @@ def measured():
             by_size = NPUGraphWrapper.replays - replays
             report.update(launches=dict(launches), fused_batches=dict(batches),
                           graph_replays=sum(by_size.values()),
+                          graph_captures=NPUGraphWrapper.captures - captures,
                           graph_replays_by_size={str(size): n for size, n in sorted(by_size.items())})
 
 

@@ -1,18 +1,33 @@
-"""KV-cache allocation for the Ascend attention backend.
+"""KV-cache allocation and layout for the Ascend attention backend.
 
-vLLM 0.20–0.28 allocate one int8 buffer per layer and view it in the shape the
-backend's ``get_kv_cache_shape`` names, which is already the Ascend layout; the
-only glue there is charging the buffers to the emulated HBM.
+Every standard attention layer's cache is ``[num_blocks, 2, block_size, kv_heads, head_size]``,
+contiguous: block-outermost, each block's page its K half then its V half. vLLM's connector code
+indexes blocks on the first dimension: the example connector reads ``layer[block, :, offset]``
+from vLLM 0.23 (0.20–0.22 read FlashAttention's ``[2, blocks, ...]`` and are refused,
+:mod:`ascend_patch.npu.distributed.kv_transfer`), and 0.33's offloading code names this shape and
+these strides "K and V in separate page halves, NHD"
+(``offloading/canonical_mapping.py::_split_kv_regions``).
 
-From 0.29 vLLM allocates one int8 backing buffer and hands each layer a strided
-``[blocks, kv_heads, block_tokens, K|V content]`` view in which every token's K
-and V sit next to each other. The NPU kernels instead read separate, contiguous
-K and V planes ``[blocks, block_tokens, kv_heads, head_size]``. The backend asks
-for a layer-outermost layout, so each layer owns one dense byte region; this
-module re-views that same region as ``[2, blocks, block_tokens, kv_heads,
-head_size]``. vLLM still decides sizes, placement and sharing; only the
-interpretation of a layer's bytes changes (the cache is empty at this point). MLA
-layers keep vLLM's view: their one latent vector per token has no K/V split.
+The NPU kernels take separate K and V caches ``[blocks, block_size, kv_heads, head_size]`` that
+are contiguous (npu_scatter_pa_kv_cache: "输入参数不支持非连续"; npu_fused_infer_attention_score:
+key/value "不支持非连续Tensor", shapes "必须完全一致"; ATB's AtTensor2AtbTensor checks
+``is_contiguous()``), so the K half of every block cannot be handed over as one strided tensor.
+:func:`kernel_caches` hands them two contiguous views of the same bytes instead, each of
+``2 * num_blocks - 1`` half-page blocks: in both, kernel block ``2b`` is block ``b``'s K half
+(key view, from the start) and V half (value view, one half-page later). The kernels then read
+block ``b`` through block-table entry ``2b`` (:func:`kernel_block_table`) and write slot ``s``
+at ``s + (s // block_size) * block_size`` (:func:`kernel_slots`); the odd blocks of each view
+are the other plane, which no table or slot ever names.
+
+vLLM 0.20–0.28 view each layer's buffer in the shape the backend's ``get_kv_cache_shape``
+names, which is this one. From 0.29 vLLM allocates one int8 backing buffer and hands each layer a
+strided ``[blocks, kv_heads, block_tokens, K|V content]`` view; the backend asks for a
+layer-outermost layout (LBNHC), so each layer owns one dense region whose pages are each
+block's bytes, and this module re-views that region in the layout above. vLLM still decides
+sizes, placement and sharing; only the interpretation inside a page changes (the cache is empty
+at this point). MLA layers keep vLLM's view: their one latent vector per token has no K/V split,
+and the MLA backend reads the region as two planes (:mod:`ascend_patch.npu.attention.mla`), which
+is why no KV connector can serve them (:mod:`ascend_patch.npu.distributed.kv_transfer`).
 On the emulated NPU the buffer is also charged against the emulated HBM.
 """
 
@@ -28,14 +43,38 @@ _NOT_DENSE = ("Ascend KV cache: the layer's cache is not one dense region (strid
 
 
 def ascend_layer_view(view: torch.Tensor) -> torch.Tensor:
-    """vLLM's per-layer ``[B, H, N, C]`` view → ``[2, B, N, H, C // 2]`` over the same bytes."""
+    """vLLM's per-layer ``[B, H, N, C]`` view → ``[B, 2, N, H, C // 2]`` over the same bytes."""
     if view.dim() != 4 or view.shape[-1] % 2:
         raise ValueError(
             f"Ascend KV cache: expected a [blocks, heads, tokens, K+V] layer view with equal "
             f"K and V widths, got shape {tuple(view.shape)}"
         )
     blocks, heads, tokens, content = view.shape
-    return _dense_region(view).view(2, blocks, tokens, heads, content // 2)
+    return _dense_region(view).view(blocks, 2, tokens, heads, content // 2)
+
+
+def kernel_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[B, 2, N, H, D]`` layer cache as the kernels' ``(key_cache, value_cache)``: two
+    contiguous ``[2B - 1, N, H, D]`` views of its bytes, one half-page apart, in which kernel
+    block ``2b`` is block ``b``'s K (key view) and V (value view) half."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"Ascend KV cache: expected a contiguous [blocks, 2, tokens, heads, head_size] "
+                         f"layer cache, got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    blocks, _, *half_shape = kv_cache.shape
+    half = kv_cache[0, 0].numel()
+    flat = kv_cache.view(-1)
+    shape = (2 * blocks - 1, *half_shape)
+    return flat[: (2 * blocks - 1) * half].view(shape), flat[half:].view(shape)
+
+
+def kernel_block_table(block_table: torch.Tensor) -> torch.Tensor:
+    """Block ids → the kernel blocks of :func:`kernel_caches` (``2b``), still int32."""
+    return block_table * 2
+
+
+def kernel_slots(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots ``b * block_size + o`` → ``2b * block_size + o``, their place in :func:`kernel_caches`."""
+    return slots + slots.div(block_size, rounding_mode="floor") * block_size
 
 
 def latent_layer_view(view: torch.Tensor) -> torch.Tensor:
@@ -66,10 +105,11 @@ def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
     """Charge the buffers behind the layer caches to the device, until the first
     layer cache dies (the layer caches keep their buffers alive)."""
     from ascend_patch.npu import device
+    from ascend_patch.npu.storage import unique_storages
 
-    backing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in layer_caches.values()}
     if layer_caches:
-        device.current_runtime().charge("KV cache", sum(backing.values()), next(iter(layer_caches.values())))
+        device.current_runtime().charge_storages("KV cache", unique_storages(layer_caches.values()),
+                                                 next(iter(layer_caches.values())))
 
 
 def allocate_kv_cache(wrapped, instance, args, kwargs):

@@ -5,7 +5,7 @@ attention layers run composed rather than fused and which MoE layers route with 
 grouped top-k rather than the NPU gating op, and why; loaded weights are charged to the emulated
 HBM and the profiling pass's activations are measured, so vLLM's unmodified
 ``determine_available_memory`` sizes the KV cache from real numbers; new KV blocks are
-zeroed in the Ascend layouts (K/V planes, MLA latent/rope planes) instead of by vLLM's
+zeroed in the Ascend layouts (block pages, MLA latent/rope planes) instead of by vLLM's
 Triton kernel; FULL graphs are captured and replayed by :class:`NPUGraphWrapper` where
 vLLM builds its ``CUDAGraphWrapper``.
 """
@@ -43,9 +43,10 @@ class NPUModelRunner(GPUModelRunner):
             return super().profile_run(*args, **kwargs)
 
     def _init_kv_zero_meta(self) -> None:
-        # vLLM's KVBlockZeroer is a Triton kernel over [blocks, ...] caches; the
-        # Ascend caches are planes of [blocks, ...]: K and V ([2, blocks, ...]),
-        # or the MLA latent and rope planes, each zeroed with one index_fill.
+        # vLLM's KVBlockZeroer is a Triton kernel over [blocks, ...] caches. Each Ascend
+        # cache is zeroed with one index_fill per plane of [blocks, ...]: a standard layer's
+        # whole cache ([blocks, 2, ...], K and V halves in each block), or the MLA latent and
+        # rope planes.
         from ascend_patch.npu.attention.mla import AscendMLAImpl, latent_planes
 
         context = self.compilation_config.static_forward_context
@@ -59,7 +60,7 @@ class NPUModelRunner(GPUModelRunner):
                 if isinstance(getattr(layer, "impl", None), AscendMLAImpl):  # not a seam: ours
                     layer_planes = latent_planes(kv, layer.impl.kv_lora_rank)
                 else:
-                    layer_planes = kv.unbind(0)
+                    layer_planes = (kv,)
                 planes.update((plane.data_ptr(), plane) for plane in layer_planes)
         self._ascend_kv_planes = list(planes.values())
 

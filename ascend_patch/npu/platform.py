@@ -112,8 +112,9 @@ class NPUPlatform(Platform):
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode
 
-        from ascend_patch.npu import quantization
+        from ascend_patch.npu import distributed, quantization
         from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
+        from ascend_patch.npu.distributed import kv_transfer
 
         from ascend_patch.npu import spec_decode
 
@@ -137,6 +138,8 @@ class NPUPlatform(Platform):
 
         quantization.register_config()  # a VllmConfig built without EngineArgs skips the hook
         quantization.detect(vllm_config)
+        kv_transfer.check_config(vllm_config)
+        distributed.check_config(vllm_config)
 
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
@@ -258,6 +261,9 @@ class NPUPlatform(Platform):
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         return cls.runtime().pin_memory_available()
+
+    def is_sleep_mode_available(self) -> bool:
+        return True  # offload-and-free, ascend_patch.npu.sleep_mode: no device memory pool needed
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:

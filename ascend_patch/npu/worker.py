@@ -9,7 +9,8 @@ It overrides only what is device-specific:
   same two steps on older releases;
 - ``_make_model_runner``: always :class:`NPUModelRunner`, the V1 runner (Model Runner
   V2 is unsupported);
-- sleep mode and the CuMem pool, which are CUDA-only, are refused or skipped.
+- sleep mode: offload-and-free (:mod:`ascend_patch.npu.sleep_mode`) in place of vLLM's CuMem
+  pool, which is CUDA-only and skipped.
 
 Everything else — scheduling glue, input preparation, sampling, KV-cache
 binding, memory profiling — is vLLM's code.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 
 from vllm.platforms import current_platform
@@ -31,6 +33,9 @@ from ascend_patch import env
 from ascend_patch.npu import ops, quantization
 from ascend_patch.npu.model_runner import NPUModelRunner
 from ascend_patch.npu.platform import NPUPlatform
+from ascend_patch.npu.sleep_mode import OffloadAndFree
+
+logger = logging.getLogger("vllm.ascend_patch")
 
 
 def require_npu_platform() -> None:
@@ -55,6 +60,7 @@ class NPUWorker(Worker):
         quantization.register_config()
         quantization.register_kernels()
         super().__init__(*args, **kwargs)
+        self._offload_and_free: OffloadAndFree | None = None
 
     def init_device(self) -> None:
         self.device = current_platform.runtime().worker_device(self.local_rank)
@@ -94,8 +100,15 @@ class NPUWorker(Worker):
         return contextlib.nullcontext()
 
     def sleep(self, level: int = 1) -> None:
-        raise NotImplementedError("sleep mode is not supported on Ascend by ascend-patch")
+        if self._offload_and_free is None:
+            self._offload_and_free = OffloadAndFree(self.model_runner)
+        free_before = current_platform.runtime().mem_get_info()[0]
+        self._offload_and_free.sleep(level)
+        free, total = current_platform.runtime().mem_get_info()
+        logger.info("Sleep mode (level %d) freed %.3f GiB of NPU memory, %.3f GiB still in use",
+                    level, (free - free_before) / 2**30, (total - free) / 2**30)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        raise NotImplementedError("sleep mode is not supported on Ascend by ascend-patch")
+        if self._offload_and_free is not None:
+            self._offload_and_free.wake_up(tags)
 

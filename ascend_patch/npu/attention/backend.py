@@ -30,10 +30,12 @@ before the window (other requests may reuse them; the V1 block table keeps their
 and a prefix-cache hit puts the null block in their place: every path hides those keys,
 so their contents never reach the output.
 
-KV cache: each layer's cache is ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` (K plane, V plane), the ND layout the kernels read. vLLM 0.20–0.28
-shape it from ``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.kv_cache`
-carves it out of vLLM's single allocation.
+KV cache: each layer's cache is ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
+(block-outermost, each page its K half then its V half), the layout vLLM's KV connectors and
+offloading read; the kernels get it as two contiguous ND caches over doubled block ids
+(:func:`ascend_patch.npu.kv_cache.kernel_caches`). vLLM 0.20–0.28 shape it from
+``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.kv_cache` carves it out of vLLM's
+single allocation.
 
 Graphs: FULL graphs hold uniform single-token decode batches of models whose every layer
 decodes on ``_npu_paged_attention`` (fp16/bf16, no window, no soft-cap), its host context
@@ -61,6 +63,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu import kv_cache as kv_cache_layout
 from ascend_patch.npu.attention import paths
 from ascend_patch.npu.attention.paths import (
     FUSED_DTYPES,
@@ -99,16 +102,16 @@ class AscendAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        # vLLM 0.29+. Layer-outermost: each layer owns one dense region, which
-        # kv_cache.py re-views as separate K and V planes.
+        # vLLM 0.29+. Layer-outermost: each layer owns one dense region of block pages,
+        # which kv_cache.py re-views as each page's K half then V half.
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
         return (KVCacheLayout.LBNHC,)
 
     if hasattr(AttentionBackend, "get_kv_cache_shape"):  # seam: until vLLM 0.29
         # vLLM 0.20–0.28 view each layer's raw KV bytes in the shape the backend
-        # names here (with the default identity stride order): the K and V planes
-        # come out contiguous, as the kernels read them. 0.29 removed the hook.
+        # names here (with the default identity stride order): block-outermost pages,
+        # K half then V half (kv_cache.py). 0.29 removed the hook.
 
         @staticmethod
         def get_kv_cache_shape(
@@ -118,7 +121,7 @@ class AscendAttentionBackend(AttentionBackend):
             head_size: int,
             cache_dtype_str: str = "auto",
         ) -> tuple[int, ...]:
-            return (2, num_blocks, block_size, num_kv_heads, head_size)
+            return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -138,7 +141,8 @@ class AscendMetadata:
     device_seq_lens: torch.Tensor
     """``seq_lens`` on the device, for the window masks."""
     block_table: torch.Tensor
-    """[num_seqs, max_blocks] int32, in kernel blocks."""
+    """[num_seqs, max_blocks] int32, in kernel blocks (vLLM's ids; the kernels read
+    :meth:`kernel_block_table`)."""
     slot_mapping: torch.Tensor
     """vLLM's slots, -1 for a token without one (padding, dummy runs)."""
     null_slots: torch.Tensor
@@ -148,17 +152,27 @@ class AscendMetadata:
     """0 .. block_table columns × KERNEL_BLOCK_SIZE - 1 on the device (built once)."""
     _window_masks: dict = field(default_factory=dict, repr=False)
     _kv_slots: torch.Tensor | None = None
+    _kernel_block_table: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
 
     def kv_slots(self) -> torch.Tensor:
-        """The step's KV-cache slots with the missing ones in the null block: one device op per
-        step (every layer shares it), inside a FULL graph when captured."""
+        """The step's KV-cache slots in :func:`~ascend_patch.npu.kv_cache.kernel_caches`, the
+        missing ones in the null block: built once per step (every layer shares them), inside a
+        FULL graph when captured."""
         if self._kv_slots is None:
-            self._kv_slots = torch.where(self.slot_mapping < 0, self.null_slots, self.slot_mapping)
+            slots = torch.where(self.slot_mapping < 0, self.null_slots, self.slot_mapping)
+            self._kv_slots = kv_cache_layout.kernel_slots(slots, KERNEL_BLOCK_SIZE)
         return self._kv_slots
+
+    def kernel_block_table(self) -> torch.Tensor:
+        """The block table in :func:`~ascend_patch.npu.kv_cache.kernel_caches`' block ids, built
+        once per step like :meth:`kv_slots`."""
+        if self._kernel_block_table is None:
+            self._kernel_block_table = kv_cache_layout.kernel_block_table(self.block_table)
+        return self._kernel_block_table
 
     def window_mask(self, window: int) -> torch.Tensor:
         """[num_seqs, key_positions] bool, True for the keys before each sequence's last
@@ -306,7 +320,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             return output.fill_(0)
         meta = attn_metadata
         n = meta.num_tokens
-        key_cache, value_cache = kv_cache.unbind(0)
+        key_cache, value_cache = kv_cache_layout.kernel_caches(kv_cache)
         if self.kv_sharing_target_layer_name is None and key is not None:
             kernels.scatter_pa_kv_cache(
                 key[:n].contiguous(),
@@ -345,16 +359,17 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
 
     def _paged_attention(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                          out) -> None:
-        # Its context lengths are host data: a graph replay must be handed the step's.
-        args = (query, key_cache, value_cache, self.num_kv_heads, self.num_heads, self.scale)
+        # Its context lengths are host data: a graph replay must be handed the step's. The kernel
+        # block table is device work on vLLM's persistent block table, captured with the graph
+        # (a replay recomputes it in place), so a task update re-issues only the kernel.
+        args = (query, key_cache, value_cache, self.num_kv_heads, self.num_heads, self.scale,
+                meta.kernel_block_table())
 
         def issue(params: AscendMetadata, workspace) -> None:
-            kernels.paged_attention(*args, params.block_table, params.context_lens, out,
-                                    workspace=workspace)
+            kernels.paged_attention(*args, params.context_lens, out, workspace=workspace)
 
         def workspace(params: AscendMetadata):
-            return kernels.paged_attention_workspace(*args, params.block_table,
-                                                     params.context_lens, out)
+            return kernels.paged_attention_workspace(*args, params.context_lens, out)
 
         acl_graph.launch(layer_name, meta, issue, workspace)
 
@@ -380,7 +395,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             query,
             key_cache.view(num_blocks, block_size, -1),
             value_cache.view(num_blocks, block_size, -1),
-            block_table=meta.block_table,
+            block_table=meta.kernel_block_table(),
             actual_seq_lengths_kv=meta.seq_lens,
             num_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
@@ -398,15 +413,16 @@ def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out, p
     kv_len - q_len + i and, in a windowed layer, no more than pre_tokens before it."""
     starts = [0, *meta.query_ends[:-1]]
     lengths = [end - start for start, end in zip(starts, meta.query_ends)]
+    block_table = meta.kernel_block_table()
     decodes = [i for i, n in enumerate(lengths) if n == 1]
     if decodes:
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-        out[rows] = composed.decode_batch(query[rows], key_cache, value_cache, meta.block_table[decodes],
+        out[rows] = composed.decode_batch(query[rows], key_cache, value_cache, block_table[decodes],
                                        [meta.seq_lens[i] for i in decodes], scale,
                                        pre_tokens=pre_tokens, soft_cap=soft_cap)
     for i, n in enumerate(lengths):
         if n > 1:
-            keys, values = composed.gather_sequence(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
+            keys, values = composed.gather_sequence(key_cache, value_cache, block_table[i], meta.seq_lens[i])
             rows = slice(starts[i], starts[i] + n)
             out[rows] = composed.attend(query[rows], keys, values, scale, pre_tokens=pre_tokens,
                                      next_tokens=0, soft_cap=soft_cap)

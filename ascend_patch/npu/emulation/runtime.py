@@ -3,7 +3,8 @@
 
 It implements :class:`ascend_patch.npu.device.Runtime` on CPU tensors. The emulated NPU executes
 in order on one stream, so its streams and events are exact no-ops. Weights and KV cache are
-charged to the books when placed, and activations are measured during vLLM's profiling run;
+charged to the books when placed, as their storages at their current sizes (sleep mode frees them
+by resizing the storages), and activations are measured during vLLM's profiling run;
 vLLM's own ``determine_available_memory`` then sizes the KV cache from those numbers exactly as
 it would on a device.
 """
@@ -15,11 +16,13 @@ import itertools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ascend_patch.npu.storage import unique_storages
 from ascend_patch.npu.emulation import graph
 
 
@@ -107,7 +110,7 @@ class EmulatedRuntime:
 
     def __init__(self, hbm_bytes: int):
         self.hbm_bytes = hbm_bytes
-        self._charged: dict[int, tuple[str, int]] = {}  # handle -> (what, bytes)
+        self._charged: dict[int, tuple[str, Callable[[], int]]] = {}  # handle -> (what, its bytes now)
         self._handles = itertools.count()
         self._peak = 0
         self._lock = threading.Lock()
@@ -117,8 +120,18 @@ class EmulatedRuntime:
     def charge(self, what: str, nbytes: int, lifetime: object) -> None:
         """Place ``nbytes`` of ``what`` on the device until ``lifetime`` is garbage-collected,
         as a real device frees memory when the tensors holding it die."""
+        self._book(what, nbytes, lambda: nbytes, lifetime)
+
+    def charge_storages(self, what: str, storages: list[torch.UntypedStorage], lifetime: object) -> None:
+        """Place ``storages`` on the device until ``lifetime`` is garbage-collected, at their
+        current sizes: a storage resized in place (sleep mode frees weights and KV cache that way)
+        changes what the books hold."""
+        self._book(what, sum(s.nbytes() for s in storages), lambda: sum(s.nbytes() for s in storages),
+                   lifetime)
+
+    def _book(self, what: str, nbytes: int, size, lifetime: object) -> None:
         with self._lock:
-            in_use = sum(n for _, n in self._charged.values())
+            in_use = self._in_use()
             if in_use + nbytes > self.hbm_bytes:
                 raise torch.OutOfMemoryError(
                     f"emulated NPU out of memory: {what} needs {nbytes / 2**30:.3f} GiB but only "
@@ -126,9 +139,20 @@ class EmulatedRuntime:
                     f"{self.hbm_bytes / 2**30:.3f} GiB are free (raise ASCEND_PATCH_EMULATED_HBM)"
                 )
             handle = next(self._handles)
-            self._charged[handle] = (what, nbytes)
+            self._charged[handle] = (what, size)
             self._peak = max(self._peak, in_use + nbytes)
         weakref.finalize(lifetime, self._release, handle)
+
+    def _in_use(self) -> int:
+        return sum(size() for _, size in self._charged.values())
+
+    def in_use_by_kind(self) -> dict[str, int]:
+        """Bytes on the books by what holds them ("weights", "KV cache", "graph pool")."""
+        by_kind: dict[str, int] = {}
+        with self._lock:
+            for what, size in self._charged.values():
+                by_kind[what] = by_kind.get(what, 0) + size()
+        return by_kind
 
     def _release(self, handle: int) -> None:
         with self._lock:
@@ -136,7 +160,7 @@ class EmulatedRuntime:
 
     def memory_allocated(self, device: object = None) -> int:
         with self._lock:
-            return sum(n for _, n in self._charged.values())
+            return self._in_use()
 
     @contextlib.contextmanager
     def track_activations(self):
@@ -231,8 +255,8 @@ class EmulatedRuntime:
 
     def charge_weights(self, model: torch.nn.Module) -> int:
         """CPU tensors are not device memory: the weights are what loading placed on the
-        emulated NPU, so charge exactly those bytes; returns them (the runner's figure)."""
-        tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                   for t in (*model.parameters(), *model.buffers())}
-        self.charge("weights", sum(tensors.values()), model)
-        return sum(tensors.values())
+        emulated NPU, so charge exactly those storages; returns their bytes (the runner's figure)."""
+        storages = unique_storages((*model.parameters(), *model.buffers()))
+        self.charge_storages("weights", storages, model)
+        return sum(s.nbytes() for s in storages)
+

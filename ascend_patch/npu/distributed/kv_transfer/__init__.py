@@ -1,0 +1,96 @@
+"""Which KV connectors the NPU platform serves, checked once at start-up.
+
+vLLM hands every connector each layer's KV cache tensor as the attention backend shaped it. The
+Ascend cache of a standard attention layer is ``[num_blocks, 2, block_size, kv_heads, head_size]``
+(:mod:`ascend_patch.npu.kv_cache`): block-outermost, which is what vLLM's ``ExampleConnector``
+indexes from vLLM 0.23 (``layer[slot // block_size, :, slot % block_size]``, the shared-storage
+connector of vLLM's disaggregated-prefill example).
+
+Served:
+- ``ExampleConnector`` (vLLM 0.23 and later), and ``MultiConnector`` of served connectors;
+- any connector vLLM does not ship (``kv_connector_module_path``, or registered by a plugin through
+  ``KVConnectorFactory``): the deployment's own, such as an NPU transfer connector, which reads the
+  layout above.
+
+Refused in one line, each with its reason: KV offload (``--kv-offloading-size``; no NPU offloading
+spec yet); MLA models with any connector (the NPU MLA kernels read a layer's region as separate
+latent and rope planes, not the per-token pages the connectors index); sleep mode with any
+connector (sleep frees the KV cache storages the connector holds); a KV block size other than
+the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but Triton's as
+FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA transports, or not
+verified on Ascend).
+"""
+
+from __future__ import annotations
+
+_REASONS = {
+    "NixlConnector": "NIXL registers device memory for CUDA/UCX transports and the platform names "
+                     "no NIXL device (Platform.get_nixl_supported_devices)",
+    "LMCacheConnectorV1": "LMCache's vLLM adapter copies KV with CUDA kernels (lmcache.c_ops)",
+    "LMCacheMPConnector": "LMCache's vLLM adapter copies KV with CUDA kernels (lmcache.c_ops)",
+    "P2pNcclConnector": "it sends KV over NCCL",
+    "MoRIIOConnector": "it moves KV with ROCm's MoRI-IO",
+}
+# Every connector vLLM 0.20–0.33 registers (vllm/distributed/kv_transfer/kv_connector/factory.py).
+_SHIPPED_BY_VLLM = {
+    "ExampleConnector", "MultiConnector", "OffloadingConnector", "SimpleCPUOffloadConnector",
+    "MooncakeConnector", "MooncakeStoreConnector", "NixlConnector", "NixlPullConnector",
+    "NixlPushConnector", "LMCacheConnectorV1", "LMCacheMPConnector", "P2pNcclConnector",
+    "MoRIIOConnector", "DecodeBenchConnector", "ExampleHiddenStatesConnector",
+    "FlexKVConnectorV1", "HF3FSKVConnector", "HiSparseConnector"}
+_SERVED = ("ExampleConnector (vLLM 0.23+), MultiConnector of those, or a connector of your own "
+           "through kv_connector_module_path")
+
+
+def check_config(vllm_config) -> None:
+    """Refuse, in one line, a KV connector or KV offload the platform cannot serve. Runs in
+    ``check_and_update_config``, before vLLM turns ``--kv-offloading-size`` into a connector."""
+    if vllm_config.cache_config.kv_offloading_size is not None:
+        raise NotImplementedError(
+            "KV offload (--kv-offloading-size) is not supported on Ascend by ascend-patch yet: "
+            "vLLM's offloading specs copy blocks with CUDA/XPU kernels and no NPU spec is registered")
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector is None:
+        return
+    _check_connector(transfer.kv_connector, transfer.kv_connector_module_path,
+                     transfer.kv_connector_extra_config)
+    model = vllm_config.model_config
+    if model is not None and model.enable_sleep_mode:
+        raise NotImplementedError(
+            "sleep mode with a KV connector is not supported on Ascend by ascend-patch: sleep frees "
+            "the KV cache storages the connector registered, and the connector is not told")
+    if model is not None and model.use_mla:
+        raise NotImplementedError(
+            "KV connectors are not supported for MLA models on Ascend: the NPU MLA kernels read a "
+            "layer's cache as separate latent and rope planes, not the per-token pages the "
+            "connectors index")
+    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
+
+    cache = vllm_config.cache_config
+    block_size = cache.block_size
+    if cache.user_specified_block_size and block_size != KERNEL_BLOCK_SIZE:
+        raise NotImplementedError(
+            f"--block-size {block_size} is not supported with a KV connector on Ascend: the "
+            f"connectors index each layer's cache in KV blocks, and the Ascend cache is in "
+            f"{KERNEL_BLOCK_SIZE}-token kernel blocks; use --block-size {KERNEL_BLOCK_SIZE}")
+
+
+def _check_connector(name: str, module_path: str | None, extra: dict) -> None:
+    if module_path is not None or name not in _SHIPPED_BY_VLLM:
+        return  # the deployment's own connector: it reads the Ascend layout as documented
+    if name == "MultiConnector":
+        for child in extra.get("connectors", []):
+            _check_connector(child.get("kv_connector"), child.get("kv_connector_module_path"),
+                             child.get("kv_connector_extra_config", {}))
+        return
+    if name == "ExampleConnector":
+        from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector
+
+        if not hasattr(example_connector, "TritonAttentionMetadata"):  # seam: until 0.23
+            return
+        reason = ("this vLLM's ExampleConnector reads every backend's cache but Triton's as "
+                  "[2, blocks, ...] (vLLM 0.23 and later read blocks first, as the Ascend cache is)")
+    else:
+        reason = _REASONS.get(name, "it is not verified on Ascend")
+    raise NotImplementedError(f"the {name} KV connector is not supported on Ascend by "
+                              f"ascend-patch: {reason}; served: {_SERVED}")

@@ -1,0 +1,116 @@
+"""Disaggregated prefill through vLLM's own ExampleConnector on the emulated NPU, and the KV
+connector and data-parallel configurations the platform refuses.
+
+One driver run (one fresh interpreter, in-process engines one after another): a producer engine
+prefills and its connector saves each layer's KV to shared storage; a consumer engine loads it and
+decodes. The oracle is HF transformers on the same weights: the saved K and V of every layer equal
+HF's cache (post-rotary keys, values) token for token, so the connector read the K and V halves
+attention wrote, not another plane or block; the consumer's tokens equal HF greedy and it served
+the prompts' full blocks from the connector (prefix caching is off). The refusals start engines
+that stop at configuration, in one line each: rank 0 of vLLM's offline data-parallel example on
+an MoE model stops there instead of asserting in vLLM's get_ep_all2all_manager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ascend_patch.kit.oracle import hf_greedy, hf_model, prompt_token_ids
+from tests.helpers.engine import run_engine
+from tests.helpers.process import free_port
+
+# Each prompt reaches past its first 128-token block, so blocks beyond the first are saved, and
+# each saves a different number of blocks (which tells the saved prefixes apart).
+PROMPT_LENGTHS = [420, 300, 200]
+MAX_TOKENS = 12
+ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": False}
+
+
+def _connector(role: str, storage) -> dict:
+    return {"kv_connector": "ExampleConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tiny_models, tmp_path_factory):
+    llama = tiny_models["tiny-llama"]
+    tmp = tmp_path_factory.mktemp("kv_transfer")
+    storage = tmp / "storage"
+    prompts = prompt_token_ids(llama, PROMPT_LENGTHS)
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    prefill = {**greedy, "max_tokens": 1}
+    # Refused at configuration, so before the engines that start: vLLM caches its environment once
+    # an engine core has started, and the first holds the DP rank variables of vLLM's offline
+    # data-parallel example.
+    data_parallel_rank = {"VLLM_DP_SIZE": "2", "VLLM_DP_RANK": "0", "VLLM_DP_RANK_LOCAL": "0",
+                          "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(free_port())}
+    refused = {
+        "data_parallel_moe": (tiny_models["tiny-qwen3-moe"], ENGINE, data_parallel_rank),
+        "offload": (llama, {**ENGINE, "kv_offloading_size": 1}, {}),
+        "nixl": (llama, {**ENGINE, "kv_transfer_config": {"kv_connector": "NixlConnector",
+                                                          "kv_role": "kv_both"}}, {}),
+        "block_size": (llama, {**ENGINE, "block_size": 256,
+                               "kv_transfer_config": _connector("kv_both", storage)}, {}),
+        "mla": (tiny_models["tiny-deepseek-v3"], {**ENGINE, "kv_transfer_config": _connector("kv_both", storage)}, {}),
+        "sleep": (llama, {**ENGINE, "enable_sleep_mode": True,
+                          "kv_transfer_config": _connector("kv_both", storage)}, {}),
+    }
+    spec = {"engines": [
+        *({"model": str(model), "kwargs": kwargs, "env": env, "runs": []} for model, kwargs, env in refused.values()),
+        {"model": str(llama), "kwargs": {**ENGINE, "kv_transfer_config": _connector("kv_producer", storage)},
+         "runs": [{"prompts": prompts, "sampling": [prefill]}]},
+        {"model": str(llama), "kwargs": {**ENGINE, "kv_transfer_config": _connector("kv_consumer", storage)},
+         "runs": [{"prompts": prompts, "sampling": [greedy]}]},
+    ]}
+    *refusals, producer, consumer = run_engine(spec, tmp)["engines"]
+    return {"llama": llama, "prompts": prompts, "storage": storage, "producer": producer,
+            "consumer": consumer, "refused": dict(zip(refused, refusals))}
+
+
+def test_saved_kv_is_what_attention_wrote(disaggregated):
+    """Every layer's saved [tokens, K|V, heads, head_size] equals HF's keys and values."""
+    prompts, storage = disaggregated["prompts"], disaggregated["storage"]
+    assert disaggregated["producer"]["block_size"] == 128
+    model = hf_model(disaggregated["llama"])
+    folders = sorted(p for p in storage.iterdir() if p.is_dir())
+    assert len(folders) == len(prompts), f"one saved prefix per prompt, found {folders}"
+    by_length = {}
+    for folder in folders:
+        files = sorted(folder.glob("*.safetensors"))
+        assert len(files) == model.config.num_hidden_layers
+        by_length[load_file(files[0])["kv_cache"].shape[0]] = folder
+    for prompt in prompts:
+        saved_tokens = (len(prompt) - 1) // 128 * 128
+        with torch.no_grad():
+            cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+        for layer, hf_layer in enumerate(cache.layers):
+            saved = load_file(by_length[saved_tokens] / f"model.layers.{layer}.self_attn.attn.safetensors")["kv_cache"]
+            assert saved.shape == (saved_tokens, 2, *hf_layer.keys.shape[1:2], hf_layer.keys.shape[-1])
+            keys = hf_layer.keys[0].transpose(0, 1)[:saved_tokens]
+            values = hf_layer.values[0].transpose(0, 1)[:saved_tokens]
+            torch.testing.assert_close(saved[:, 0], keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(saved[:, 1], values, atol=1e-4, rtol=1e-4)
+
+
+def test_consumer_decodes_from_the_producers_kv(disaggregated):
+    run = disaggregated["consumer"]["runs"][0]
+    prompts = disaggregated["prompts"]
+    assert run["cached"] == [(len(p) - 1) // 128 * 128 for p in prompts], "the connector's hits"
+    assert run["tokens"] == hf_greedy(disaggregated["llama"], prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("offload", "KV offload (--kv-offloading-size) is not supported on Ascend"),
+    ("nixl", "the NixlConnector KV connector is not supported on Ascend"),
+    ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
+    ("mla", "KV connectors are not supported for MLA models on Ascend"),
+    ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
+    ("data_parallel_moe", "data-parallel MoE (--data-parallel-size > 1 with a mixture-of-experts "
+                          "model) is not supported by ascend-patch yet"),
+])
+def test_unsupported_serving_is_refused_in_one_line(disaggregated, case, message):
+    error = disaggregated["refused"][case]["error"]
+    assert message in error and "\n" not in error, error
+
