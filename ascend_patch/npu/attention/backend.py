@@ -210,7 +210,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         fast_build: bool = False,
     ) -> AscendMetadata:
         """The step's batch and, once for every layer, the kernels' KV slots and block table."""
-        batch = self.describe(common_attn_metadata)
+        batch = self.describe_batch(common_attn_metadata)
         n, slots = batch.num_tokens, batch.slot_mapping
         kv_slots = torch.where(slots < 0, self._null_slots[:n],
                                kv_cache_layout.kernel_slots(slots, KERNEL_BLOCK_SIZE),
@@ -221,12 +221,12 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
 
     def _table_rows(self, rows: int, width: int) -> torch.Tensor:
         buffer = self._kernel_block_table
-        if buffer.shape[1] != width or buffer.shape[0] < rows:  # the table's width is fixed: once
+        if buffer.shape[1] != width or buffer.shape[0] < rows:  # fixed width, <= max_num_seqs rows: once
             buffer = self._kernel_block_table = torch.empty(
                 max(rows, self._max_seqs), width, dtype=torch.int32, device=self.device)
         return buffer[:rows]
 
-    def describe(self, common_attn_metadata: CommonAttentionMetadata) -> AscendMetadata:
+    def describe_batch(self, common_attn_metadata: CommonAttentionMetadata) -> AscendMetadata:
         """The step's batch on the host and vLLM's device tensors, without the kernels' views."""
         meta = common_attn_metadata
         num_seqs = meta.num_reqs
