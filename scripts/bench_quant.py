@@ -64,8 +64,9 @@ def main() -> int:
                                                        lambda module: "W8A8", calibration),
     }
     emulated = bench_engine._env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
-    launches = {name: bench_engine._run(sys.executable, bench_engine.LAUNCHES, [str(path), "all"],
-                                        emulated) for name, path in variants.items()}
+    launches = {name: bench_engine._run(sys.executable, bench_engine.LAUNCHES,
+                                        [str(path), "all", str(bench_engine.ROOT)], emulated)
+                for name, path in variants.items()}
     speed = {name: bench_engine._run(sys.executable, THROUGHPUT, [str(path), str(args.tokens)],
                                      emulated) for name, path in variants.items()}
     names = list(variants)

@@ -20,7 +20,9 @@ RUN, by "kind":
                         what holds them) before ("books_before") and after ("books")
   "wake_up"             {"tags": [...] or absent}: ``LLM.wake_up``; reports the books after ("books")
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
-dict applies to every prompt, a list pairs them one by one.
+dict applies to every prompt, a list pairs them one by one. A run with "layer_launches": true also
+reports the device launches per decoder-layer call, op by op, as scripts/bench_engine.py counts
+them (:mod:`ascend_patch.kit.launches`; an in-process engine only).
 
 Each run reports the kernel-seam launch counts for the whole run, what kinds of batch the
 fused attention launches served ("fused_batches", see ``_fused_batches``) and, per prompt, the
@@ -129,7 +131,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     result["runs"] = []
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)
-        with engine.measured() as measured:
+        with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
             try:
                 report = _run(llm, run)
             except Exception as exc:
@@ -141,9 +143,25 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         if before is not None:  # the process's counters: this run's share
             after = engine.spec_decode_counts(llm)
             measured["spec_decode"] = {name: after[name] - before[name] for name in after}
+        if layer_launches is not None:
+            measured["layer_launches"] = layer_launches
         result["runs"].append({**report, **measured})
     engine.shutdown(llm)
     return result
+
+
+@contextlib.contextmanager
+def _layer_launches(llm, run: dict):
+    """Launches per decoder-layer call while the run runs, or None when not asked for."""
+    if not run.get("layer_launches"):
+        yield None
+        return
+    from ascend_patch.kit import launches
+    from ascend_patch.npu import kernels
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    with launches.per_layer_call(runner.get_model().model.layers, kernels) as counts:
+        yield counts
 
 
 @contextlib.contextmanager

@@ -119,13 +119,17 @@ HALF_DTYPES = ("bfloat16", "float16")
 # Qwen2 and the head_dim-128 Llama: short, one block and a bit, several blocks.
 HALF_LENGTHS = [3, 17, 129, 300]
 HALF_SAMPLE = {"temperature": 0.8, "top_k": 5, "max_tokens": 16, "ignore_eos": True}
+# Eight one-token prompts: every step decodes a batch of 8, whose V rows are strided in vLLM's qkv.
+DECODE_STEPS = {"prompts": [[i + 3] for i in range(8)], "layer_launches": True,
+                "sampling": [{"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}]}
 
 
 @pytest.fixture(scope="module")
 def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
     """One driver process, several engines: per dtype the Llama with prefix caching and a
     64-token step budget (chunked prefill, mixed prefill + decode steps, prefix-cache hits,
-    seeded sampling) and Qwen2; the head_dim-128 Llama in bf16; all eager, so every step
+    seeded sampling, and in bf16 decode steps whose layers' launches are counted) and Qwen2; the
+    head_dim-128 Llama in bf16; all eager, so every step
     launches its kernels (graph mode has its own tests, tests/test_graph.py). And the bf16
     Llama with FULL_DECODE_ONLY graphs asked for explicitly (by default graph mode is on
     only for releases this suite has passed on)."""
@@ -139,6 +143,7 @@ def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
             {"prompts": _shared_prefix_prompts(prompts), "sampling": [GREEDY]},
             {"prompts": prompts[1:3], "sampling": sampling},
             {"prompts": prompts[1:3], "sampling": sampling},
+            *([DECODE_STEPS] if dtype == "bfloat16" else []),
         ], "kwargs": {**small, "dtype": dtype, "enable_prefix_caching": True, "enable_chunked_prefill": True,
                       "max_num_batched_tokens": 64}})
         engines.append({"model": str(qwen), "kwargs": {**small, "dtype": dtype},
@@ -206,6 +211,18 @@ def test_half_precision_seeded_sampling_repeats_within_hf_top_k(half_precision_r
     tracking = oracle.precision_tracking(llama, prompts[1:3], first["tokens"], dtype,
                                          top_k=HALF_SAMPLE["top_k"])
     assert tracking.ok, tracking.message
+
+
+def test_a_dense_bf16_decode_layer_launches_at_the_floor(half_precision_runs):
+    """Issue 20's floor, counted as scripts/bench_engine.py counts, per decoder layer of a decode
+    step: two norms (the first layer's first without a residual), four linears, one rotary launch
+    for q and k, the cache write, paged attention, SwiGLU; and the one copy left, of V, a strided
+    slice of vLLM's qkv that the cache write takes contiguous only. The step's KV slots and kernel
+    block table are built once per step by the metadata builder, outside the layers."""
+    launches = half_precision_runs[("llama", "bfloat16")]["runs"][4]["layer_launches"]
+    assert launches == {"rms_norm": 0.5, "add_rms_norm": 1.5, "linear.default": 4, "mrope": 1,
+                        "contiguous.default": 1, "scatter_pa_kv_cache": 1, "paged_attention": 1,
+                        "swiglu": 1}
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)

@@ -150,3 +150,42 @@ def test_tensor_parallel_graphs_give_eager_tokens(engines, tiny_models):
     llama = tiny_models["tiny-llama"]
     prompts = prompt_token_ids(llama, PROMPT_LENGTHS)[: RUNS[0][0]]
     assert_tracks_hf_logits(llama, prompts, eager["runs"][0]["tokens"])
+
+
+def _defaults(caplog, proven: bool, optimization_level: int = 2):
+    """A bf16 Llama-like config through the platform's defaults: its graph mode and the lines of
+    ours logged (a unit test: no engine)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import CompilationMode
+
+    from ascend_patch import release
+    from ascend_patch.kit.engine import ascend_patch_log
+    from ascend_patch.npu.platform import NPUPlatform
+
+    model = SimpleNamespace(use_mla=False, dtype=torch.bfloat16, disable_sliding_window=False,
+                            get_sliding_window=lambda: None, get_head_size=lambda: 64,
+                            hf_text_config=SimpleNamespace())
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None),
+        optimization_level=optimization_level, model_config=model, speculative_config=None)
+    caplog.set_level("INFO", logger="vllm.ascend_patch")  # as vLLM's logging config sets it
+    saved, release.proven_end_to_end = release.proven_end_to_end, proven
+    try:
+        with ascend_patch_log() as log:
+            NPUPlatform.apply_config_platform_defaults(config)
+    finally:
+        release.proven_end_to_end = saved
+    return config.compilation_config.cudagraph_mode.name, log
+
+
+def test_graph_mode_off_by_default_on_an_unproven_release_says_why_and_how_to_ask(caplog):
+    import vllm
+
+    assert _defaults(caplog, proven=False) == ("NONE", [
+        f"ascend-patch: ACL graph mode is off by default: vLLM {vllm.__version__} has not passed "
+        "ascend-patch's end-to-end suite with graphs (compat_matrix.yaml); ask for it with "
+        "-cc.cudagraph_mode=FULL_DECODE_ONLY"])
+    assert _defaults(caplog, proven=True) == ("FULL_DECODE_ONLY", [])
+    assert _defaults(caplog, proven=True, optimization_level=0) == ("NONE", []), "-O0 asked for none"

@@ -67,9 +67,9 @@ def kernel_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[: (2 * blocks - 1) * half].view(shape), flat[half:].view(shape)
 
 
-def kernel_block_table(block_table: torch.Tensor) -> torch.Tensor:
-    """Block ids → the kernel blocks of :func:`kernel_caches` (``2b``), still int32."""
-    return block_table * 2
+def kernel_block_table(block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Block ids → the kernel blocks of :func:`kernel_caches` (``2b``), still int32 (into ``out``)."""
+    return torch.mul(block_table, 2, out=out)
 
 
 def kernel_slots(slots: torch.Tensor, block_size: int) -> torch.Tensor:

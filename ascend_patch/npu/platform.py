@@ -104,9 +104,10 @@ class NPUPlatform(Platform):
             # run their kernel-seam contract checks in Python, which dynamo cannot trace.
             compilation.custom_ops.append("none")
         if compilation.cudagraph_mode is None:
-            on = (vllm_config.optimization_level > 0 and graphs_by_default(vllm_config.model_config)
-                  and vllm_config.speculative_config is None)  # see settle_graph_mode
-            compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY if on else CUDAGraphMode.NONE
+            off = vllm_config.optimization_level == 0 or graphs_off_by_default(vllm_config)
+            compilation.cudagraph_mode = CUDAGraphMode.NONE if off else CUDAGraphMode.FULL_DECODE_ONLY
+            if isinstance(off, str):  # not -O0's choice: say why (vLLM's capture warning does not)
+                logger.info("ascend-patch: ACL graph mode is off by default: %s", off)
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -288,19 +289,34 @@ class NPUPlatform(Platform):
         return False
 
 
-def graphs_by_default(model_config) -> bool:
-    """Whether graph mode is on unless asked otherwise: where this vLLM release's emulated
-    end-to-end suite (or a hardware run) passed with it on (compat_matrix.yaml status), for models
-    whose every layer decodes on the fused paged-attention kernel, at the head sizes that suite
-    runs (fp16/bf16, 64 or 128, no sliding window, no soft-cap); the fp32 composed attention
-    reads host data into new tensors every step and cannot be captured. Not for MLA models (see
-    settle_graph_mode), which decode on their own kernel."""
-    from ascend_patch.npu.attention.paths import FIA_TND_HEAD_SIZES, decodes_on_paged_attention
+def graphs_off_by_default(vllm_config) -> str | None:
+    """Why graph mode stays off unless asked for, and how to ask where asking works; None where it
+    is on: where this vLLM release's emulated end-to-end suite (or a hardware run) passed with it on
+    (compat_matrix.yaml status), for models whose every layer decodes on the fused paged-attention
+    kernel, at the head sizes that suite runs (fp16/bf16, 64 or 128, no sliding window, no
+    soft-cap). The fp32 composed attention reads host data into new tensors every step and cannot
+    be captured; FULL graphs with MLA or speculative decoding are refused (settle_graph_mode)."""
+    import vllm
 
-    if not release.proven_end_to_end or model_config is None:
-        return False
+    from ascend_patch.npu.attention.paths import FIA_TND_HEAD_SIZES, paged_decode_refusal
+
+    ask = "; ask for it with -cc.cudagraph_mode=FULL_DECODE_ONLY"
+    model_config = vllm_config.model_config
+    if vllm_config.speculative_config is not None:
+        return "FULL ACL graphs do not hold speculative decoding's verification rows yet"
+    if model_config is None:
+        return "no model configuration to check"
     head_size = model_config.get_head_size()
-    return head_size in FIA_TND_HEAD_SIZES and decodes_on_paged_attention(model_config, head_size)
+    refusal = paged_decode_refusal(model_config, head_size)
+    if refusal is not None:
+        return f"{refusal}, which FULL ACL graphs do not hold yet"
+    if not release.proven_end_to_end:
+        return (f"vLLM {vllm.__version__} has not passed ascend-patch's end-to-end suite with graphs "
+                f"(compat_matrix.yaml){ask}")
+    if head_size not in FIA_TND_HEAD_SIZES:
+        return (f"head size {head_size}: the end-to-end suite proves graphs at head sizes "
+                f"{', '.join(map(str, FIA_TND_HEAD_SIZES))}{ask}")
+    return None
 
 
 def settle_graph_mode(vllm_config) -> None:

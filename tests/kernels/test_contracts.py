@@ -76,6 +76,16 @@ def rotary_mul(**overrides):
     return kernels.rotary_mul(**args)
 
 
+def mrope(**overrides):
+    """3 tokens of 4 query and 2 key heads of 64, strided slices of one qkv row each, over a bf16
+    [16, 64] cos|sin cache (npu_mrope's RoPE mode)."""
+    qkv = torch.zeros(3, 8 * 64, dtype=BF16)
+    args = dict(positions=torch.tensor([0, 5, 15]), query=qkv[:, :256], key=qkv[:, 256:384],
+                cos_sin_cache=torch.rand(16, 64, dtype=BF16), head_size=64, rotary_mode="half")
+    args.update(overrides)
+    return kernels.mrope(**args)
+
+
 def top_k_top_p(**overrides):
     args = dict(logits=torch.zeros(2, 50), p=torch.tensor([0.5, 0.9]),
                 k=torch.tensor([5, 10], dtype=torch.int32))
@@ -302,6 +312,32 @@ VIOLATIONS = {
                            r2=torch.rand(1, 2, 1, 64), rotary_mode="interleave"),
         "npu_rotary_mul: self must be B * N below 1000 in interleave mode, got BSND with B=1, "
         "N=1000"),
+    # npu_mrope
+    "mrope 'interleaved' (the .md's spelling, which the binding refuses)": (
+        lambda: mrope(rotary_mode="interleaved"),
+        "npu_mrope: rotary_mode must be 'half' or 'interleave', got 'interleaved'"),
+    "mrope 2-D positions (the MRoPE mode)": (
+        lambda: mrope(positions=torch.zeros(3, 3, dtype=torch.int64)),
+        "npu_mrope: positions must be 1-D, got 2-D (3, 3)"),
+    "mrope 3-D query": (
+        lambda: mrope(query=torch.zeros(3, 4, 64, dtype=BF16)),
+        "npu_mrope: query must be 2-D, got 3-D (3, 4, 64)"),
+    "mrope cache dtype unlike the query": (
+        lambda: mrope(cos_sin_cache=torch.rand(16, 64)),
+        "npu_mrope: query must be torch.float32 like cos_sin_cache, got torch.bfloat16"),
+    "mrope head size 80 in bf16": (
+        lambda: mrope(query=torch.zeros(3, 320, dtype=BF16), key=torch.zeros(3, 160, dtype=BF16),
+                      head_size=80),
+        "npu_mrope: cos_sin_cache must be a rotary dim <= head size 80, both multiples of 32, got 64"),
+    "mrope rotary dim 48 in bf16": (
+        lambda: mrope(cos_sin_cache=torch.rand(16, 48, dtype=BF16)),
+        "npu_mrope: cos_sin_cache must be a rotary dim <= head size 64, both multiples of 32, got 48"),
+    "mrope key of fewer tokens": (
+        lambda: mrope(key=torch.zeros(2, 128, dtype=BF16)),
+        "npu_mrope: key must be shape (3, heads * 64), got (2, 128)"),
+    "mrope position past the cache": (
+        lambda: mrope(positions=torch.tensor([0, 5, 16])),
+        "npu_mrope: positions must be within [0, 16), got range [0, 16]"),
     # top-k / top-p
     "top_k k = 0": (
         lambda: top_k_top_p(k=torch.tensor([0, 5], dtype=torch.int32)),
@@ -372,6 +408,16 @@ def _baseline_rotary_mul():
     return rotary_mul(self=x, r1=r1, r2=r2), x * r1 + _rotate_half(x) * r2  # NeoX halves
 
 
+def _baseline_mrope():
+    """Position 0's cos|sin row is (1, ..., 1 | 0, ..., 0): each rotated head is itself."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 8 * 64, generator=generator).to(BF16)
+    cache = torch.cat((torch.ones(1, 32), torch.zeros(1, 32)), dim=-1).to(BF16)
+    query, key = mrope(positions=torch.zeros(3, dtype=torch.int64), query=qkv[:, :256],
+                       key=qkv[:, 256:384], cos_sin_cache=cache, rotary_mode="interleave")
+    return torch.cat((query, key), dim=-1), qkv[:, :384]
+
+
 def _baseline_top_k_top_p():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
@@ -388,6 +434,7 @@ BASELINES = {
     "paged attention": _baseline_paged_attention,
     "scatter": _baseline_scatter,  # exactly the mapped slots
     "rotary_mul": _baseline_rotary_mul,
+    "mrope": _baseline_mrope,
     "top_k_top_p": _baseline_top_k_top_p,  # vLLM's own top-k/top-p keeps the same logits
 }
 

@@ -123,11 +123,12 @@ def test_rotary_mul_matches_vllm(shape, tokens, is_neox_style, dtype, seed):
 @settings(max_examples=20, deadline=None)
 @given(shape=rope_shapes, tokens=st.integers(1, 40), is_neox_style=st.booleans(),
        dtype=float_dtypes, seed=seeds)
-def test_rotary_custom_op_matches_vllm_and_hands_the_op_a_4d_view(shape, tokens, is_neox_style,
-                                                                   dtype, seed):
-    """The registered rotary op on q and k split out of one qkv buffer, as models call it,
-    against vLLM's own rotary: each npu_rotary_mul call gets a 4-D tensor, a view of the query
-    or key itself when the whole head rotates (no copy)."""
+def test_rotary_custom_op_matches_vllm_in_one_launch_where_npu_mrope_serves(shape, tokens,
+                                                                            is_neox_style, dtype, seed):
+    """The registered rotary op on q and k split out of one qkv buffer, as models call it, against
+    vLLM's own rotary: one npu_mrope launch handed the query and key views themselves (no copy)
+    where its head-size rule allows, else npu_rotary_mul per tensor on a 4-D view of it."""
+    from ascend_patch.npu.kernels import limits
     from ascend_patch.npu.ops.rotary_embedding import AscendRotaryEmbedding
 
     head_size, rotary_dim, heads, kv_heads = shape
@@ -140,22 +141,18 @@ def test_rotary_custom_op_matches_vllm_and_hands_the_op_a_4d_view(shape, tokens,
     query, key, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
     expected = rope.forward_native(positions, query.clone(), key.clone())
 
-    calls = []
-
-    def recording(x, r1, r2, mode):
-        calls.append(x)
-        return reference(x, r1, r2, mode)
-
-    reference, kernels.rotary_mul = kernels.rotary_mul, recording
-    try:
+    with kernels.record_calls() as records:
         got = ours.forward_oot(positions, query, key)
-    finally:
-        kernels.rotary_mul = reference
     for result, want in zip(got, expected):
         assert_close(result, want)
-    assert [x.dim() for x in calls] == [4, 4]
-    if rotary_dim == head_size:
-        assert [x.data_ptr() for x in calls] == [query.data_ptr(), key.data_ptr()]
+    calls = [(call["op"], call["args"]["tuple"]) for call in records.values()]
+    if limits.mrope_takes(dtype, head_size, rotary_dim):
+        ((op, args),) = calls
+        assert op == "mrope" and args[5] == ("half" if is_neox_style else "interleave")
+        assert [args[i]["tensor"]["offset"] for i in (1, 2)] == [0, heads * head_size]  # qkv's own
+    else:
+        assert {op for op, _ in calls} == {"rotary_mul"}
+        assert all(len(args[0]["tensor"]["shape"]) == 4 for _, args in calls)
 
 
 @settings(max_examples=40, deadline=None)

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # ATB ops' from libop_plugin_atb.so, of the newest torch-npu the matrix names.
 OPS_CALLED = (
     "npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "npu_rms_norm",
-    "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_top_k_top_p",
+    "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope", "npu_top_k_top_p",
     "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
     "npu_grouped_matmul", "npu_moe_token_unpermute", "npu_moe_finalize_routing",
     "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "_npu_paged_attention",
@@ -312,6 +312,11 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     kernels.rotary_mul(x, cos, sin, "interleave")
     assert_arguments(torch_npu.only_call("npu_rotary_mul"),
                      {"self": x, "r1": cos, "r2": sin, "rotary_mode": "interleave"})
+    positions = torch.zeros(4, dtype=torch.int64)
+    kernels.mrope(positions, X, X, X, 64, "interleave")
+    assert_arguments(torch_npu.only_call("npu_mrope"), {  # the RoPE mode over vLLM's cos|sin cache
+        "positions": positions, "query": X, "key": X, "cos_sin_cache": X, "head_size": 64,
+        "mrope_section": [0, 0, 0], "rotary_mode": "interleave", "cache_mode": "default"})
 
     # MoE: npu_moe_finalize_routing's tensors go positionally, as its schema spells the last one
     # "export_for_source_row" (the doc: expert_for_source_row).

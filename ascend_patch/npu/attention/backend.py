@@ -49,6 +49,7 @@ a slot of that block.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -142,37 +143,23 @@ class AscendMetadata:
     """``seq_lens`` on the device, for the window masks."""
     block_table: torch.Tensor
     """[num_seqs, max_blocks] int32, in kernel blocks (vLLM's ids; the kernels read
-    :meth:`kernel_block_table`)."""
+    :attr:`kernel_block_table`)."""
     slot_mapping: torch.Tensor
     """vLLM's slots, -1 for a token without one (padding, dummy runs)."""
-    null_slots: torch.Tensor
-    """A slot of the null block for each token position (the stand-ins for -1)."""
     max_query_len: int
     key_positions: torch.Tensor
     """0 .. block_table columns × KERNEL_BLOCK_SIZE - 1 on the device (built once)."""
+    kv_slots: torch.Tensor | None = None
+    """The step's KV-cache slots in :func:`~ascend_patch.npu.kv_cache.kernel_caches`, the missing
+    ones in a slot of the null block each (built once per step by the builder, for every layer)."""
+    kernel_block_table: torch.Tensor | None = None
+    """:attr:`block_table` in :func:`~ascend_patch.npu.kv_cache.kernel_caches`' block ids (built
+    like :attr:`kv_slots`)."""
     _window_masks: dict = field(default_factory=dict, repr=False)
-    _kv_slots: torch.Tensor | None = None
-    _kernel_block_table: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
-
-    def kv_slots(self) -> torch.Tensor:
-        """The step's KV-cache slots in :func:`~ascend_patch.npu.kv_cache.kernel_caches`, the
-        missing ones in the null block: built once per step (every layer shares them), inside a
-        FULL graph when captured."""
-        if self._kv_slots is None:
-            slots = torch.where(self.slot_mapping < 0, self.null_slots, self.slot_mapping)
-            self._kv_slots = kv_cache_layout.kernel_slots(slots, KERNEL_BLOCK_SIZE)
-        return self._kv_slots
-
-    def kernel_block_table(self) -> torch.Tensor:
-        """The block table in :func:`~ascend_patch.npu.kv_cache.kernel_caches`' block ids, built
-        once per step like :meth:`kv_slots`."""
-        if self._kernel_block_table is None:
-            self._kernel_block_table = kv_cache_layout.kernel_block_table(self.block_table)
-        return self._kernel_block_table
 
     def window_mask(self, window: int) -> torch.Tensor:
         """[num_seqs, key_positions] bool, True for the keys before each sequence's last
@@ -192,6 +179,11 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         # Slot i of the null block for token i (block 0, which vLLM never hands to a request).
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._null_slots = torch.arange(tokens, device=device) % kv_cache_spec.block_size
+        # The kernels' slots and block table, rebuilt in place every step: a FULL graph's captured
+        # kernels read them where the capture found them.
+        self._kv_slots = torch.empty(tokens, dtype=torch.int64, device=device)
+        self._kernel_block_table = torch.empty(0, 0, dtype=torch.int32, device=device)
+        self._max_seqs = vllm_config.scheduler_config.max_num_seqs
         # With speculative decoding vLLM's host KV lengths are not exact: async scheduling
         # counts every draft as accepted, and the drafter lengthens queries on the device only
         # (spec_decode/utils.py extend_all_queries_by_N).
@@ -217,6 +209,25 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AscendMetadata:
+        """The step's batch and, once for every layer, the kernels' KV slots and block table."""
+        batch = self.describe_batch(common_attn_metadata)
+        n, slots = batch.num_tokens, batch.slot_mapping
+        kv_slots = torch.where(slots < 0, self._null_slots[:n],
+                               kv_cache_layout.kernel_slots(slots, KERNEL_BLOCK_SIZE),
+                               out=self._kv_slots[:n])
+        table = kv_cache_layout.kernel_block_table(
+            batch.block_table, out=self._table_rows(*batch.block_table.shape))
+        return dataclasses.replace(batch, kv_slots=kv_slots, kernel_block_table=table)
+
+    def _table_rows(self, rows: int, width: int) -> torch.Tensor:
+        buffer = self._kernel_block_table
+        if buffer.shape[1] != width or buffer.shape[0] < rows:  # fixed width, <= max_num_seqs rows: once
+            buffer = self._kernel_block_table = torch.empty(
+                max(rows, self._max_seqs), width, dtype=torch.int32, device=self.device)
+        return buffer[:rows]
+
+    def describe_batch(self, common_attn_metadata: CommonAttentionMetadata) -> AscendMetadata:
+        """The step's batch on the host and vLLM's device tensors, without the kernels' views."""
         meta = common_attn_metadata
         num_seqs = meta.num_reqs
         query_ends = meta.query_start_loc_cpu[1 : num_seqs + 1].tolist()
@@ -248,7 +259,6 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
             device_seq_lens=meta.seq_lens[:num_seqs],
             block_table=block_table,
             slot_mapping=meta.slot_mapping[:num_tokens],
-            null_slots=self._null_slots[:num_tokens],
             max_query_len=meta.max_query_len,
             key_positions=self._positions(block_table.shape[1] * KERNEL_BLOCK_SIZE),
         )
@@ -327,7 +337,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 value[:n].contiguous(),
                 key_cache,
                 value_cache,
-                meta.kv_slots(),
+                meta.kv_slots,
             )
         query = query[:n]
         out = output[:n]
@@ -360,10 +370,10 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
     def _paged_attention(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                          out) -> None:
         # Its context lengths are host data: a graph replay must be handed the step's. The kernel
-        # block table is device work on vLLM's persistent block table, captured with the graph
-        # (a replay recomputes it in place), so a task update re-issues only the kernel.
+        # block table is the builder's persistent buffer, rebuilt before every step, so a task
+        # update re-issues only the kernel.
         args = (query, key_cache, value_cache, self.num_kv_heads, self.num_heads, self.scale,
-                meta.kernel_block_table())
+                meta.kernel_block_table)
 
         def issue(params: AscendMetadata, workspace) -> None:
             kernels.paged_attention(*args, params.context_lens, out, workspace=workspace)
@@ -395,7 +405,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             query,
             key_cache.view(num_blocks, block_size, -1),
             value_cache.view(num_blocks, block_size, -1),
-            block_table=meta.kernel_block_table(),
+            block_table=meta.kernel_block_table,
             actual_seq_lengths_kv=meta.seq_lens,
             num_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
@@ -413,7 +423,7 @@ def _composed(query, key_cache, value_cache, meta: AscendMetadata, scale, out, p
     kv_len - q_len + i and, in a windowed layer, no more than pre_tokens before it."""
     starts = [0, *meta.query_ends[:-1]]
     lengths = [end - start for start, end in zip(starts, meta.query_ends)]
-    block_table = meta.kernel_block_table()
+    block_table = meta.kernel_block_table
     decodes = [i for i, n in enumerate(lengths) if n == 1]
     if decodes:
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)

@@ -265,7 +265,7 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AscendMLAMetadata:
-        batch = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        batch = self.describe_batch(common_attn_metadata)  # MLA writes and reads vLLM's own slots
         query_ends, seq_lens, block_table = batch.query_ends, batch.seq_lens, batch.block_table
         q_lens = [end - start for start, end in zip([0, *query_ends[:-1]], query_ends)]
         num_reqs = len(q_lens)

@@ -26,15 +26,28 @@ FIA_TND_HEAD_SIZES = limits.FIA_TND_PAGED_HEAD_SIZES
 
 def decodes_on_paged_attention(model_config, head_size: int) -> bool:
     """Whether every attention layer of the model decodes on ``_npu_paged_attention`` (the one
-    decode kernel FULL graphs hold), as :func:`choose_paths` decides: fp16 or bf16, no sliding
-    window in any layer, no soft-capped logits, a head size it takes (MLA
-    models decode on their own kernel)."""
+    decode kernel FULL graphs hold), as :func:`choose_paths` decides."""
+    return paged_decode_refusal(model_config, head_size) is None
+
+
+def paged_decode_refusal(model_config, head_size: int) -> str | None:
+    """Why not every attention layer decodes on ``_npu_paged_attention``, or None: it takes fp16
+    or bf16, no sliding window in any layer, no soft-capped logits, head sizes up to its limit;
+    MLA models decode on their own kernel."""
     window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
     # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
     soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)  # not a seam: HF
-    return (not model_config.use_mla and model_config.dtype in FUSED_DTYPES and window is None
-            and not soft_cap
-            and head_size <= limits.PA_MAX_HEAD_SIZE)
+    if model_config.use_mla:
+        return "an MLA model decodes on the MLA kernel"
+    if model_config.dtype not in FUSED_DTYPES:
+        return f"{str(model_config.dtype).removeprefix('torch.')} decodes on composed attention"
+    if window is not None:
+        return f"sliding window {window}: windowed layers decode on the masked one-token FIA"
+    if soft_cap:
+        return f"logits soft-cap {soft_cap}: soft-capped layers decode on composed attention"
+    if head_size > limits.PA_MAX_HEAD_SIZE:
+        return f"head size {head_size} is above _npu_paged_attention's {limits.PA_MAX_HEAD_SIZE}"
+    return None
 
 
 @dataclass(frozen=True)

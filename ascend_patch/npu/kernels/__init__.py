@@ -39,6 +39,7 @@ OPS = (
     "add_rms_norm",
     "swiglu",
     "rotary_mul",
+    "mrope",
     "top_k_top_p",
     "moe_gating_top_k_softmax",
     "moe_gating_top_k",

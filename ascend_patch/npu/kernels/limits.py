@@ -82,6 +82,21 @@ ATB_MLA_MAX_BATCH = 8192
 ROTARY_HEAD_DIM_BELOW = 896
 ROTARY_BATCH_HEADS_BELOW = 1000
 
+# --- npu_mrope (its RoPE mode: one-dimensional positions) -----------------------------------------
+
+# [MROPE] 约束说明: head_size and rotary_dim (cos_sin_cache's last dim, ≤ head_size) are multiples
+# of 32 in float16/bfloat16, of 16 in float32.
+MROPE_DIM_MULTIPLE = {"float16": 32, "bfloat16": 32, "float32": 16}
+
+
+def mrope_takes(dtype, head_size: int, rotary_dim: int) -> bool:
+    """Whether npu_mrope takes query/key heads of ``head_size`` in ``dtype`` rotating their first
+    ``rotary_dim`` lanes."""
+    multiple = MROPE_DIM_MULTIPLE.get(str(dtype).removeprefix("torch."))
+    return (multiple is not None and rotary_dim <= head_size
+            and head_size % multiple == 0 and rotary_dim % multiple == 0)
+
+
 # --- npu_top_k_top_p ------------------------------------------------------------------------------
 
 # [TOPKP] k: int32 in [1, 1024].

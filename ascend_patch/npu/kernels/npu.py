@@ -117,6 +117,15 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
     return _torch_npu().npu_rotary_mul(self, r1, r2, rotary_mode=rotary_mode)
 
 
+def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half"):
+    # The RoPE mode (mrope_section [0, 0, 0]) over vLLM's [max_position, rotary_dim] cos|sin cache:
+    # query and key in one launch, as vllm-ascend's rope_forward_oot calls it without Triton.
+    return _torch_npu().npu_mrope(
+        positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache, head_size=head_size,
+        mrope_section=[0, 0, 0], rotary_mode=rotary_mode, cache_mode="default",
+    )
+
+
 def top_k_top_p(logits, p=None, k=None):
     if k is None:
         return _top_p_only()(logits, p)

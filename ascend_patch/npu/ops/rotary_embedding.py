@@ -1,23 +1,52 @@
-"""Rotary embedding on the kernel seam (``npu_rotary_mul``)."""
+"""Rotary embedding on the kernel seam: ``npu_mrope`` for query and key in one launch, else
+``npu_rotary_mul`` once per tensor."""
 
 import torch
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import limits
 
 
 class AscendRotaryEmbedding(RotaryEmbedding):
-    """RoPE with ``npu_rotary_mul``: one launch per tensor, contiguous outputs, fp32 capable.
+    """RoPE of a step's query and key, contiguous outputs, fp32 capable.
 
-    The op takes 4-D tensors only (BNSD, BSND or SBND): a query or key of ``T`` tokens is viewed
-    as BSND with one batch, ``[1, T, N, D]`` (no copy), and cos/sin as ``[1, T, 1, D]``, the
-    1S1D layout both rotary modes accept for BSND. cos/sin for the step's positions are
-    gathered once and shared by every layer: models build one rotary module for all layers,
-    and positions only change between forward passes.
+    ``npu_mrope`` (its RoPE mode, vllm-ascend's call outside Triton) rotates both in one launch
+    and gathers cos/sin from vLLM's cos|sin cache by position itself. It takes query and key as
+    2-D ``[T, heads * head_size]`` tensors, strided ones included, so the views of one qkv buffer
+    models split go in unchanged; its head size and rotary dim must be multiples of 32 (16 in
+    fp32).
+
+    Otherwise (other head sizes, a missing key, heads that no 2-D view spans, as MLA's slices of
+    the query) ``npu_rotary_mul`` runs per tensor: it takes 4-D tensors only (BNSD, BSND or
+    SBND), so a query or key of ``T`` tokens is viewed as BSND with one batch, ``[1, T, N, D]``
+    (no copy), and cos/sin as ``[1, T, 1, D]``, the 1S1D layout both rotary modes accept for
+    BSND. Those cos/sin are gathered once per step and shared by every layer: models build one
+    rotary module for all layers, and positions only change between forward passes.
     """
 
     _step = None  # (forward context, positions) the cached cos/sin belong to
     _cos_sin = None
+
+    def forward_oot(self, positions, query, key=None):
+        rows = None if key is None else self._mrope_rows(positions, query, key)
+        if rows is not None:
+            mode = "half" if self.is_neox_style else "interleave"
+            cache = self._match_cos_sin_cache_dtype(query)
+            rotated = kernels.mrope(positions.flatten(), *rows, cache, self.head_size, mode)
+            return rotated[0].view(query.shape), rotated[1].view(key.shape)
+        cos, sin = self._step_cos_sin(positions, query)
+        return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)
+
+    def _mrope_rows(self, positions, query, key):
+        """Query and key as the 2-D views npu_mrope takes, or None where it cannot serve them."""
+        if not limits.mrope_takes(query.dtype, self.head_size, self.rotary_dim):
+            return None
+        tokens = positions.numel()
+        try:
+            return query.view(tokens, -1), key.view(tokens, -1)
+        except RuntimeError:  # no 2-D view spans the heads (they are not evenly strided)
+            return None
 
     def _step_cos_sin(self, positions: torch.Tensor, query: torch.Tensor):
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -43,7 +72,3 @@ class AscendRotaryEmbedding(RotaryEmbedding):
             return kernels.rotary_mul(x, cos, sin, mode).view(shape)
         rotated = kernels.rotary_mul(x[..., : self.rotary_dim].contiguous(), cos, sin, mode)
         return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1).view(shape)
-
-    def forward_oot(self, positions, query, key=None):
-        cos, sin = self._step_cos_sin(positions, query)
-        return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)

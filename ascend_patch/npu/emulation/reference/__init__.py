@@ -16,7 +16,7 @@ from .attention import (
     scatter_pa_kv_cache,
 )
 from .fusion_attention import fusion_attention
-from .layers import add_rms_norm, rms_norm, rotary_mul, swiglu
+from .layers import add_rms_norm, mrope, rms_norm, rotary_mul, swiglu
 from .mla import fused_infer_attention_score_mla, multi_head_latent_attention
 from .moe import (
     grouped_matmul,
@@ -33,6 +33,6 @@ __all__ = [
     "add_rms_norm", "dynamic_quant", "fused_infer_attention_score",
     "fused_infer_attention_score_mla", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
-    "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
+    "mrope", "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
     "quantize", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swiglu", "top_k_top_p",
 ]

