@@ -45,38 +45,44 @@ def oracle(llama, prompts):
     return hf_greedy(llama, prompts, GREEDY["max_tokens"])
 
 
-def _generate(llama, prompts, tmp_path, env=None, **parallel):
-    spec = {"engines": [{"model": str(llama), "kwargs": {**ENGINE, **parallel},
-                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}]}
-    result = run_engine(spec, tmp_path, env=env or clean_env(**EMULATED))
-    engine = result["engines"][0]
+def _tokens(engine: dict) -> list[list[int]]:
     assert "error" not in engine, engine.get("error")
     return engine["runs"][0]["tokens"]
 
 
-@pytest.mark.parametrize(
-    "parallel",
-    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-    ids=["tp2", "pp2"],
-)
-def test_multiprocess_parallelism_equals_hf(llama, prompts, oracle, tmp_path, parallel):
-    tokens = _generate(llama, prompts, tmp_path, distributed_executor_backend="mp", **parallel)
-    assert tokens == oracle
+MP = {"distributed_executor_backend": "mp"}
+# (model, parallel configuration): each spawns two workers. Dense TP=2 is inside the MoE
+# model's (its attention layers split their heads over the ranks as Llama's do), and the bf16
+# Llama's TP=2 with graphs in tests/test_graph.py.
+PARALLEL = {
+    "llama pp2": ("tiny-llama", {"pipeline_parallel_size": 2}),
+    "moe tp2": ("tiny-glm4-moe", {"tensor_parallel_size": 2}),
+    "moe tp2-ep2": ("tiny-glm4-moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+}
 
 
-@pytest.mark.parametrize(
-    "parallel",
-    [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
-    ids=["tp2", "tp2-ep2"],
-)
-def test_moe_parallelism_equals_hf(tiny_models, prompts, tmp_path, parallel):
+@pytest.fixture(scope="module")
+def parallel_runs(tiny_models, prompts, tmp_path_factory):
+    """The multiprocess engines one after another in one driver process."""
+    spec = {"engines": [{"model": str(tiny_models[model]), "kwargs": {**ENGINE, **MP, **parallel},
+                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}
+                        for model, parallel in PARALLEL.values()]}
+    result = run_engine(spec, tmp_path_factory.mktemp("parallel"), env=clean_env(**EMULATED), timeout=1200)
+    return dict(zip(PARALLEL, result["engines"]))
+
+
+def test_pipeline_parallelism_equals_hf(parallel_runs, oracle):
+    assert _tokens(parallel_runs["llama pp2"]) == oracle
+
+
+@pytest.mark.parametrize("name", ["moe tp2", "moe tp2-ep2"])
+def test_moe_parallelism_equals_hf(tiny_models, prompts, parallel_runs, name):
     """GLM-4.5's MoE layers (grouped sigmoid routing, a shared expert): TP splits every
     expert's intermediate size, EP gives each rank half the experts; vLLM's reduction over
     the device group sums the partial outputs. HF is TP=1 (and the single-device run equals
     it in tests/test_moe.py)."""
-    model = tiny_models["tiny-glm4-moe"]
-    tokens = _generate(model, prompts, tmp_path, distributed_executor_backend="mp", **parallel)
-    assert tokens == hf_greedy(model, prompts, GREEDY["max_tokens"])
+    model = tiny_models[PARALLEL[name][0]]
+    assert _tokens(parallel_runs[name]) == hf_greedy(model, prompts, GREEDY["max_tokens"])
 
 
 def test_a_worker_without_the_overlay_fails_clearly(llama, prompts, tmp_path):
@@ -247,6 +253,6 @@ def ray_cluster(tmp_path_factory):
 
 def test_ray_tensor_parallel_equals_hf(llama, prompts, oracle, tmp_path, ray_cluster):
     env = clean_env(**EMULATED, RAY_ADDRESS=ray_cluster)
-    tokens = _generate(llama, prompts, tmp_path, env=env, tensor_parallel_size=2,
-                       distributed_executor_backend="ray")
-    assert tokens == oracle
+    spec = {"engines": [{"model": str(llama), "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
+                         "kwargs": {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "ray"}}]}
+    assert _tokens(run_engine(spec, tmp_path, env=env)["engines"][0]) == oracle

@@ -1,8 +1,9 @@
 """Stock vLLM generating on the emulated NPU, checked against HF transformers.
 
-Every engine runs in a fresh interpreter with ``ASCEND_PATCH=emulate`` (see
-engine_driver.py), in-process engine core, so each configuration costs one vLLM
-import and a few seconds of start-up. The oracle is Hugging Face transformers on
+The engines run in fresh interpreters with ``ASCEND_PATCH=emulate`` (see
+engine_driver.py), in-process engine core, several one after another in each driver
+process, so each configuration costs a few seconds of start-up and the module three
+vLLM imports. The oracle is Hugging Face transformers on
 the same local weights, fp32 greedy, token for token.
 """
 
@@ -16,6 +17,7 @@ import torch
 from ascend_patch.kit import oracle
 from ascend_patch.kit.oracle import hf_greedy, hf_logits, prompt_token_ids
 from tests.helpers.engine import run_engine
+from tests.helpers.process import clean_env
 
 # Lengths chosen to cover one token short of / across / several 128-token KV blocks.
 PROMPT_LENGTHS = [3, 9, 17, 64, 127, 129, 200, 300]
@@ -45,40 +47,72 @@ def _shared_prefix_prompts(prompts: list[list[int]]) -> list[list[int]]:
     return [prefix + p[:8] for p in prompts[:4]]
 
 
+SEEDED_SAMPLE = {"temperature": 0.8, "max_tokens": 16, "ignore_eos": True}
+SEEDED_REQUESTS = [
+    {**SEEDED_SAMPLE, "seed": 7},
+    {**SEEDED_SAMPLE, "seed": 7, "top_k": 5},
+    {**SEEDED_SAMPLE, "seed": 11, "top_p": 0.5},
+    {**SEEDED_SAMPLE, "seed": 13, "min_p": 0.3},
+    {**SEEDED_SAMPLE, "seed": 17, "top_k": 20, "top_p": 0.8},
+]
+SEEDED_PROMPTS = (1, 2, 3, 4, 5)
+# Two engines a quarter of the emulated 512 MiB apart: their KV caches must differ by that.
+KV_UTILISATION = (0.25, 0.5)
+REFUSED = [
+    ({"block_size": 16}, "--block-size 16 is not supported on Ascend"),
+    ({"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
+]
+
+
 @pytest.fixture(scope="module")
-def llama_fp32_runs(llama, prompts, tmp_path_factory):
-    """One engine with prefix caching (vLLM's default), then one forcing chunked prefill
-    (each in its own process: some vLLM releases keep a deleted engine's memory)."""
+def fp32_runs(llama, prompts, tiny_models, tmp_path_factory):
+    """The fp32 engines, one after another in one driver process (each shut down, its emulated
+    HBM freed, before the next starts): two Llamas that differ only in their share of the
+    emulated HBM; the Llama with prefix caching (vLLM's default) serving the prompts twice,
+    prompts sharing a prefix, then seeded sampling; the Llama forcing chunked prefill; Qwen2;
+    and the configurations the NPU path refuses."""
+    chosen = [prompts[i] for i in SEEDED_PROMPTS]
     shared = _shared_prefix_prompts(prompts)
-    runs = [
+    qwen = tiny_models["tiny-qwen2"]
+    engines, names = [], []
+    for utilisation in KV_UTILISATION:
+        engines.append({"model": str(llama), "kwargs": {**ENGINE, "gpu_memory_utilization": utilisation},
+                        "runs": [{"prompts": prompts[:2], "sampling": [GREEDY]}]})
+        names.append(("kv", utilisation))
+    engines.append({"model": str(llama), "kwargs": {**ENGINE, "enable_prefix_caching": True}, "runs": [
         {"prompts": prompts, "sampling": [GREEDY]},
         {"prompts": prompts, "sampling": [GREEDY]},  # the same again: served from cache
         {"prompts": shared, "sampling": [GREEDY]},
-    ]
-    cached = {"model": str(llama), "kwargs": {**ENGINE, "enable_prefix_caching": True}, "runs": runs}
-    chunked = {
-        "model": str(llama),
-        "kwargs": {**ENGINE, "enable_prefix_caching": False, "enable_chunked_prefill": True,
-                   "max_num_batched_tokens": 64},
-        "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
-    }
-    tmp = tmp_path_factory.mktemp("llama-fp32")
-    result = run_engine({"engines": [cached]}, tmp)
-    result["engines"] += run_engine({"engines": [chunked]}, tmp)["engines"]
-    return result, shared
-
-
-def test_greedy_equals_hf_token_for_token(llama_fp32_runs, llama_oracle):
-    result, _ = llama_fp32_runs
+        {"prompts": chosen, "sampling": SEEDED_REQUESTS},
+        {"prompts": chosen, "sampling": SEEDED_REQUESTS},
+        {"prompts": chosen[:1], "sampling": [{**SEEDED_SAMPLE, "seed": 8}]},
+    ]})
+    names.append("cached")
+    engines.append({"model": str(llama), "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
+                    "kwargs": {**ENGINE, "enable_prefix_caching": False, "enable_chunked_prefill": True,
+                               "max_num_batched_tokens": 64}})
+    names.append("chunked")
+    engines.append({"model": str(qwen), "kwargs": ENGINE,
+                    "runs": [{"prompts": prompt_token_ids(qwen, PROMPT_LENGTHS), "sampling": [GREEDY]}]})
+    names.append("qwen2")
+    for kwargs, message in REFUSED:
+        engines.append({"model": str(llama), "kwargs": {**ENGINE, **kwargs}, "runs": []})
+        names.append(("refused", message))
+    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("fp32"))
     assert result["platform"] == "EmulatedNPUPlatform"
-    first = result["engines"][0]
+    assert result["vllm_C_imported"] is False, "no CUDA/CPU _C kernels on the NPU path"
+    return dict(zip(names, result["engines"]))
+
+
+def test_greedy_equals_hf_token_for_token(fp32_runs, llama_oracle):
+    first = fp32_runs["cached"]
     assert first["block_size"] == 128
     assert first["runs"][0]["tokens"] == llama_oracle
 
 
-def test_prefix_caching_serves_shared_prefixes_and_changes_nothing(llama, llama_fp32_runs, llama_oracle):
-    result, shared = llama_fp32_runs
-    runs = result["engines"][0]["runs"]
+def test_prefix_caching_serves_shared_prefixes_and_changes_nothing(llama, prompts, fp32_runs, llama_oracle):
+    runs = fp32_runs["cached"]["runs"]
+    shared = _shared_prefix_prompts(prompts)
     assert runs[1]["tokens"] == llama_oracle
     # A repeated prompt is served from its whole cached blocks; its last token is always
     # recomputed, so a prompt of exactly one block gets none.
@@ -87,30 +121,25 @@ def test_prefix_caching_serves_shared_prefixes_and_changes_nothing(llama, llama_
     assert runs[2]["tokens"] == hf_greedy(llama, shared, MAX_TOKENS)
 
 
-def test_chunked_prefill_changes_nothing(llama_fp32_runs, llama_oracle):
-    result, _ = llama_fp32_runs
-    assert result["engines"][1]["runs"][0]["tokens"] == llama_oracle
+def test_chunked_prefill_changes_nothing(fp32_runs, llama_oracle):
+    assert fp32_runs["chunked"]["runs"][0]["tokens"] == llama_oracle
 
 
-def test_fp32_runs_composed_attention_and_the_npu_custom_ops(llama_fp32_runs):
-    result, _ = llama_fp32_runs
+def test_fp32_runs_composed_attention_and_the_npu_custom_ops(fp32_runs):
+    engine = fp32_runs["cached"]
     # Composed attention turns host lengths into new tensors every step: no graphs.
-    assert result["engines"][0]["cudagraph_mode"] == "NONE"
-    launches = result["engines"][0]["runs"][0]["launches"]
+    assert engine["cudagraph_mode"] == "NONE"
+    launches = engine["runs"][0]["launches"]
     assert launches["scatter_pa_kv_cache"] > 0
     assert "fused_infer_attention_score" not in launches and "paged_attention" not in launches
     for op in ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul"):
         assert launches[op] > 0, op
-    assert result["vllm_C_imported"] is False, "no CUDA/CPU _C kernels on the NPU path"
 
 
-def test_qwen2_greedy_equals_hf(tiny_models, tmp_path):
+def test_qwen2_greedy_equals_hf(fp32_runs, tiny_models):
     qwen = tiny_models["tiny-qwen2"]
-    prompts = prompt_token_ids(qwen, PROMPT_LENGTHS)
-    spec = {"engines": [{"model": str(qwen), "kwargs": ENGINE,
-                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}]}
-    result = run_engine(spec, tmp_path)
-    assert result["engines"][0]["runs"][0]["tokens"] == hf_greedy(qwen, prompts, MAX_TOKENS)
+    tokens = fp32_runs["qwen2"]["runs"][0]["tokens"]
+    assert tokens == hf_greedy(qwen, prompt_token_ids(qwen, PROMPT_LENGTHS), MAX_TOKENS)
 
 
 # --- bf16 and fp16: the fused NPU kernels -----------------------------------------------------
@@ -252,28 +281,15 @@ def test_bf16_decodes_in_graphs_and_tracks_fp32_hf(half_precision_runs, llama, p
     _assert_tracks_fp32_hf(llama, prompts, run["tokens"], "bfloat16")
 
 
-def test_seeded_sampling_repeats_and_respects_top_k_top_p_min_p(llama, prompts, tmp_path):
-    sample = {"temperature": 0.8, "max_tokens": 16, "ignore_eos": True}
-    requests = [
-        {**sample, "seed": 7},
-        {**sample, "seed": 7, "top_k": 5},
-        {**sample, "seed": 11, "top_p": 0.5},
-        {**sample, "seed": 13, "min_p": 0.3},
-        {**sample, "seed": 17, "top_k": 20, "top_p": 0.8},
-    ]
-    chosen = [prompts[i] for i in (1, 2, 3, 4, 5)]
-    spec = {"engines": [{"model": str(llama), "kwargs": ENGINE, "runs": [
-        {"prompts": chosen, "sampling": requests},
-        {"prompts": chosen, "sampling": requests},
-        {"prompts": chosen[:1], "sampling": [{**sample, "seed": 8}]},
-    ]}]}
-    runs = run_engine(spec, tmp_path)["engines"][0]["runs"]
+def test_seeded_sampling_repeats_and_respects_top_k_top_p_min_p(llama, prompts, fp32_runs):
+    runs = fp32_runs["cached"]["runs"][3:6]
+    chosen = [prompts[i] for i in SEEDED_PROMPTS]
     assert runs[0]["tokens"] == runs[1]["tokens"], "a seeded request repeats exactly"
     assert runs[2]["tokens"][0] != runs[0]["tokens"][0], "another seed samples differently"
     assert runs[0]["launches"]["top_k_top_p"] > 0
 
     logits = hf_logits(llama, [p + t for p, t in zip(chosen, runs[0]["tokens"])])
-    for prompt, tokens, request, seq_logits in zip(chosen, runs[0]["tokens"], requests, logits):
+    for prompt, tokens, request, seq_logits in zip(chosen, runs[0]["tokens"], SEEDED_REQUESTS, logits):
         for i, token in enumerate(tokens):
             probs = torch.softmax(seq_logits[len(prompt) - 1 + i] / request["temperature"], dim=-1)
             assert token in _allowed(probs, request), (request, i)
@@ -297,41 +313,24 @@ def _allowed(probs: torch.Tensor, request: dict) -> set[int]:
     return set(torch.nonzero(keep).flatten().tolist())
 
 
-def test_kv_blocks_follow_the_emulated_hbm(llama, prompts, tmp_path):
-    engine = {"model": str(llama), "kwargs": {**ENGINE, "gpu_memory_utilization": 0.5},
-              "runs": [{"prompts": prompts[:2], "sampling": [GREEDY]}]}
-    blocks = {}
-    for hbm in ("256MiB", "512MiB"):
-        env = {"ASCEND_PATCH": "emulate", "ASCEND_PATCH_EMULATED_HBM": hbm}
-        from tests.helpers.process import clean_env
-
-        result = run_engine({"engines": [engine]}, tmp_path, env=clean_env(**env))
-        blocks[hbm] = result["engines"][0]["num_gpu_blocks"]
+def test_kv_blocks_follow_the_emulated_hbm(fp32_runs):
+    blocks = {u: fp32_runs[("kv", u)]["num_gpu_blocks"] for u in KV_UTILISATION}
     # One block holds K and V for 2 layers x 128 tokens x 2 KV heads x 64 dims in fp32.
     block_bytes = 2 * 2 * 128 * 2 * 64 * 4
-    expected = 256 * 2**20 * 0.5 / block_bytes
-    assert math.isclose(blocks["512MiB"] - blocks["256MiB"], expected, abs_tol=1)
-    assert blocks["256MiB"] > 0
+    low, high = KV_UTILISATION
+    expected = 512 * 2**20 * (high - low) / block_bytes
+    assert math.isclose(blocks[high] - blocks[low], expected, abs_tol=1)
+    assert blocks[low] > 0
 
 
 def test_an_hbm_smaller_than_the_weights_fails_clearly(llama, tmp_path):
     engine = {"model": str(llama), "kwargs": ENGINE, "runs": []}
-    from tests.helpers.process import clean_env
-
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="2MiB")
     result = run_engine({"engines": [engine]}, tmp_path, env=env)
     error = result["engines"][0]["error"]
     assert "emulated NPU out of memory: weights" in error and "ASCEND_PATCH_EMULATED_HBM" in error
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"block_size": 16}, "--block-size 16 is not supported on Ascend"),
-        ({"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
-    ],
-)
-def test_unsupported_configurations_are_refused_clearly(llama, tmp_path, kwargs, message):
-    engine = {"model": str(llama), "kwargs": {**ENGINE, **kwargs}, "runs": []}
-    error = run_engine({"engines": [engine]}, tmp_path)["engines"][0]["error"]
-    assert message in error
+@pytest.mark.parametrize("message", [message for _, message in REFUSED])
+def test_unsupported_configurations_are_refused_clearly(fp32_runs, message):
+    assert message in fp32_runs[("refused", message)]["error"]

@@ -12,7 +12,7 @@ import json
 import os
 import textwrap
 import tokenize
-from importlib.metadata import version
+from importlib.metadata import entry_points, version
 from pathlib import Path
 
 import pytest
@@ -116,17 +116,13 @@ def test_emulate_through_the_pth_without_importing_ascend_patch():
 
 
 def test_npu_platform_class_attributes():
-    result = run_json(
-        """
-        import json
-        from vllm.platforms.interface import PlatformEnum
-        from ascend_patch.npu.platform import NPUPlatform
-        print(json.dumps([NPUPlatform.device_name, NPUPlatform.device_type, NPUPlatform.ray_device_key,
-                          NPUPlatform.device_control_env_var, NPUPlatform.dist_backend,
-                          NPUPlatform._enum == PlatformEnum.OOT]))
-        """
-    )
-    assert result == ["npu", "npu", "NPU", "ASCEND_RT_VISIBLE_DEVICES", "hccl", True]
+    from vllm.platforms.interface import PlatformEnum
+
+    from ascend_patch.npu.platform import NPUPlatform
+
+    assert [NPUPlatform.device_name, NPUPlatform.device_type, NPUPlatform.ray_device_key,
+            NPUPlatform.device_control_env_var, NPUPlatform.dist_backend, NPUPlatform._enum] == [
+        "npu", "npu", "NPU", "ASCEND_RT_VISIBLE_DEVICES", "hccl", PlatformEnum.OOT]
 
 
 def test_spawned_children_are_patched_too(tmp_path):
@@ -257,15 +253,8 @@ def test_second_trigger_applies_nothing_twice():
 
 
 def test_general_plugin_entry_point_is_registered():
-    result = run_json(
-        """
-        import json
-        from importlib.metadata import entry_points
-        eps = entry_points(group="vllm.general_plugins")
-        print(json.dumps([f"{e.name}={e.value}" for e in eps]))
-        """
-    )
-    assert "ascend_patch=ascend_patch.overlay.loader:general_plugin" in result
+    plugins = {f"{e.name}={e.value}" for e in entry_points(group="vllm.general_plugins")}
+    assert "ascend_patch=ascend_patch.overlay.loader:general_plugin" in plugins
 
 
 # --- fault injection -------------------------------------------------------------------------
