@@ -16,6 +16,14 @@ mkdir -p "$RELEASES"
 if [[ ! -e "$XDG_CACHE_HOME/ascend-patch/releases" || -L "$XDG_CACHE_HOME/ascend-patch/releases" ]]; then
     ln -sfn "$RELEASES" "$XDG_CACHE_HOME/ascend-patch/releases"
 fi
+# vLLM's model-class inspection cache: on a miss vLLM inspects the class in a fresh interpreter
+# that imports vLLM (~14 s per architecture here); vLLM checks each entry against the hash of
+# the model's source file, so a machine keeps it across runs like the releases.
+MODELINFOS="${ASCEND_PATCH_MODELINFO_CACHE:-$HOME/.cache/ascend-patch-ci/vllm-modelinfos}"
+mkdir -p "$MODELINFOS" "$VLLM_CACHE_ROOT"
+if [[ ! -e "$VLLM_CACHE_ROOT/modelinfos" || -L "$VLLM_CACHE_ROOT/modelinfos" ]]; then
+    ln -sfn "$MODELINFOS" "$VLLM_CACHE_ROOT/modelinfos"
+fi
 cd "$ROOT"
 # The torch-npu wheel of every release the matrix names, for the conformance tests: downloaded
 # once into a cache outside the checkout (ASCEND_PATCH_WHEEL_CACHE), sha256-checked on every run.

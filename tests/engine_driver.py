@@ -183,6 +183,8 @@ def _seam_records(enabled: bool):
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    from vllm import LLM  # noqa: F401 - vLLM first (the overlay comes in through its .pth), then
+    engine.freeze_heap()  # its modules stay out of every collection its engines' start-ups run
     with _seam_records(spec.get("record_seam", False)) as records:
         results = [_run_engine(one, spec.get("report_errors", False)) for one in spec["engines"]]
     from vllm.platforms import current_platform
