@@ -132,7 +132,7 @@ def test_fp32_runs_composed_attention_and_the_npu_custom_ops(fp32_runs):
     launches = engine["runs"][0]["launches"]
     assert launches["scatter_pa_kv_cache"] > 0
     assert "fused_infer_attention_score" not in launches and "paged_attention" not in launches
-    for op in ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul"):
+    for op in ("rms_norm", "add_rms_norm", "swiglu", "mrope"):
         assert launches[op] > 0, op
 
 

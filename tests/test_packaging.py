@@ -213,7 +213,7 @@ def test_regular_install_runs_an_emulated_engine(regular_install, tiny_models, t
     (run,) = engine["runs"]
     assert run["tokens"] == hf_greedy(model, prompts, 8)
     if not spawned:  # fp32: the cache write and the custom ops on the seam, attention composed
-        assert {"scatter_pa_kv_cache", "rms_norm", "add_rms_norm", "swiglu", "rotary_mul"} <= set(run["launches"])
+        assert {"scatter_pa_kv_cache", "rms_norm", "add_rms_norm", "swiglu", "mrope"} <= set(run["launches"])
 
 
 # --- a fresh environment without vLLM -------------------------------------------------------------
