@@ -149,6 +149,24 @@ def mla_impl(heads, generator, nope=NOPE):
     return impl, weight
 
 
+def test_what_the_mla_backend_cannot_serve_is_refused_in_one_line_naming_each_feature():
+    def impl(sliding_window=None, kv_cache_dtype="auto", soft_cap=None, **extra):
+        return AscendMLAImpl(8, LATENT + ROPE, 0.1, 1, None, sliding_window, kv_cache_dtype, soft_cap,
+                             "decoder", None, q_lora_rank=None, kv_lora_rank=LATENT,
+                             qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE,
+                             v_head_dim=NOPE, kv_b_proj=None, **extra)
+
+    with pytest.raises(NotImplementedError,
+                       match=r"^Ascend MLA backend does not support sliding window, logits soft-cap$"):
+        impl(sliding_window=128, soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match=r"^Ascend MLA backend does not support KV cache dtype fp8$"):
+        impl(kv_cache_dtype="fp8")
+    # A keyword a newer vLLM passes: refused when set, accepted when left at None.
+    with pytest.raises(NotImplementedError, match=r"^Ascend MLA backend does not support indexer$"):
+        impl(indexer=object())
+    assert impl(indexer=None).kv_lora_rank == LATENT
+
+
 def run_prefill(impl, weight, q_lens, seq_lens, dtype, budget, generator):
     """``impl.forward_mha`` over prefills whose latent rows sit in a paged cache; returns the
     output per prefill [q, N, 128], the oracle's, and the metadata."""
