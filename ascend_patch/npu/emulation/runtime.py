@@ -120,16 +120,16 @@ class EmulatedRuntime:
     def charge(self, what: str, nbytes: int, lifetime: object) -> None:
         """Place ``nbytes`` of ``what`` on the device until ``lifetime`` is garbage-collected,
         as a real device frees memory when the tensors holding it die."""
-        self._book(what, nbytes, lambda: nbytes, lifetime)
+        self._book(what, lambda: nbytes, lifetime)
 
     def charge_storages(self, what: str, storages: list[torch.UntypedStorage], lifetime: object) -> None:
         """Place ``storages`` on the device until ``lifetime`` is garbage-collected, at their
         current sizes: a storage resized in place (sleep mode frees weights and KV cache that way)
         changes what the books hold."""
-        self._book(what, sum(s.nbytes() for s in storages), lambda: sum(s.nbytes() for s in storages),
-                   lifetime)
+        self._book(what, lambda: sum(s.nbytes() for s in storages), lifetime)
 
-    def _book(self, what: str, nbytes: int, size, lifetime: object) -> None:
+    def _book(self, what: str, size: Callable[[], int], lifetime: object) -> None:
+        nbytes = size()
         with self._lock:
             in_use = self._in_use()
             if in_use + nbytes > self.hbm_bytes:
