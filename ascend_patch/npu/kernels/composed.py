@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache in plain torch ops.
+"""Attention over a paged KV cache, and LoRA's per-row adapter matmul, in plain torch ops.
 
 Shared by the reference kernels, which compute the documented output of the NPU's
 fused attention ops after checking their contracts, and by the attention backend's
@@ -152,3 +152,15 @@ def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, 
     visible = torch.arange(width * block_size, device=q_nope.device) < lengths[:, None]
     probs = (scores * scale).masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("bns,bsl->bnl", probs, latent).to(q_nope.dtype)
+
+
+def gathered_matmul(x, weight, indices):
+    """LoRA's per-row matmul: row ``t`` of ``x`` [T, K] times its adapter slot's
+    ``weight[indices[t]]ᵀ`` (``weight`` [slots, N, K]) -> [T, N], zero where ``indices[t] < 0``
+    (no adapter). Every row meets every slot in one einsum and keeps its own slot's product: no
+    per-row copy of the weights and no host read of the indices (vLLM's slots are max_loras, few).
+    Shared by the BGMV reference and the LoRA wrapper's plain path, which runs on the NPU as
+    ordinary kernels where npu_batch_gather_matmul_ does not apply."""
+    every = torch.einsum("tk,snk->tsn", x, weight)
+    slot = indices.clamp(min=0).view(-1, 1, 1).expand(-1, 1, every.shape[2])
+    return every.gather(1, slot).squeeze(1).masked_fill((indices < 0).unsqueeze(1), 0)
