@@ -29,7 +29,7 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
-from ascend_patch.npu.kernels.composed import gathered_matmul
+from ascend_patch.npu.kernels.composed import gathered_matmul, slot_rows
 
 
 class PunicaWrapperNPU(PunicaWrapperBase):
@@ -41,13 +41,18 @@ class PunicaWrapperNPU(PunicaWrapperBase):
             buffer.fill_(-1)
         self._token_slots_int32 = torch.full((max_num_batched_tokens,), -1, dtype=torch.int32,
                                              device=device)  # BGMV's indices are int32
+        self._token_rows = slot_rows(self._token_lora_indices)
+        self._request_rows = slot_rows(self._sampler_indices)
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
+        # Once per step, for every layer's call: the slots as the NPU op and the plain path read them.
         self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
         self._token_slots_int32.copy_(self._token_lora_indices)
+        self._token_rows = slot_rows(self._token_lora_indices)
+        self._request_rows = slot_rows(self._sampler_indices)
 
-    def _token_slots(self, rows: int) -> torch.Tensor:
-        return self._token_lora_indices[:rows]
+    def _token_slots(self, rows: int):
+        return self._token_rows.first(rows)
 
     def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
         """``y[i] += scale * x @ lora_a_stacked[i]`` per token's slot, for each slice ``i``."""
@@ -99,12 +104,12 @@ class PunicaWrapperNPU(PunicaWrapperBase):
                         **kwargs):
         """``y += scale * (x @ A) @ B`` per logits row's request slot (``sampler_indices``)."""
         flat, x = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
-        slots = self.sampler_indices
+        slots = self._request_rows.first(x.shape[0])
         shrunk = scale * gathered_matmul(x.float(), lora_a_stacked[:, 0].float(), slots)
         self._expand_into(flat, shrunk, lora_b_stacked, True, slots)
 
     def apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
         """A classifier head's rows replaced by their request's adapter head (vLLM 0.31+)."""
         weight = weight_stacked.reshape(weight_stacked.shape[0], *weight_stacked.shape[-2:])
-        adapter_y = gathered_matmul(x.float(), weight.float(), self.sampler_indices)
+        adapter_y = gathered_matmul(x.float(), weight.float(), self._request_rows.first(x.shape[0]))
         y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))

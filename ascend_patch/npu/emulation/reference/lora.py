@@ -15,7 +15,7 @@ is not stated, so on hardware it is unverified.
 import torch
 
 from ascend_patch.npu.kernels import limits
-from ascend_patch.npu.kernels.composed import gathered_matmul
+from ascend_patch.npu.kernels.composed import gathered_matmul, slot_rows
 from ascend_patch.npu.kernels.contracts import (
     check_dims,
     check_dtype,
@@ -68,9 +68,9 @@ def batch_gather_matmul_(self, x, weight_b, indices, weight_a=None, layer_idx=0,
     require(y_slice_size == size, op, "y_slice_size", f"weight_b's H2 ({size})", y_slice_size)
     require(bool(((indices >= -1) & (indices < slots)).all()), op, "indices",
             f"in [-1, {slots})", indices.tolist())  # a value contract: read on the host
-    rows = x.float()
+    slots, rows = slot_rows(indices), x.float()
     if weight_a is not None:
-        rows = gathered_matmul(rows, weight_a[:, layer_idx].float(), indices)
-    delta = gathered_matmul(rows, weight_b[:, layer_idx].float(), indices)
+        rows = gathered_matmul(rows, weight_a[:, layer_idx].float(), slots)
+    delta = gathered_matmul(rows, weight_b[:, layer_idx].float(), slots)
     self[:, y_offset: y_offset + size] += (scale * delta).to(self.dtype)
     return self
