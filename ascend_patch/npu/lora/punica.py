@@ -77,10 +77,12 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         slots = self._token_slots(rows.shape[0]) if slots is None else slots
         delta = gathered_matmul(rows.to(weight.dtype), weight[:, 0], slots)
         width = min(out.shape[1], delta.shape[1])  # vocab paddings of adapter and model may differ
+        # In place on the view: `out[:, :w] += d` would write the sum back with one more copy.
+        columns = out[:, :width]
         if add_inputs:
-            out[:, :width] += delta[:, :width].to(out.dtype)
+            columns.add_(delta[:, :width].to(out.dtype))
         else:
-            out[:, :width] = delta[:, :width].to(out.dtype)
+            columns.copy_(delta[:, :width])
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,
                         buffer=None, **kwargs):
