@@ -10,7 +10,7 @@ package) maps vLLM releases to a set by name; set ``<name>`` is the module
   loader verifies (all of it, against the installed source) before applying any.
 
 Declarations shared by every set live in one module per area, mirroring ``ascend_patch/npu/``:
-:mod:`.platform`, :mod:`.engine`, :mod:`.attention`, :mod:`.moe`, :mod:`.quant`, :mod:`.graphs` and
-:mod:`.device_api` (declarations only: our side is named by path); a set adds only its own glue.
+:mod:`.platform`, :mod:`.engine`, :mod:`.attention`, :mod:`.moe`, :mod:`.quant`, :mod:`.graphs`,
+:mod:`.lora` and :mod:`.device_api` (declarations only: our side is named by path); a set adds only its own glue.
 ``docs/patches.md`` is generated from these modules (``scripts/render_patch_docs.py``).
 """

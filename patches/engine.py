@@ -43,7 +43,7 @@ ENGINE_CONTRACTS = [
                   pr="vllm-project/vllm#38807"),
     platform_hook("get_default_ir_op_priority", "(cls, vllm_config)", "ascend IR implementations first",
                   pr="vllm-project/vllm#33825"),
-    platform_hook("get_punica_wrapper", "(cls)", "LoRA is unsupported"),
+    platform_hook("get_punica_wrapper", "(cls)", "PunicaWrapperNPU: LoRA adapters on the NPU path"),
     platform_hook("get_device_communicator_cls", "(cls)", "NPUCommunicator: HCCL, or gloo when emulated"),
     contract("vllm.distributed.device_communicators.base_device_communicator:DeviceCommunicatorBase.__init__",
              ("(self, cpu_group, device=..., device_group=..., unique_name=..., global_ranks=..., "

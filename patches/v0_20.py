@@ -18,7 +18,8 @@ asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
-from ascend_patch.patches import attention, device_api, engine, graphs, moe, platform, quant, spec_decode
+from ascend_patch.patches import (attention, device_api, engine, graphs, lora, moe, platform, quant,
+                                  spec_decode)
 
 _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
              "the shape AttentionBackend.get_kv_cache_shape names")
@@ -32,6 +33,7 @@ PATCHES = [
     *quant.QUANT_CONTRACTS,
     *attention.MLA_CONTRACTS,
     *graphs.GRAPH_MODE,
+    *lora.LORA_CONTRACTS,
     *spec_decode.KERNEL_GLOBALS,
     *spec_decode.DRAFT_MODEL,
     attention.hybrid_promotion("kv_cache_utils", pr="vllm-project/vllm#14097"),

@@ -10,7 +10,8 @@ the area modules.
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
-from ascend_patch.patches import attention, device_api, engine, graphs, moe, platform, quant, spec_decode
+from ascend_patch.patches import (attention, device_api, engine, graphs, lora, moe, platform, quant,
+                                  spec_decode)
 from ascend_patch.patches.platform import cite
 
 PATCHES = [
@@ -34,6 +35,8 @@ PATCHES = [
         implementation="ascend_patch.npu.platform:NPUPlatform",
     ),
     *graphs.GRAPH_MODE,
+    *lora.LORA_CONTRACTS,
+    *lora.FULL_LINEAR,
     *spec_decode.SPEC_DECODE,
     attention.hybrid_promotion("kv_cache_utils", vllm="<0.33", pr="vllm-project/vllm#14097"),
     attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),

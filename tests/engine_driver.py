@@ -10,6 +10,7 @@ shares with ``ascend-patch verify``, :mod:`ascend_patch.kit.engine`, import it i
 SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [RUN, ...]}]}
 RUN, by "kind":
   "generate" (default)  {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}
+                        and optionally "adapters": [LoRA adapter directory or null, ...] per prompt
   "chat"                {"conversations": [[message, ...], ...], "sampling": [...], "chat": {...}}
                         (``chat`` holds extra ``LLM.chat`` keyword arguments)
   "beam_search"         {"prompts": [[token ids], ...], "beam": {...BeamSearchParams}}
@@ -97,7 +98,7 @@ def _run(llm, run: dict) -> dict:
         params = engine.paired_params(run["sampling"], len(run["conversations"]))
         outputs = llm.chat(run["conversations"], params, use_tqdm=False, **run.get("chat", {}))
     else:
-        outputs = engine.generate(llm, run["prompts"], run["sampling"])
+        outputs = engine.generate(llm, run["prompts"], run["sampling"], run.get("adapters"))
     return engine.request_outputs(outputs)
 
 

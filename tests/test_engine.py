@@ -16,7 +16,7 @@ import torch
 
 from ascend_patch.kit import oracle
 from ascend_patch.kit.oracle import hf_greedy, hf_logits, prompt_token_ids
-from tests.helpers.engine import run_engine
+from tests.helpers.engine import MODELS_DIR, run_engine
 from tests.helpers.process import clean_env
 
 # Lengths chosen to cover one token short of / across / several 128-token KV blocks.
@@ -60,17 +60,31 @@ SEEDED_PROMPTS = (1, 2, 3, 4, 5)
 KV_UTILISATION = (0.25, 0.5)
 REFUSED = [
     ({"block_size": 16}, "--block-size 16 is not supported on Ascend"),
-    ({"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
+    ({"enable_lora": True, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+     "FULL_DECODE_ONLY ACL graphs are not supported with LoRA yet"),
 ]
+# Two adapters and the base model mixed in one batch: per prompt, the adapter's name or None.
+LORA_PROMPTS = (0, 1, 2, 3, 4, 5)
+LORA_ADAPTERS = ("tiny-llama-lora-a", None, "tiny-llama-lora-b", "tiny-llama-lora-b", None,
+                 "tiny-llama-lora-a")
+LORA_ENGINE = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
 
 
 @pytest.fixture(scope="module")
-def fp32_runs(llama, prompts, tiny_models, tmp_path_factory):
+def adapters():
+    from ascend_patch.kit import tiny_adapters
+
+    return tiny_adapters.build(MODELS_DIR)
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(llama, prompts, tiny_models, adapters, tmp_path_factory):
     """The fp32 engines, one after another in one driver process (each shut down, its emulated
     HBM freed, before the next starts): two Llamas that differ only in their share of the
     emulated HBM; the Llama with prefix caching (vLLM's default) serving the prompts twice,
     prompts sharing a prefix, then seeded sampling; the Llama forcing chunked prefill; Qwen2;
-    and the configurations the NPU path refuses."""
+    the Llama serving two LoRA adapters and the base model in one batch; and the configurations
+    the NPU path refuses."""
     chosen = [prompts[i] for i in SEEDED_PROMPTS]
     shared = _shared_prefix_prompts(prompts)
     qwen = tiny_models["tiny-qwen2"]
@@ -95,6 +109,10 @@ def fp32_runs(llama, prompts, tiny_models, tmp_path_factory):
     engines.append({"model": str(qwen), "kwargs": ENGINE,
                     "runs": [{"prompts": prompt_token_ids(qwen, PROMPT_LENGTHS), "sampling": [GREEDY]}]})
     names.append("qwen2")
+    engines.append({"model": str(llama), "kwargs": LORA_ENGINE, "runs": [{
+        "prompts": [prompts[i] for i in LORA_PROMPTS], "sampling": [GREEDY],
+        "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}]})
+    names.append("lora")
     for kwargs, message in REFUSED:
         engines.append({"model": str(llama), "kwargs": {**ENGINE, **kwargs}, "runs": []})
         names.append(("refused", message))
@@ -123,6 +141,28 @@ def test_prefix_caching_serves_shared_prefixes_and_changes_nothing(llama, prompt
 
 def test_chunked_prefill_changes_nothing(fp32_runs, llama_oracle):
     assert fp32_runs["chunked"]["runs"][0]["tokens"] == llama_oracle
+
+
+def test_two_lora_adapters_and_the_base_model_in_one_batch_equal_hf_with_merged_weights(
+        fp32_runs, prompts, adapters, llama_oracle, tmp_path_factory):
+    """Each prompt's greedy tokens equal HF transformers on the base checkpoint with its adapter
+    merged into the weights by hand (``W + alpha/r · B @ A``), the base model's prompts the plain
+    checkpoint's; each adapter changes the output, so a dropped LoRA delta fails here. fp32: the
+    wrapper's plain-torch path (npu_batch_gather_matmul_ takes fp16 only)."""
+    from ascend_patch.kit import tiny_adapters
+
+    run = fp32_runs["lora"]
+    assert "error" not in run, run.get("error")
+    (tokens,) = [r["tokens"] for r in run["runs"]]
+    root = tmp_path_factory.mktemp("merged")
+    for name in filter(None, dict.fromkeys(LORA_ADAPTERS)):
+        rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter == name]
+        merged = tiny_adapters.merged(adapters[name], root / name)
+        expected = hf_greedy(merged, [prompts[LORA_PROMPTS[row]] for row in rows], MAX_TOKENS)
+        assert [tokens[row] for row in rows] == expected, name
+        assert expected != [llama_oracle[LORA_PROMPTS[row]] for row in rows], f"{name} changes nothing"
+    base_rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter is None]
+    assert [tokens[row] for row in base_rows] == [llama_oracle[LORA_PROMPTS[row]] for row in base_rows]
 
 
 def test_fp32_runs_composed_attention_and_the_npu_custom_ops(fp32_runs):

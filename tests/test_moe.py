@@ -47,7 +47,8 @@ REFUSED = {
         "uses routing the NPU gating op cannot take (sigmoid scores without renormalisation: "
         "npu_moe_gating_top_k always renormalises sigmoid weights); ascend-patch cannot run it "
         "on the NPU"),
-    "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True}, "LoRA is not supported by ascend-patch yet"),
+    "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True},
+                             "LoRA on a mixture-of-experts model is not supported by ascend-patch yet"),
 }
 # Grouped routing npu_moe_gating_top_k cannot take, which vLLM's own grouped top-k (torch ops)
 # routes instead, with one warning per model naming the layers and the op's limit.

@@ -6,7 +6,8 @@ torch-npu release the matrix names and return the shapes and dtypes the referenc
 The calls are recorded (``kernels.record_calls``) from one engine-driver process running a compact
 workload per family: dense with prefix caching, chunked prefill and decode graphs (bf16 and fp16),
 the sampler's top-k/top-p, sliding-window attention, MLA, MoE (softmax and grouped biased routing),
-W8A8 (static, dynamic and MoE) and an encoder-only embedder (npu_fusion_attention). The replay runs on meta tensors: binding is the real
+W8A8 (static, dynamic and MoE), an encoder-only embedder (npu_fusion_attention) and LoRA in fp16
+(npu_batch_gather_matmul_). The replay runs on meta tensors: binding is the real
 dispatcher's, the shapes and dtypes the wheel's meta kernels'. Ops the wheel has no meta kernel for
 (the ATB paged attention) are checked for binding only.
 
@@ -22,7 +23,7 @@ import re
 import pytest
 import torch
 
-from ascend_patch.kit import pooling, tiny_encoders
+from ascend_patch.kit import pooling, tiny_adapters, tiny_encoders
 from ascend_patch.kit import quantized_models as quantize
 from ascend_patch.kit.oracle import prompt_token_ids
 from ascend_patch.npu import kernels
@@ -58,6 +59,10 @@ FAMILIES = {
     "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
     "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
 }
+# LoRA, fp16: two adapters and the base model in one batch; the merged QKV and gate/up slices
+# take npu_batch_gather_matmul_ (rank 16 stacked).
+LORA = ("tiny-llama", {**ENGINE, "dtype": "float16", "enable_lora": True, "max_loras": 2,
+                       "max_lora_rank": 16}, ("tiny-llama-lora-a", None, "tiny-llama-lora-b"))
 # Encoder-only attention: a batch of three sequences in one step, bf16.
 ENCODER = ("tiny-xlm-roberta", {"runner": "pooling", "dtype": "bfloat16", "max_model_len": 256,
                                 "max_num_seqs": 4, "gpu_memory_utilization": 0.9})
@@ -85,9 +90,14 @@ def seam_calls(tiny_models, tmp_path_factory):
     encoder = tiny_encoders.build(MODELS_DIR, [ENCODER[0]])[ENCODER[0]]
     engines.append({"model": str(encoder), "kwargs": ENCODER[1], "runs": [
         {"kind": "embed", "prompts": pooling.token_ids(encoder, pooling.sentences(3, [2, 12, 40]))}]})
+    lora_model, lora_kwargs, lora_adapters = LORA
+    adapters = tiny_adapters.build(MODELS_DIR, list(filter(None, lora_adapters)))
+    engines.append({"model": str(models[lora_model]), "kwargs": lora_kwargs, "runs": [
+        {"prompts": prompts, "sampling": [GREEDY],
+         "adapters": [name and str(adapters[name]) for name in lora_adapters]}]})
     result = run_engine({"engines": engines, "record_seam": True}, root, timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    for family, engine in zip([*FAMILIES, "encoder"], result["engines"]):
+    for family, engine in zip([*FAMILIES, "encoder", "lora"], result["engines"]):
         assert "error" not in engine, (family, engine["error"])
     return result["seam_calls"]
 
@@ -373,6 +383,8 @@ CITED = {
                              "优化后的压缩下三角矩阵(2048*2048)", "atten_mask中不能存在某一行全1的场景",
                              "支持actual_seq_qlen中某个Batch上的S长度为0", "忽略pre_tockens和next_tockens",
                              "数据类型支持bool、uint8"],
+    "npu_batch_gather_matmul_": ["数据类型Float16", "数据类型Int32", "R需要是16的整数倍且取值范围为[16, 128]",
+                                 "第三维需要小于y的第二维（H2<y_column）", "randint(-1, 2, size=4096)"],
     "npu_moe_finalize_routing": ["drop_pad_mode: int类型, 可选参数, 表示是否支持丢弃模式, 取值范围为0",
                                  "skip2参数为None时, skip1参数必须也为None."],
 }

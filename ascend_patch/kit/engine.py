@@ -10,6 +10,7 @@ import collections
 import contextlib
 import gc
 import logging
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -108,13 +109,24 @@ def start(model: str, **kwargs):
     return llm, facts
 
 
-def generate(llm, prompts: list[list[int]], sampling: list[dict]):
+def generate(llm, prompts: list[list[int]], sampling: list[dict], adapters: list | None = None):
     """``llm.generate`` of token-id prompts; one sampling dict applies to every prompt, a list
-    pairs them one by one."""
+    pairs them one by one. ``adapters`` pairs each prompt with a LoRA adapter directory, or None
+    for the base model."""
     from vllm.inputs import TokensPrompt
 
     return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
-                        paired_params(sampling, len(prompts)), use_tqdm=False)
+                        paired_params(sampling, len(prompts)), use_tqdm=False,
+                        lora_request=None if adapters is None else lora_requests(adapters))
+
+
+def lora_requests(adapters: list) -> list:
+    """A ``LoRARequest`` per adapter directory (None: the base model), one id per directory."""
+    from vllm.lora.request import LoRARequest
+
+    ids = {path: index for index, path in enumerate(dict.fromkeys(filter(None, adapters)), 1)}
+    return [None if path is None else LoRARequest(Path(path).name, ids[path], path)
+            for path in adapters]
 
 
 def paired_params(sampling: list[dict], count: int) -> list:

@@ -28,6 +28,7 @@ ENCODER_ONLY_BACKEND = "ascend_patch.npu.attention.encoder.AscendEncoderOnlyBack
 WORKER = "ascend_patch.npu.worker.NPUWorker"
 COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
 GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph.NPUGraphWrapper"
+PUNICA_WRAPPER = "ascend_patch.npu.lora.punica.PunicaWrapperNPU"
 EMULATED_PLATFORM = "ascend_patch.npu.emulation.platform.EmulatedNPUPlatform"
 
 
@@ -122,7 +123,9 @@ class NPUPlatform(Platform):
         model = vllm_config.model_config
         spec_decode.config.check(vllm_config)
         unsupported = {
-            "LoRA": vllm_config.lora_config is not None,
+            # vLLM's fused-MoE LoRA layers launch Triton kernels (and want moe_backend='triton').
+            "LoRA on a mixture-of-experts model": vllm_config.lora_config is not None
+            and model is not None and model.get_num_experts() > 0,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
             # Their layers keep a recurrent state instead of (or beside) a KV cache.
             "a model with Mamba (state-space) or linear-attention layers": model is not None and (
@@ -227,7 +230,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        raise NotImplementedError("LoRA is not supported by ascend-patch yet")
+        return PUNICA_WRAPPER
 
     @classmethod
     def import_kernels(cls) -> None:
@@ -304,6 +307,8 @@ def graphs_off_by_default(vllm_config) -> str | None:
     model_config = vllm_config.model_config
     if vllm_config.speculative_config is not None:
         return "FULL ACL graphs do not hold speculative decoding's verification rows yet"
+    if vllm_config.lora_config is not None:
+        return "FULL ACL graphs are not proven with LoRA adapters yet"
     if model_config is None:
         return "no model configuration to check"
     head_size = model_config.get_head_size()
@@ -348,6 +353,10 @@ def settle_graph_mode(vllm_config) -> None:
         # host-parameter update on replay yet: a replay would attend over the capture's lengths.
         raise ValueError(f"{mode.name} ACL graphs are not supported for MLA models yet (the MLA decode "
                          "kernel's host context lengths are not updated on replay): run with "
+                         "--enforce-eager or -cc.cudagraph_mode=NONE")
+    if mode.has_full_cudagraphs() and vllm_config.lora_config is not None:
+        # Not yet replayed against eager in the emulated suite (vLLM captures per active-LoRA count).
+        raise ValueError(f"{mode.name} ACL graphs are not supported with LoRA yet: run with "
                          "--enforce-eager or -cc.cudagraph_mode=NONE")
     if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None:
         # Verification rows are 1 + k tokens: the Ascend builder captures single-token decode

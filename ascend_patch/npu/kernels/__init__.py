@@ -52,6 +52,7 @@ OPS = (
     "quant_matmul",
     "fused_infer_attention_score_mla",
     "multi_head_latent_attention",
+    "batch_gather_matmul_",
 )
 
 

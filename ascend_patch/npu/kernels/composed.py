@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache in plain torch ops.
+"""Attention over a paged KV cache, and LoRA's per-row adapter matmul, in plain torch ops.
 
 Shared by the reference kernels, which compute the documented output of the NPU's
 fused attention ops after checking their contracts, and by the attention backend's
@@ -16,6 +16,7 @@ adds ``pre_tokens=W - 1``.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -152,3 +153,30 @@ def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, 
     visible = torch.arange(width * block_size, device=q_nope.device) < lengths[:, None]
     probs = (scores * scale).masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("bns,bsl->bnl", probs, latent).to(q_nope.dtype)
+
+
+class SlotRows(NamedTuple):
+    """Each row's LoRA adapter slot, as :func:`gathered_matmul` reads it: computed once per step."""
+
+    slot: torch.Tensor  # [T] int64, a row without an adapter read as slot 0
+    unassigned: torch.Tensor  # [T, 1] bool: the rows without an adapter (index -1)
+
+    def first(self, count: int) -> "SlotRows":
+        return SlotRows(self.slot[:count], self.unassigned[:count])
+
+
+def slot_rows(indices: torch.Tensor) -> SlotRows:
+    """vLLM's per-row LoRA indices (-1: no adapter) as :class:`SlotRows`."""
+    return SlotRows(indices.long().clamp(min=0), (indices < 0).unsqueeze(1))
+
+
+def gathered_matmul(x, weight, rows: SlotRows):
+    """LoRA's per-row matmul: row ``t`` of ``x`` [T, K] times its adapter slot's
+    ``weight[slot[t]]ᵀ`` (``weight`` [slots, N, K]) -> [T, N], zero for rows without an adapter.
+    Every row meets every slot in one einsum and keeps its own slot's product: no per-row copy
+    of the weights and no host read of the indices (vLLM's slots are max_loras, few). Shared by
+    the BGMV reference and the LoRA wrapper's plain path, which runs on the NPU as ordinary
+    kernels where npu_batch_gather_matmul_ does not apply."""
+    every = torch.einsum("tk,snk->tsn", x, weight)
+    picked = every.gather(1, rows.slot.view(-1, 1, 1).expand(-1, 1, every.shape[2])).squeeze(1)
+    return picked.masked_fill(rows.unassigned, 0)

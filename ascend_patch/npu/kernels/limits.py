@@ -121,3 +121,19 @@ UNPERMUTE_MAX_TOP_K = 512
 
 # [QMM] "x1与x2最后一维的shape大小不能超过65535".
 QMM_INNER_LIMIT = 65535
+
+# --- npu_batch_gather_matmul_ (BGMV): LoRA shrink and expand in one op ----------------------------
+
+# [BGMV-WHEEL] "数据类型Float16" for every tensor, indices Int32; x's H1 and weight_b's H2 multiples
+# of 16; weight_a's R "需要是16的整数倍且取值范围为[16, 128]"; H2 "需要小于y的第二维" (strictly less:
+# a slice that is the whole of y is outside the documented range); Atlas A2 only, inference only.
+BGMV_ALIGN = 16
+BGMV_MIN_RANK, BGMV_MAX_RANK = 16, 128
+
+
+def bgmv_takes(dtype, hidden: int, rank: int, slice_size: int, y_columns: int) -> bool:
+    """Whether npu_batch_gather_matmul_ takes a LoRA slice: ``dtype`` activations of width
+    ``hidden`` through rank ``rank`` into ``slice_size`` of ``y_columns`` output columns."""
+    return (str(dtype) == "torch.float16" and hidden % BGMV_ALIGN == 0 and rank % BGMV_ALIGN == 0
+            and BGMV_MIN_RANK <= rank <= BGMV_MAX_RANK and slice_size % BGMV_ALIGN == 0
+            and slice_size < y_columns)

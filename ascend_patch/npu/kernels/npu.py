@@ -282,6 +282,17 @@ def multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, block_tables, cont
 # --- device runtime -------------------------------------------------------------------------------
 
 
+def batch_gather_matmul_(self, x, weight_b, indices, weight_a=None, layer_idx=0, scale=1e-3,
+                         y_offset=0, y_slice_size=-1):
+    # LoRA's BGMV: each row of x through its own adapter's A then B, added in place into
+    # self[:, y_offset : y_offset + y_slice_size]. vLLM's stacked [slots, 1, R, H] / [slots, 1, N, R]
+    # LoRA weights are the op's [W, L, R, H1] / [W, L, H2, R] as they stand.
+    return _torch_npu().npu_batch_gather_matmul_(
+        self, x, weight_b, indices, weight_a, layer_idx=layer_idx, scale=scale,
+        y_offset=y_offset, y_slice_size=y_slice_size,
+    )
+
+
 def installed() -> bool:
     """Whether torch_npu is installed at all (found, not imported)."""
     return importlib.util.find_spec("torch_npu") is not None

@@ -5,8 +5,8 @@ the op's documented output, so the emulated engine fails where the NPU would, an
 
 One module per area: :mod:`.attention` (the KV-cache write, fused and paged attention),
 :mod:`.fusion_attention` (encoder-only attention),
-:mod:`.layers` (norms, SwiGLU, rotary), :mod:`.sampling`, :mod:`.moe`, :mod:`.quant` and
-:mod:`.mla`; this package's namespace is the backend.
+:mod:`.layers` (norms, SwiGLU, rotary), :mod:`.sampling`, :mod:`.moe`, :mod:`.quant`,
+:mod:`.mla` and :mod:`.lora` (LoRA's batched gather matmul); this package's namespace is the backend.
 """
 
 from .attention import (
@@ -17,6 +17,7 @@ from .attention import (
 )
 from .fusion_attention import fusion_attention
 from .layers import add_rms_norm, mrope, rms_norm, rotary_mul, swiglu
+from .lora import batch_gather_matmul_
 from .mla import fused_infer_attention_score_mla, multi_head_latent_attention
 from .moe import (
     grouped_matmul,
@@ -30,7 +31,7 @@ from .quant import dynamic_quant, quant_matmul, quantize
 from .sampling import top_k_top_p
 
 __all__ = [
-    "add_rms_norm", "dynamic_quant", "fused_infer_attention_score",
+    "add_rms_norm", "batch_gather_matmul_", "dynamic_quant", "fused_infer_attention_score",
     "fused_infer_attention_score_mla", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
     "mrope", "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",

@@ -1,0 +1,1 @@
+"""LoRA adapters on the NPU path: the punica wrapper vLLM's LoRA layers call (:mod:`.punica`)."""

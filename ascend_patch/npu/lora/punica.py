@@ -1,0 +1,117 @@
+"""``PunicaWrapperNPU``: what ``Platform.get_punica_wrapper`` names on the NPU path.
+
+vLLM's LoRA layers hand every adapter matmul to the platform's punica wrapper, with the adapters'
+weights stacked by slot (``lora_a`` [slots, 1, R, H], ``lora_b`` [slots, 1, N, R], slots =
+max_loras) and each token's slot in ``token_lora_indices`` (-1: the base model). Here:
+
+- a linear layer's slices (``add_lora_linear``) take torch_npu's BGMV op,
+  ``npu_batch_gather_matmul_`` (shrink and expand in one launch per slice), where its documented
+  limits admit them (:func:`ascend_patch.npu.kernels.limits.bgmv_takes`: fp16, dims multiples of
+  16, rank 16-128, a slice narrower than the layer's output);
+- everything else (bf16 and fp32 models, a slice that is the whole output, the embedding, the
+  logits, the classifier head, the separate shrink and expand of fully sharded layers) runs plain
+  torch (:func:`ascend_patch.npu.kernels.composed.gathered_matmul`), which runs on the NPU as
+  ordinary kernels: torch_npu has no other LoRA op (vllm-ascend compiles its own bgmv/sgmv).
+
+Both read per-token slot indices only: vLLM's prefill metadata (``compute_meta``: a
+``unique_consecutive`` and host reads of its result every prefill step, the step that crashed
+``aclnnUniqueConsecutive`` in vllm-ascend#10626) is never built, so a step's metadata is host-to-device
+copies into fixed buffers and no host read, as on vLLM's CUDA path (its ``LoRAKernelMeta`` sorts on
+the device). The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
+is abstract from 0.31 and answered on every release. LoRA on MoE layers is refused
+(``NPUPlatform.check_and_update_config``).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kernels import limits
+from ascend_patch.npu.kernels.composed import gathered_matmul, slot_rows
+
+
+class PunicaWrapperNPU(PunicaWrapperBase):
+    def __init__(self, max_num_batched_tokens: int, max_batches: int, device, **kwargs):
+        super().__init__(max_num_batched_tokens, max_batches, device)
+        # Rows past a step's mapping (a padded batch) read these: the base model, never a slot
+        # out of range.
+        for buffer in (self._token_lora_indices, self._sampler_indices):
+            buffer.fill_(-1)
+        self._token_slots_int32 = torch.full((max_num_batched_tokens,), -1, dtype=torch.int32,
+                                             device=device)  # BGMV's indices are int32
+        self._token_rows = slot_rows(self._token_lora_indices)
+        self._request_rows = slot_rows(self._sampler_indices)
+
+    def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
+        # Once per step, for every layer's call: the slots as the NPU op and the plain path read them.
+        self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
+        self._token_slots_int32.copy_(self._token_lora_indices)
+        self._token_rows = slot_rows(self._token_lora_indices)
+        self._request_rows = slot_rows(self._sampler_indices)
+
+    def _token_slots(self, rows: int):
+        return self._token_rows.first(rows)
+
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
+        """``y[i] += scale * x @ lora_a_stacked[i]`` per token's slot, for each slice ``i``."""
+        x = x.view(-1, x.shape[-1])
+        slots = self._token_slots(x.shape[0])
+        for out, weight in zip(y, lora_a_stacked):
+            out += scale * gathered_matmul(x.to(out.dtype), weight[:, 0].to(out.dtype), slots)
+
+    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True,
+                   **kwargs):
+        """``y[:, offset : offset + slice_i] += x[i] @ lora_b_stacked[i]`` per token's slot."""
+        flat = y.view(-1, y.shape[-1])
+        offset = offset_start
+        for rows, weight, size in zip(x, lora_b_stacked, output_slices):
+            self._expand_into(flat[:, offset: offset + size], rows, weight, add_inputs)
+            offset += size
+
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs):
+        self._expand_into(y, x, lora_b_stacked, add_inputs)
+
+    def _expand_into(self, out, rows, weight, add_inputs, slots=None):
+        slots = self._token_slots(rows.shape[0]) if slots is None else slots
+        delta = gathered_matmul(rows.to(weight.dtype), weight[:, 0], slots)
+        width = min(out.shape[1], delta.shape[1])  # vocab paddings of adapter and model may differ
+        # In place on the view: `out[:, :w] += d` would write the sum back with one more copy.
+        columns = out[:, :width]
+        if add_inputs:
+            columns.add_(delta[:, :width].to(out.dtype))
+        else:
+            columns.copy_(delta[:, :width])
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,
+                        buffer=None, **kwargs):
+        """``y[:, slice_i] += scale * (x @ A_i) @ B_i`` per token's slot: one BGMV launch per slice
+        the op takes, plain torch for the others."""
+        x = x.view(-1, x.shape[-1])
+        flat = y.view(-1, y.shape[-1])
+        slots = self._token_slots(x.shape[0])
+        offset = 0
+        for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+            if limits.bgmv_takes(x.dtype, x.shape[1], lora_a.shape[2], size, flat.shape[1]):
+                kernels.batch_gather_matmul_(flat, x, lora_b, self._token_slots_int32[: x.shape[0]],
+                                             lora_a, scale=scale, y_offset=offset,
+                                             y_slice_size=size)
+            else:
+                shrunk = scale * gathered_matmul(x.float(), lora_a[:, 0].float(), slots)
+                self._expand_into(flat[:, offset: offset + size], shrunk, lora_b, True, slots)
+            offset += size
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
+                        **kwargs):
+        """``y += scale * (x @ A) @ B`` per logits row's request slot (``sampler_indices``)."""
+        flat, x = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
+        slots = self._request_rows.first(x.shape[0])
+        shrunk = scale * gathered_matmul(x.float(), lora_a_stacked[:, 0].float(), slots)
+        self._expand_into(flat, shrunk, lora_b_stacked, True, slots)
+
+    def apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
+        """A classifier head's rows replaced by their request's adapter head (vLLM 0.31+)."""
+        weight = weight_stacked.reshape(weight_stacked.shape[0], *weight_stacked.shape[-2:])
+        adapter_y = gathered_matmul(x.float(), weight.float(), self._request_rows.first(x.shape[0]))
+        y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))
