@@ -124,13 +124,15 @@ class NPUPlatform(Platform):
         unsupported = {
             "LoRA": vllm_config.lora_config is not None,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
-            # Their layers keep a recurrent state instead of (or beside) a KV cache.
-            "a model with Mamba (state-space) or linear-attention layers": model is not None and (
-                model.is_attention_free or model.is_hybrid),
         }
         for feature, requested in unsupported.items():
             if requested:
                 raise NotImplementedError(f"{feature} is not supported by ascend-patch yet")
+        recurrent = model and recurrent_layers(model)
+        if recurrent:
+            raise NotImplementedError(
+                f"{model.model}: {model.architecture} has {recurrent} layers, which keep a recurrent "
+                f"state instead of a KV cache: not supported by ascend-patch yet")
 
         if model is not None and model.use_mla:
             from ascend_patch.npu.attention import mla
@@ -281,12 +283,28 @@ class NPUPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        # False: in a model mixing sliding-window and full-attention layers vLLM promotes the
-        # window specs to full attention (blocks kept for every token; the attention applies the
-        # window), so one block table serves all layers. A uniformly windowed model still gets
-        # vLLM's SlidingWindowManager, which frees (or, on a prefix-cache hit, nulls) the blocks
-        # before the window: the attention hides those keys, so their contents never matter.
-        return False
+        # vLLM's hybrid KV-cache manager: a model mixing sliding-window and full-attention layers
+        # gets one KV-cache group per kind (each its own block table, metadata builder and
+        # manager), the windowed groups freeing (or, on a prefix-cache hit, nulling) the blocks
+        # before their window. Every attention path hides those keys (backend.py), and layers of
+        # different groups may share a KV tensor: a block id belongs to one group at a time.
+        # Models with recurrent (Mamba, linear-attention) layers are refused before this matters.
+        return True
+
+
+# The layer kinds vLLM's hybrid (non-attention) models name in ``layer_types`` that are attention.
+_ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
+
+
+def recurrent_layers(model) -> str | None:
+    """The kind of a model's layers that keep a recurrent state (Mamba, linear attention), as its
+    config names them, or None for a model whose every layer attends."""
+    if not (model.is_attention_free or model.is_hybrid):
+        return None
+    kinds = sorted(set(getattr(model.hf_config, "layer_types", None) or ()) - _ATTENTION_KINDS)
+    if kinds:  # e.g. Qwen3-Next's "linear_attention", Granite 4's "mamba"
+        return " and ".join(repr(kind) for kind in kinds)
+    return "Mamba (state-space)" if model.is_attention_free else "Mamba or linear-attention"
 
 
 def graphs_off_by_default(vllm_config) -> str | None:

@@ -1,0 +1,106 @@
+"""KV blocks and maximum concurrent sequences for the same emulated HBM: vLLM's hybrid KV-cache
+manager on against off, for the windowed tiny models (emulated: no NPU figures).
+
+Each engine starts on the emulated NPU with the same emulated HBM and memory utilisation, once
+with the hybrid manager (vLLM's default where the platform supports it: one KV-cache group per
+layer of the model's pattern, windowed groups holding only their windows' blocks) and once with
+``disable_hybrid_kv_cache_manager`` (every layer in one full-attention group). The figures are
+vLLM's own: the KV-cache config's block count and groups, and its maximum concurrency for
+requests of ``--max-model-len`` tokens (``get_max_concurrency_for_kv_cache_config``, the figure
+vLLM logs at start-up). "peak running" is measured: as many requests of ``--max-model-len``
+tokens as the hybrid engine's figure allows, plus a quarter, are submitted at once and the most
+the scheduler ran together is reported.
+
+    flock /tmp/ascend-engine.lock .venv/bin/python scripts/bench_hybrid_kv.py [--max-model-len 2048] [--model tiny-gemma3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / ".cache" / "models"
+NAMES = ["tiny-gemma3-5to1", "tiny-gemma3", "tiny-gemma2", "tiny-mistral"]
+
+# Runs inside the engine's interpreter; prints one JSON line.
+PLAN = """
+import json, math, sys
+from vllm import LLM  # noqa: F401 - vLLM first: the overlay comes in through its .pth
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from ascend_patch.kit import engine
+
+model, max_model_len, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+result = {}
+for hybrid in (True, False):
+    llm, facts = engine.start(model, dtype="bfloat16", max_model_len=max_model_len,
+                              max_num_seqs=256, gpu_memory_utilization=0.9, enforce_eager=True,
+                              enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid)
+    plan = facts["kv_cache"]
+    if requests:  # distinct prompts filling the context, one decode token each
+        core = llm.llm_engine.engine_core.engine_core
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for i in range(requests):
+            ids = [(i * 31 + t * 7) % 500 + 3 for t in range(max_model_len - 1)]
+            llm.llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
+        peak = 0
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+            peak = max(peak, len(core.scheduler.running))
+        plan["peak_running"] = peak
+    result["on" if hybrid else "off"] = plan
+    engine.shutdown(llm)
+print(json.dumps(result))
+"""
+
+
+def _run(model: str, max_model_len: int, requests: int, hbm: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM=hbm)
+    proc = subprocess.run([sys.executable, "-c", PLAN, model, str(max_model_len), str(requests)],
+                          env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{proc.stderr[-4000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def _groups(plan: dict) -> str:
+    windows = [group["sliding_window"] for group in plan["groups"]]
+    full = windows.count(None)
+    return f"{full} full + {len(windows) - full} windowed" if len(windows) > 1 else plan["groups"][0]["spec"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", help="a windowed model of ascend_patch/kit/tiny_models.py "
+                        f"(repeatable; default: {', '.join(NAMES)})")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
+    parser.add_argument("--hbm", default="64MiB", help="the emulated HBM (ASCEND_PATCH_EMULATED_HBM)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests submitted at once for the peak (default: 1.25x the hybrid figure; 0: none)")
+    args = parser.parse_args()
+    from ascend_patch.kit import tiny_models
+
+    models = tiny_models.build(MODELS, args.model or NAMES)
+    print(f"emulated NPU, emulated HBM {args.hbm}, bf16, requests of {args.max_model_len} tokens "
+          "(vLLM's KV-cache config; peak running measured)")
+    print(f"{'model':18} {'manager':8} {'KV groups':22} {'KV blocks':>10} {'max concurrency':>16} {'peak running':>13}")
+    for name, path in models.items():
+        requests = args.requests
+        if requests is None:
+            requests = int(_run(str(path), args.max_model_len, 0, args.hbm)["on"]["max_concurrency"] * 1.25) + 1
+        plans = _run(str(path), args.max_model_len, requests, args.hbm)
+        for manager in ("on", "off"):
+            plan = plans[manager]
+            print(f"{name:18} {'hybrid' if manager == 'on' else 'one grp':8} {_groups(plan):22} "
+                  f"{plan['num_blocks']:>10} {plan['max_concurrency']:>16.2f} {plan.get('peak_running', '-'):>13}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
