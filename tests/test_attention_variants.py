@@ -241,18 +241,19 @@ def test_bf16_gemma2_soft_capped_layers_run_composed_as_logged(runs, tiny_models
 def test_a_mamba_model_is_refused_at_start_up_in_one_line_naming_it_and_its_layers(runs, tiny_models):
     error = runs[("tiny-mamba", "bfloat16")]["error"]
     assert error == (f"NotImplementedError: {tiny_models['tiny-mamba']}: MambaForCausalLM has Mamba "
-                     "(state-space) layers, which keep a recurrent state instead of a KV cache: not "
-                     "supported by ascend-patch yet")
+                     "(state-space) layers and no attention: layers that keep a recurrent state "
+                     "instead of a KV cache are not supported by ascend-patch yet")
 
 
 @pytest.mark.parametrize(("free", "hybrid", "layer_types", "named"), [
-    (False, True, ["linear_attention", "linear_attention", "full_attention"], "'linear_attention'"),
-    (False, True, ["mamba", "attention"], "'mamba'"),
-    (False, True, None, "Mamba or linear-attention"),
-    (True, False, None, "Mamba (state-space)"),
+    (False, True, ["linear_attention", "linear_attention", "full_attention"],
+     "Mamba or linear-attention layers ('linear_attention' in its layer_types) beside its attention layers"),
+    (False, True, ["mamba", "attention"],
+     "Mamba or linear-attention layers ('mamba' in its layer_types) beside its attention layers"),
+    (False, True, None, "Mamba or linear-attention layers beside its attention layers"),
     (False, False, ["sliding_attention", "full_attention"], None),
 ])
-def test_the_recurrent_layer_kind_is_named_as_the_config_names_it(free, hybrid, layer_types, named):
+def test_a_hybrid_models_recurrent_layers_are_named_as_its_config_names_them(free, hybrid, layer_types, named):
     from ascend_patch.npu.platform import recurrent_layers
 
     model = SimpleNamespace(is_attention_free=free, is_hybrid=hybrid,

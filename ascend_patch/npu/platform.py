@@ -131,8 +131,8 @@ class NPUPlatform(Platform):
         recurrent = model and recurrent_layers(model)
         if recurrent:
             raise NotImplementedError(
-                f"{model.model}: {model.architecture} has {recurrent} layers, which keep a recurrent "
-                f"state instead of a KV cache: not supported by ascend-patch yet")
+                f"{model.model}: {model.architecture} has {recurrent}: layers that keep a recurrent "
+                f"state instead of a KV cache are not supported by ascend-patch yet")
 
         if model is not None and model.use_mla:
             from ascend_patch.npu.attention import mla
@@ -292,19 +292,21 @@ class NPUPlatform(Platform):
         return True
 
 
-# The layer kinds vLLM's hybrid (non-attention) models name in ``layer_types`` that are attention.
+# The layer_types names of attention layers (transformers names recurrent ones "linear_attention").
 _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
 
 
 def recurrent_layers(model) -> str | None:
-    """The kind of a model's layers that keep a recurrent state (Mamba, linear attention), as its
-    config names them, or None for a model whose every layer attends."""
-    if not (model.is_attention_free or model.is_hybrid):
+    """What a model has that keeps a recurrent state (Mamba, linear-attention layers), for the
+    refusal, or None for a model whose every layer attends."""
+    if model.is_attention_free:
+        return "Mamba (state-space) layers and no attention"
+    if not model.is_hybrid:
         return None
-    kinds = sorted(set(getattr(model.hf_config, "layer_types", None) or ()) - _ATTENTION_KINDS)
-    if kinds:  # e.g. Qwen3-Next's "linear_attention", Granite 4's "mamba"
-        return " and ".join(repr(kind) for kind in kinds)
-    return "Mamba (state-space)" if model.is_attention_free else "Mamba or linear-attention"
+    names = getattr(model.hf_config, "layer_types", None)  # not a seam: an HF field some models lack
+    kinds = sorted(set(names or ()) - _ATTENTION_KINDS)
+    named = f" ({', '.join(map(repr, kinds))} in its layer_types)" if kinds else ""
+    return f"Mamba or linear-attention layers{named} beside its attention layers"
 
 
 def graphs_off_by_default(vllm_config) -> str | None:
