@@ -1,7 +1,9 @@
 """Attention beyond dense full causal on the emulated NPU, against HF transformers.
 
 Sliding windows (Mistral: every layer, so vLLM's SlidingWindowManager frees the blocks that fall
-out of the window; Gemma 2 and 3: alternating windowed and global layers), soft-capped attention
+out of the window; Gemma 2 and 3: alternating windowed and global layers, and Gemma 3's five
+windowed layers to one global, which vLLM's hybrid KV-cache manager gives a KV-cache group and a
+block table per layer of the pattern, windowed groups freeing their blocks too), soft-capped attention
 logits (Gemma 2), head sizes the fused prefill kernel does not take (Gemma's 256, a Llama with
 96), and what stays refused (Mamba). The windows (64, 100) are shorter than the longer prompts,
 which also span more than one 128-token KV block, so the windows cut. Prefix caching and chunked
@@ -206,10 +208,12 @@ def test_bf16_mistral_runs_every_windowed_layer_step_fused(runs, tiny_models, pr
 
 
 def test_bf16_gemma3_decodes_fused_and_prefills_composed_with_one_warning(runs, tiny_models, prompts):
-    """Head size 256: decode runs fused in both layers (the windowed one through the masked
+    """Head size 256, a KV-cache group per layer: decode runs fused in both layers (the windowed one through the masked
     one-token FIA, the global one through _npu_paged_attention); the TND prefill kernel takes
     64 and 128 only, so prefill runs composed, as the one warning says."""
     run, launches, warning = single_bf16_run(runs, "tiny-gemma3")
+    groups = runs[("tiny-gemma3", "bfloat16")]["kv_cache"]["groups"]
+    assert [group["sliding_window"] for group in groups] == [100, None], "the hybrid manager's two groups"
     assert launches["fused_infer_attention_score"] == launches["paged_attention"] >= MAX_TOKENS - 1
     assert _composed_layer_steps(launches) > 0
     assert "all 2 attention layers" in warning and "head size 256" in warning
