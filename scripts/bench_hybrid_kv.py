@@ -7,11 +7,13 @@ layer of the model's pattern, windowed groups holding only their windows' blocks
 ``disable_hybrid_kv_cache_manager`` (every layer in one full-attention group). The figures are
 vLLM's own: the KV-cache config's block count and groups, and its maximum concurrency for
 requests of ``--max-model-len`` tokens (``get_max_concurrency_for_kv_cache_config``, the figure
-vLLM logs at start-up). "peak running" is measured: as many requests of ``--max-model-len``
-tokens as the hybrid engine's figure allows, plus a quarter, are submitted at once and the most
-the scheduler ran together is reported.
+vLLM logs at start-up; a windowed group counts its window plus one step's tokens,
+``--max-num-batched-tokens``). With ``--peak`` the concurrency is also measured: as many
+requests of ``--max-model-len`` tokens as the hybrid engine's figure allows, plus a quarter, are
+submitted at once and the most the scheduler ran together is reported (minutes per model: every
+prompt is prefilled on the host).
 
-    flock /tmp/ascend-engine.lock .venv/bin/python scripts/bench_hybrid_kv.py [--max-model-len 2048] [--model tiny-gemma3 ...]
+    flock /tmp/ascend-engine.lock .venv/bin/python scripts/bench_hybrid_kv.py [--peak] [--max-model-len 2048] [--model tiny-gemma3 ...]
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from ascend_patch.kit import engine
 
-model, max_model_len, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model, max_model_len, batched, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 result = {}
 for hybrid in (True, False):
     llm, facts = engine.start(model, dtype="bfloat16", max_model_len=max_model_len,
-                              max_num_seqs=256, gpu_memory_utilization=0.9, enforce_eager=True,
+                              max_num_batched_tokens=batched, max_num_seqs=256,
+                              gpu_memory_utilization=0.9, enforce_eager=True,
                               enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid)
     plan = facts["kv_cache"]
     if requests:  # distinct prompts filling the context, one decode token each
@@ -59,10 +62,10 @@ print(json.dumps(result))
 """
 
 
-def _run(model: str, max_model_len: int, requests: int, hbm: str) -> dict:
+def _run(model: str, max_model_len: int, batched: int, requests: int, hbm: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM=hbm)
-    proc = subprocess.run([sys.executable, "-c", PLAN, model, str(max_model_len), str(requests)],
+    proc = subprocess.run([sys.executable, "-c", PLAN, model, str(max_model_len), str(batched), str(requests)],
                           env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{proc.stderr[-4000:]}")
@@ -80,21 +83,22 @@ def main() -> int:
     parser.add_argument("--model", action="append", help="a windowed model of ascend_patch/kit/tiny_models.py "
                         f"(repeatable; default: {', '.join(NAMES)})")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
-    parser.add_argument("--hbm", default="64MiB", help="the emulated HBM (ASCEND_PATCH_EMULATED_HBM)")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests submitted at once for the peak (default: 1.25x the hybrid figure; 0: none)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step")
+    parser.add_argument("--hbm", default="256MiB", help="the emulated HBM (ASCEND_PATCH_EMULATED_HBM)")
+    parser.add_argument("--peak", action="store_true", help="also measure the most requests run together")
     args = parser.parse_args()
     from ascend_patch.kit import tiny_models
 
     models = tiny_models.build(MODELS, args.model or NAMES)
-    print(f"emulated NPU, emulated HBM {args.hbm}, bf16, requests of {args.max_model_len} tokens "
-          "(vLLM's KV-cache config; peak running measured)")
+    print(f"emulated NPU, emulated HBM {args.hbm}, bf16, requests of {args.max_model_len} tokens, "
+          f"{args.max_num_batched_tokens} tokens per step (vLLM's KV-cache config"
+          f"{'; peak running measured' if args.peak else ''})")
     print(f"{'model':18} {'manager':8} {'KV groups':22} {'KV blocks':>10} {'max concurrency':>16} {'peak running':>13}")
     for name, path in models.items():
-        requests = args.requests
-        if requests is None:
-            requests = int(_run(str(path), args.max_model_len, 0, args.hbm)["on"]["max_concurrency"] * 1.25) + 1
-        plans = _run(str(path), args.max_model_len, requests, args.hbm)
+        figures = (str(path), args.max_model_len, args.max_num_batched_tokens)
+        plans = _run(*figures, 0, args.hbm)
+        if args.peak:
+            plans = _run(*figures, int(plans["on"]["max_concurrency"] * 1.25) + 1, args.hbm)
         for manager in ("on", "off"):
             plan = plans[manager]
             print(f"{name:18} {'hybrid' if manager == 'on' else 'one grp':8} {_groups(plan):22} "

@@ -41,13 +41,15 @@ ENGINES = {
     ("tiny-gemma2", "bfloat16"): 1,
     ("tiny-mistral", "bfloat16"): 2,
     ("tiny-gemma3", "bfloat16"): 1,
+    ("tiny-gemma3", "bfloat16", "FULL decode graphs asked for"): 1,
     ("tiny-llama-hd96", "bfloat16"): 1,
     ("tiny-mamba", "bfloat16"): 0,
 }
 # The variants' engine arguments. vLLM's hybrid KV-cache manager (on by default) gives a model
 # mixing windowed and global layers one KV-cache group per layer of its pattern; turned off, the
 # windowed layers' specs become full attention and every layer shares one group.
-VARIANTS = {"one KV-cache group": {"disable_hybrid_kv_cache_manager": True}}
+VARIANTS = {"one KV-cache group": {"disable_hybrid_kv_cache_manager": True},
+            "FULL decode graphs asked for": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}}
 # What each model's HF oracle loses when a feature is taken away: the windows and the soft-cap
 # must each move the log-probabilities far beyond the agreement asked for.
 FEATURES = {"tiny-gemma2": [{"sliding_window": 4096}, {"attn_logit_softcapping": None}],
@@ -219,6 +221,17 @@ def test_bf16_gemma3_decodes_fused_and_prefills_composed_with_one_warning(runs, 
     assert "all 2 attention layers" in warning and "head size 256" in warning
     assert "prefill and mixed batches (decode-only batches stay fused)" in warning
     assert_tracks_hf_logits(tiny_models["tiny-gemma3"], prompts, run["tokens"])
+
+
+def test_full_decode_graphs_asked_for_beside_windowed_groups_leave_decode_eager_and_the_tokens_alike(runs):
+    """No windowed layer's decode can be held in a FULL graph (its builder says NEVER), so vLLM sets
+    the mode to NONE for the whole model, in one warning line, whatever the groups' block tables."""
+    asked = runs[("tiny-gemma3", "bfloat16", "FULL decode graphs asked for")]
+    assert "error" not in asked, asked.get("error")
+    assert (asked["cudagraph_mode"], asked["graph_captures"]) == ("NONE", 0)
+    (run,) = asked["runs"]
+    assert run["graph_replays"] == 0
+    assert run["tokens"] == runs[("tiny-gemma3", "bfloat16")]["runs"][0]["tokens"]
 
 
 def test_bf16_head_size_96_decodes_through_paged_attention_with_one_warning(runs, tiny_models, prompts):
