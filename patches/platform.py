@@ -73,7 +73,7 @@ DEVICE_SELECTION = [
                   pr="vllm-project/vllm#35042"),
     platform_hook("support_hybrid_kv_cache", "(cls)",
                   "True: vLLM's hybrid KV-cache manager gives a model mixing windowed and full "
-                  "layers one KV-cache group per kind, and the windowed groups free the blocks "
+                  "layers a KV-cache group per layer of its pattern, and the windowed groups free the blocks "
                   "before their windows (the attention hides those keys)"),
     platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
 ]

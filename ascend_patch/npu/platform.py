@@ -284,7 +284,7 @@ class NPUPlatform(Platform):
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         # vLLM's hybrid KV-cache manager: a model mixing sliding-window and full-attention layers
-        # gets one KV-cache group per kind (each its own block table, metadata builder and
+        # gets a KV-cache group per layer of its pattern (each its own block table, builder and
         # manager), the windowed groups freeing (or, on a prefix-cache hit, nulling) the blocks
         # before their window. Every attention path hides those keys (backend.py), and layers of
         # different groups may share a KV tensor: a block id belongs to one group at a time.
