@@ -8,12 +8,9 @@ layer of the model's pattern, windowed groups holding only their windows' blocks
 vLLM's own: the KV-cache config's block count and groups, and its maximum concurrency for
 requests of ``--max-model-len`` tokens (``get_max_concurrency_for_kv_cache_config``, the figure
 vLLM logs at start-up; a windowed group counts its window plus one step's tokens,
-``--max-num-batched-tokens``). With ``--peak`` the concurrency is also measured: as many
-requests of ``--max-model-len`` tokens as the hybrid engine's figure allows, plus a quarter, are
-submitted at once and the most the scheduler ran together is reported (minutes per model: every
-prompt is prefilled on the host).
+``--max-num-batched-tokens``). About 40 s per model.
 
-    flock /tmp/ascend-engine.lock .venv/bin/python scripts/bench_hybrid_kv.py [--peak] [--max-model-len 2048] [--model tiny-gemma3 ...]
+    flock /tmp/ascend-engine.lock .venv/bin/python scripts/bench_hybrid_kv.py [--max-model-len 2048] [--model tiny-gemma3 ...]
 """
 
 from __future__ import annotations
@@ -31,41 +28,26 @@ NAMES = ["tiny-gemma3-5to1", "tiny-gemma3", "tiny-gemma2", "tiny-mistral"]
 
 # Runs inside the engine's interpreter; prints one JSON line.
 PLAN = """
-import json, math, sys
+import json, sys
 from vllm import LLM  # noqa: F401 - vLLM first: the overlay comes in through its .pth
-from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
 from ascend_patch.kit import engine
 
-model, max_model_len, batched, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model, max_model_len, batched = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 result = {}
 for hybrid in (True, False):
     llm, facts = engine.start(model, dtype="bfloat16", max_model_len=max_model_len,
-                              max_num_batched_tokens=batched, max_num_seqs=256,
-                              gpu_memory_utilization=0.9, enforce_eager=True,
-                              enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid)
-    plan = facts["kv_cache"]
-    if requests:  # distinct prompts filling the context, one decode token each
-        core = llm.llm_engine.engine_core.engine_core
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        for i in range(requests):
-            ids = [(i * 31 + t * 7) % 500 + 3 for t in range(max_model_len - 1)]
-            llm.llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
-        peak = 0
-        while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
-            peak = max(peak, len(core.scheduler.running))
-        plan["peak_running"] = peak
-    result["on" if hybrid else "off"] = plan
+                              max_num_batched_tokens=batched, gpu_memory_utilization=0.9,
+                              enforce_eager=True, disable_hybrid_kv_cache_manager=not hybrid)
+    result["on" if hybrid else "off"] = facts["kv_cache"]
     engine.shutdown(llm)
 print(json.dumps(result))
 """
 
 
-def _run(model: str, max_model_len: int, batched: int, requests: int, hbm: str) -> dict:
+def _run(model: str, max_model_len: int, batched: int, hbm: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM=hbm)
-    proc = subprocess.run([sys.executable, "-c", PLAN, model, str(max_model_len), str(batched), str(requests)],
+    proc = subprocess.run([sys.executable, "-c", PLAN, model, str(max_model_len), str(batched)],
                           env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{proc.stderr[-4000:]}")
@@ -85,24 +67,19 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step")
     parser.add_argument("--hbm", default="256MiB", help="the emulated HBM (ASCEND_PATCH_EMULATED_HBM)")
-    parser.add_argument("--peak", action="store_true", help="also measure the most requests run together")
     args = parser.parse_args()
     from ascend_patch.kit import tiny_models
 
     models = tiny_models.build(MODELS, args.model or NAMES)
     print(f"emulated NPU, emulated HBM {args.hbm}, bf16, requests of {args.max_model_len} tokens, "
-          f"{args.max_num_batched_tokens} tokens per step (vLLM's KV-cache config"
-          f"{'; peak running measured' if args.peak else ''})")
-    print(f"{'model':18} {'manager':8} {'KV groups':22} {'KV blocks':>10} {'max concurrency':>16} {'peak running':>13}")
+          f"{args.max_num_batched_tokens} tokens per step (vLLM's KV-cache config)")
+    print(f"{'model':18} {'manager':8} {'KV groups':22} {'KV blocks':>10} {'max concurrency':>16}")
     for name, path in models.items():
-        figures = (str(path), args.max_model_len, args.max_num_batched_tokens)
-        plans = _run(*figures, 0, args.hbm)
-        if args.peak:
-            plans = _run(*figures, int(plans["on"]["max_concurrency"] * 1.25) + 1, args.hbm)
+        plans = _run(str(path), args.max_model_len, args.max_num_batched_tokens, args.hbm)
         for manager in ("on", "off"):
             plan = plans[manager]
             print(f"{name:18} {'hybrid' if manager == 'on' else 'one grp':8} {_groups(plan):22} "
-                  f"{plan['num_blocks']:>10} {plan['max_concurrency']:>16.2f} {plan.get('peak_running', '-'):>13}")
+                  f"{plan['num_blocks']:>10} {plan['max_concurrency']:>16.2f}")
     return 0
 
 
