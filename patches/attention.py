@@ -43,17 +43,18 @@ ATTENTION_CONTRACTS = [
 
 def hybrid_promotion(module: str, vllm: str | None = None, pr: str | None = None) -> Contract:
     """vLLM's promotion of sliding-window KV specs to full attention when the hybrid manager is
-    off, which the attention backend relies on (it moved to kv_cache_planning.py in 0.33)."""
+    turned off, which the attention backend relies on (it moved to kv_cache_planning.py in 0.33)."""
     return Contract(
         f"vllm.v1.core.{module}:unify_hybrid_kv_cache_specs",
-        reason="with support_hybrid_kv_cache False, windowed layers beside full ones keep every "
-               "token's blocks; the attention applies the windows itself",
+        reason="with the hybrid manager turned off (--disable-hybrid-kv-cache-manager, a KV "
+               "connector without HMA), windowed layers beside full ones keep every token's "
+               "blocks in one group; the attention applies the windows itself",
         vllm=vllm,
         signature=("(kv_cache_spec)",),
         upstream=cite(f"vllm/v1/core/{module}.py: SlidingWindowSpec -> FullAttentionSpec when both "
                       "kinds are present (a uniformly windowed model keeps its SlidingWindowSpec)",
                       pr),
-        remove_when="ascend-patch supports the hybrid KV-cache manager",
+        remove_when="vLLM no longer lets the hybrid manager be turned off",
         implementation=ATTENTION,
     )
 

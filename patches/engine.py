@@ -76,9 +76,10 @@ ENGINE_CONTRACTS = [
              upstream="NPU-only: the emulated HBM's books (a real NPU keeps its own)",
              remove_when="never while the emulated NPU exists"),
     *(contract(f"vllm.config.model:ModelConfig.{name}", None,
-               "refuse models with Mamba or linear-attention layers at start-up", implementation=PLATFORM,
+               "refuse models with Mamba or linear-attention layers at start-up, naming the "
+               "architecture", implementation=PLATFORM,
                upstream="vllm/config/model.py: the model's layer kinds")
-      for name in ("is_attention_free", "is_hybrid")),
+      for name in ("is_attention_free", "is_hybrid", "architecture")),
     contract("vllm.model_executor.custom_op:CustomOp.register_oot",
              "(cls, _decorated_op_cls=..., name=...)", "register the NPU custom ops",
              implementation="ascend_patch.npu.ops:register",

@@ -72,9 +72,9 @@ DEVICE_SELECTION = [
     platform_hook("num_compute_units", "(cls, device_id=...)", "AI core count",
                   pr="vllm-project/vllm#35042"),
     platform_hook("support_hybrid_kv_cache", "(cls)",
-                  "False: vLLM's hybrid KV-cache manager stays off, so a model mixing windowed and "
-                  "full layers keeps every token's blocks (one block table) and the attention "
-                  "applies the windows"),
+                  "True: vLLM's hybrid KV-cache manager gives a model mixing windowed and full "
+                  "layers a KV-cache group per layer of its pattern, and the windowed groups free the blocks "
+                  "before their windows (the attention hides those keys)"),
     platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
 ]
 

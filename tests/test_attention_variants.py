@@ -1,7 +1,9 @@
 """Attention beyond dense full causal on the emulated NPU, against HF transformers.
 
 Sliding windows (Mistral: every layer, so vLLM's SlidingWindowManager frees the blocks that fall
-out of the window; Gemma 2 and 3: alternating windowed and global layers), soft-capped attention
+out of the window; Gemma 2 and 3: alternating windowed and global layers, and Gemma 3's five
+windowed layers to one global, which vLLM's hybrid KV-cache manager gives a KV-cache group and a
+block table per layer of the pattern, windowed groups freeing their blocks too), soft-capped attention
 logits (Gemma 2), head sizes the fused prefill kernel does not take (Gemma's 256, a Llama with
 96), and what stays refused (Mamba). The windows (64, 100) are shorter than the longer prompts,
 which also span more than one 128-token KV block, so the windows cut. Prefix caching and chunked
@@ -30,20 +32,28 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "log
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "gpu_memory_utilization": 0.9,
           "enable_prefix_caching": True, "enable_chunked_prefill": True,
           "max_num_batched_tokens": 64}
-# (model, dtype) -> runs of the prompts; a second run is served from the prefix cache.
+# (model, dtype[, variant]) -> runs of the prompts; a second run is served from the prefix cache.
 ENGINES = {
+    ("tiny-gemma3-5to1", "float32"): 2,
+    ("tiny-gemma3-5to1", "float32", "one KV-cache group"): 2,
     ("tiny-gemma2", "float32"): 2,
     ("tiny-mistral", "float32"): 2,
     ("tiny-gemma2", "bfloat16"): 1,
     ("tiny-mistral", "bfloat16"): 2,
     ("tiny-gemma3", "bfloat16"): 1,
+    ("tiny-gemma3", "bfloat16", "FULL decode graphs asked for"): 1,
     ("tiny-llama-hd96", "bfloat16"): 1,
     ("tiny-mamba", "bfloat16"): 0,
 }
+# The variants' engine arguments. vLLM's hybrid KV-cache manager (on by default) gives a model
+# mixing windowed and global layers one KV-cache group per layer of its pattern; turned off, the
+# windowed layers' specs become full attention and every layer shares one group.
+VARIANTS = {"one KV-cache group": {"disable_hybrid_kv_cache_manager": True},
+            "FULL decode graphs asked for": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}}
 # What each model's HF oracle loses when a feature is taken away: the windows and the soft-cap
 # must each move the log-probabilities far beyond the agreement asked for.
 FEATURES = {"tiny-gemma2": [{"sliding_window": 4096}, {"attn_logit_softcapping": None}],
-            "tiny-mistral": [{"sliding_window": None}]}
+            "tiny-mistral": [{"sliding_window": None}], "tiny-gemma3-5to1": [{"sliding_window": 4096}]}
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +63,10 @@ def prompts(tiny_models):
 
 @pytest.fixture(scope="module")
 def runs(tiny_models, prompts, tmp_path_factory):
-    engines = [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, "dtype": dtype},
+    engines = [{"model": str(tiny_models[name]),
+                "kwargs": {**ENGINE, "dtype": dtype, **(VARIANTS[variant[0]] if variant else {})},
                 "runs": [{"prompts": prompts, "sampling": [GREEDY]}] * count}
-               for (name, dtype), count in ENGINES.items()]
+               for (name, dtype, *variant), count in ENGINES.items()]
     result = run_engine({"engines": engines}, tmp_path_factory.mktemp("attention"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
     return dict(zip(ENGINES, result["engines"]))
@@ -122,6 +133,52 @@ def test_fp32_equals_hf_token_for_token_and_in_log_probabilities(name, runs, tin
         assert largest_gap(first["logprobs"], without) > 0.1, f"the test cannot see {missing}"
 
 
+def hybrid_and_one_group(runs):
+    """The 5:1 Gemma 3's fp32 engines: vLLM's hybrid KV-cache manager on, and off."""
+    engines = runs[("tiny-gemma3-5to1", "float32")], runs[("tiny-gemma3-5to1", "float32", "one KV-cache group")]
+    for engine in engines:
+        assert "error" not in engine, engine.get("error")
+    return engines
+
+
+def test_hybrid_kv_cache_manager_gives_each_windowed_layer_its_group_and_equals_hf(runs, tiny_models, prompts):
+    """Five windowed KV-cache groups and a global one, each with its own block table, freeing the
+    blocks before their windows (the 320-token prompt leaves its first block behind every window
+    of 100) or, on a prefix-cache hit, nulling them: token for token and in log-probabilities
+    what HF and the same model in one KV-cache group give."""
+    hybrid, one_group = hybrid_and_one_group(runs)
+    windows = [group["sliding_window"] for group in hybrid["kv_cache"]["groups"]]
+    assert sorted(windows, key=str) == [100] * 5 + [None]
+    assert [group["spec"] for group in one_group["kv_cache"]["groups"]] == ["FullAttentionSpec"]
+    oracle = hf_greedy(tiny_models["tiny-gemma3-5to1"], prompts, MAX_TOKENS)
+    expected = hf_logprobs(tiny_models["tiny-gemma3-5to1"], prompts, oracle)
+    for engine in (hybrid, one_group):
+        first, cached = engine["runs"]
+        assert first["tokens"] == cached["tokens"] == oracle
+        assert sum(cached["cached"]) > 0, "served from the prefix cache"
+        for run in (first, cached):
+            assert largest_gap(run["logprobs"], expected) < 1e-3
+    without = hf_logprobs(tiny_models["tiny-gemma3-5to1"], prompts, oracle, sliding_window=4096)
+    assert largest_gap(hybrid["runs"][0]["logprobs"], without) > 0.1, "the test cannot see the window"
+
+
+def test_hybrid_kv_cache_manager_fits_more_blocks_and_sequences_in_the_same_hbm(runs):
+    """The same emulated HBM, charged once for the KV tensors the groups share (a block id belongs
+    to one group at a time): a block id costs one page per layer of a group instead of one per
+    layer of the model, so the pool grows by the
+    pages the windowed layers no longer hold for every token, and vLLM's maximum concurrency
+    at max_model_len (from each config's groups) grows with it."""
+    hybrid, one_group = (engine["kv_cache"] for engine in hybrid_and_one_group(runs))
+    for plan in (hybrid, one_group):
+        (page,) = {group["page_bytes"] for group in plan["groups"]}
+        (layers_per_block,) = {group["layers"] for group in plan["groups"]}
+        assert plan["charged_bytes"] == plan["num_blocks"] * page * layers_per_block > 0
+    # Both pools are cut from the same free HBM: the hybrid one in pages, the other in pages x layers.
+    model_layers = sum(group["layers"] for group in one_group["groups"])
+    assert hybrid["num_blocks"] // model_layers == one_group["num_blocks"] > 0
+    assert hybrid["max_concurrency"] > one_group["max_concurrency"]
+
+
 def _composed_layer_steps(launches):
     """Layer-steps the composed path served: each layer-step writes the cache once and runs
     at most one fused attention launch."""
@@ -153,15 +210,28 @@ def test_bf16_mistral_runs_every_windowed_layer_step_fused(runs, tiny_models, pr
 
 
 def test_bf16_gemma3_decodes_fused_and_prefills_composed_with_one_warning(runs, tiny_models, prompts):
-    """Head size 256: decode runs fused in both layers (the windowed one through the masked
+    """Head size 256, a KV-cache group per layer: decode runs fused in both layers (the windowed one through the masked
     one-token FIA, the global one through _npu_paged_attention); the TND prefill kernel takes
     64 and 128 only, so prefill runs composed, as the one warning says."""
     run, launches, warning = single_bf16_run(runs, "tiny-gemma3")
+    groups = runs[("tiny-gemma3", "bfloat16")]["kv_cache"]["groups"]
+    assert [group["sliding_window"] for group in groups] == [100, None], "the hybrid manager's two groups"
     assert launches["fused_infer_attention_score"] == launches["paged_attention"] >= MAX_TOKENS - 1
     assert _composed_layer_steps(launches) > 0
     assert "all 2 attention layers" in warning and "head size 256" in warning
     assert "prefill and mixed batches (decode-only batches stay fused)" in warning
     assert_tracks_hf_logits(tiny_models["tiny-gemma3"], prompts, run["tokens"])
+
+
+def test_full_decode_graphs_asked_for_beside_windowed_groups_leave_decode_eager_and_the_tokens_alike(runs):
+    """No windowed layer's decode can be held in a FULL graph (its builder says NEVER), so vLLM sets
+    the mode to NONE for the whole model, in one warning line, whatever the groups' block tables."""
+    asked = runs[("tiny-gemma3", "bfloat16", "FULL decode graphs asked for")]
+    assert "error" not in asked, asked.get("error")
+    assert (asked["cudagraph_mode"], asked["graph_captures"]) == ("NONE", 0)
+    (run,) = asked["runs"]
+    assert run["graph_replays"] == 0
+    assert run["tokens"] == runs[("tiny-gemma3", "bfloat16")]["runs"][0]["tokens"]
 
 
 def test_bf16_head_size_96_decodes_through_paged_attention_with_one_warning(runs, tiny_models, prompts):
@@ -185,10 +255,27 @@ def test_bf16_gemma2_soft_capped_layers_run_composed_as_logged(runs, tiny_models
 # -- what stays refused ------------------------------------------------------------------------
 
 
-def test_a_mamba_model_is_refused_at_start_up(runs):
+def test_a_mamba_model_is_refused_at_start_up_in_one_line_naming_it_and_its_layers(runs, tiny_models):
     error = runs[("tiny-mamba", "bfloat16")]["error"]
-    assert error == ("NotImplementedError: a model with Mamba (state-space) or linear-attention "
-                     "layers is not supported by ascend-patch yet")
+    assert error == (f"NotImplementedError: {tiny_models['tiny-mamba']}: MambaForCausalLM has Mamba "
+                     "(state-space) layers and no attention: layers that keep a recurrent state "
+                     "instead of a KV cache are not supported by ascend-patch yet")
+
+
+@pytest.mark.parametrize(("free", "hybrid", "layer_types", "named"), [
+    (False, True, ["linear_attention", "linear_attention", "full_attention"],
+     "Mamba or linear-attention layers ('linear_attention' in its layer_types) beside its attention layers"),
+    (False, True, ["mamba", "attention"],
+     "Mamba or linear-attention layers ('mamba' in its layer_types) beside its attention layers"),
+    (False, True, None, "Mamba or linear-attention layers beside its attention layers"),
+    (False, False, ["sliding_attention", "full_attention"], None),
+])
+def test_a_hybrid_models_recurrent_layers_are_named_as_its_config_names_them(free, hybrid, layer_types, named):
+    from ascend_patch.npu.platform import recurrent_layers
+
+    model = SimpleNamespace(is_attention_free=free, is_hybrid=hybrid,
+                            hf_config=SimpleNamespace(layer_types=layer_types))
+    assert recurrent_layers(model) == named
 
 
 @pytest.mark.parametrize(("kwargs", "feature"), [

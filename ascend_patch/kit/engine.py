@@ -105,8 +105,34 @@ def start(model: str, **kwargs):
         "cudagraph_mode": config.compilation_config.cudagraph_mode.name,
         "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
         "graph_captures": NPUGraphWrapper.captures - captures,
+        "kv_cache": kv_cache_plan(llm),
     }
     return llm, facts
+
+
+def kv_cache_plan(llm) -> dict | None:
+    """What vLLM's KV-cache config for the engine's worker holds: blocks, groups (spec kind,
+    layers, window, page bytes), vLLM's maximum concurrency at
+    max_model_len, and the bytes charged to the emulated HBM as KV cache (None on an NPU); None unless the
+    engine core and its worker run in this process."""
+    from vllm.platforms import current_platform
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # not a seam: in-process client
+    worker = getattr(core and core.model_executor, "driver_worker", None)  # not a seam: uni executor
+    if worker is None:
+        return None
+    config = worker.worker.model_runner.kv_cache_config
+    books = getattr(current_platform.runtime(), "in_use_by_kind", None)  # the emulated HBM's only
+    return {
+        "num_blocks": config.num_blocks,
+        "groups": [{"spec": type(group.kv_cache_spec).__name__, "layers": len(group.layer_names),
+                    "sliding_window": getattr(group.kv_cache_spec, "sliding_window", None),
+                    "page_bytes": group.kv_cache_spec.page_size_bytes}
+                   for group in config.kv_cache_groups],
+        "max_concurrency": get_max_concurrency_for_kv_cache_config(llm.llm_engine.vllm_config, config),
+        "charged_bytes": books().get("KV cache") if books else None,
+    }
 
 
 def generate(llm, prompts: list[list[int]], sampling: list[dict], adapters: list | None = None):

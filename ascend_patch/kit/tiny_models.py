@@ -9,7 +9,8 @@ tokenizer) that vLLM and transformers load the normal way:
   128, the fused NPU kernels' other head size;
 - attention variants: a Llama with head_dim 96; Mistral with a sliding window on every
   layer (head_dim 128); Gemma 2 (alternating windows, soft-capped attention logits) and
-  Gemma 3 (alternating windows, q/k norms), both head_dim 256; a Mamba (refused);
+  Gemma 3 (alternating windows, q/k norms; and five windowed layers to one global), all
+  head_dim 256; a Mamba (refused);
 - the mixture-of-experts families on the same attention: ``Qwen3MoeForCausalLM`` (8
   experts, top-2, renormalised), ``Qwen2MoeForCausalLM`` (8 experts, top-2, not
   renormalised, plus a gated shared expert), ``MixtralForCausalLM`` (8 experts, top-2) and
@@ -116,6 +117,12 @@ MODELS = {
     "tiny-gemma3": ("Gemma3ForCausalLM", {
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 100,
         "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+        "embedding_std": 0.05}),
+    # Gemma 3's own pattern, five windowed layers to one global: with vLLM's hybrid KV-cache
+    # manager one KV-cache group per layer of the pattern (five windowed, one full).
+    "tiny-gemma3-5to1": ("Gemma3ForCausalLM", {
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 100, "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "tie_word_embeddings": True,
         "embedding_std": 0.05}),
     # State-space layers, which the NPU path refuses.
     "tiny-mamba": ("MambaForCausalLM", {}),

@@ -127,13 +127,15 @@ class NPUPlatform(Platform):
             "LoRA on a mixture-of-experts model": vllm_config.lora_config is not None
             and model is not None and model.get_num_experts() > 0,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
-            # Their layers keep a recurrent state instead of (or beside) a KV cache.
-            "a model with Mamba (state-space) or linear-attention layers": model is not None and (
-                model.is_attention_free or model.is_hybrid),
         }
         for feature, requested in unsupported.items():
             if requested:
                 raise NotImplementedError(f"{feature} is not supported by ascend-patch yet")
+        recurrent = model and recurrent_layers(model)
+        if recurrent:
+            raise NotImplementedError(
+                f"{model.model}: {model.architecture} has {recurrent}: layers that keep a recurrent "
+                f"state instead of a KV cache are not supported by ascend-patch yet")
 
         if model is not None and model.use_mla:
             from ascend_patch.npu.attention import mla
@@ -284,12 +286,30 @@ class NPUPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        # False: in a model mixing sliding-window and full-attention layers vLLM promotes the
-        # window specs to full attention (blocks kept for every token; the attention applies the
-        # window), so one block table serves all layers. A uniformly windowed model still gets
-        # vLLM's SlidingWindowManager, which frees (or, on a prefix-cache hit, nulls) the blocks
-        # before the window: the attention hides those keys, so their contents never matter.
-        return False
+        # vLLM's hybrid KV-cache manager: a model mixing sliding-window and full-attention layers
+        # gets a KV-cache group per layer of its pattern (each its own block table, builder and
+        # manager), the windowed groups freeing (or, on a prefix-cache hit, nulling) the blocks
+        # before their window. Every attention path hides those keys (backend.py), and layers of
+        # different groups may share a KV tensor: a block id belongs to one group at a time.
+        # Models with recurrent (Mamba, linear-attention) layers are refused before this matters.
+        return True
+
+
+# The layer_types names of attention layers (transformers names recurrent ones "linear_attention").
+_ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention"}
+
+
+def recurrent_layers(model) -> str | None:
+    """What a model has that keeps a recurrent state (Mamba, linear-attention layers), for the
+    refusal, or None for a model whose every layer attends."""
+    if model.is_attention_free:
+        return "Mamba (state-space) layers and no attention"
+    if not model.is_hybrid:
+        return None
+    names = getattr(model.hf_config, "layer_types", None)  # not a seam: an HF field some models lack
+    kinds = sorted(set(names or ()) - _ATTENTION_KINDS)
+    named = f" ({', '.join(map(repr, kinds))} in its layer_types)" if kinds else ""
+    return f"Mamba or linear-attention layers{named} beside its attention layers"
 
 
 def graphs_off_by_default(vllm_config) -> str | None:

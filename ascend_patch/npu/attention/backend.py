@@ -25,10 +25,14 @@ have no soft-cap input), and the prefill of head sizes the TND kernel rejects (i
 model which layers run composed and why (:func:`report_attention_paths`); which path a layer
 takes, and the kernel limits that decide it, are :mod:`ascend_patch.npu.attention.paths`.
 
-In a uniformly windowed model vLLM's ``SlidingWindowManager`` frees the blocks wholly
-before the window (other requests may reuse them; the V1 block table keeps their ids)
-and a prefix-cache hit puts the null block in their place: every path hides those keys,
-so their contents never reach the output.
+Windowed layers get vLLM's ``SlidingWindowManager``: in a uniformly windowed model their one
+KV-cache group, beside full-attention layers (the hybrid KV-cache manager) a group per layer of
+the model's pattern, each with its own block table and builder. It frees the blocks wholly before
+the window (other requests, or other groups, may reuse them; the V1 block table keeps their ids)
+and a prefix-cache hit puts the null block in their place: every path hides those keys (the
+band, the window mask, the composed ``pre_tokens``), so their contents never reach the output.
+Layers of different groups may share one KV tensor, a block id belonging to one group at a
+time; each builder keeps its own kernel block table and slots.
 
 KV cache: each layer's cache is ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 (block-outermost, each page its K half then its V half), the layout vLLM's KV connectors and
