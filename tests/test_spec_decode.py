@@ -32,6 +32,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "enforce_eager": True,
           "disable_log_stats": False, "gpu_memory_utilization": 0.3}
 SPEC_TOKENS = 3
+SHIFTED_SPEC_TOKENS = 5  # five chained drafts: four steps that would see a rejected draft's K/V
 
 
 def _speculative(method: str, **config) -> dict:
@@ -69,7 +70,8 @@ def engines(llama, tiny_models, drafts, tmp_path_factory):
         "self_draft": _speculative("draft_model", model=str(llama)),
         "other_draft_async": {**_speculative("draft_model", model=other), "async_scheduling": True},
         "eagle3": _speculative("eagle3", model=str(drafts["tiny-llama-eagle3"])),
-        "shifted_eagle_async": {**_speculative("eagle", model=str(drafts["tiny-llama-shifted-eagle"])),
+        "shifted_eagle_async": {**_speculative("eagle", model=str(drafts["tiny-llama-shifted-eagle"]),
+                                               num_speculative_tokens=SHIFTED_SPEC_TOKENS),
                                 "async_scheduling": True},
         "deepseek_plain": ENGINE,
         "mtp": _speculative("mtp", num_speculative_tokens=2),
@@ -79,16 +81,19 @@ def engines(llama, tiny_models, drafts, tmp_path_factory):
     }
     models = {name: str(drafts[TARGETS[name]] if name in TARGETS else llama) for name in configs}
     result = run_engine({"engines": [{"model": models[name], "kwargs": kwargs,
-                                      "runs": [{"prompts": _prompts(models[name]), "sampling": [GREEDY]}]}
+                                      "runs": [{"prompts": _prompts(models[name], name),
+                                                "sampling": [GREEDY]}]}
                                      for name, kwargs in configs.items()]},
                         tmp_path_factory.mktemp("spec_decode"))
     return dict(zip(configs, result["engines"]))
 
 
-def _prompts(model) -> list[list[int]]:
+def _prompts(model, engine: str | None = None) -> list[list[int]]:
+    text, other = prompt_token_ids(model, [14, 6])
+    if engine == "shifted_eagle_async":  # no repeats: the head's drafts get rejected and accepted
+        return [text, other]
     # The second repeats its n-grams, so the n-gram drafter proposes from the first step.
-    text, repeated = prompt_token_ids(model, [14, 6])
-    return [text, repeated * 3]
+    return [text, other * 3]
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +119,7 @@ def test_eagle_and_mtp_tokens_equal_hf_and_the_engine_without_speculation(engine
     model = drafts[TARGETS[name]]
     assert "error" not in engines[name], engines[name]["error"]
     tokens = engines[name]["runs"][0]["tokens"]
-    assert tokens == hf_greedy(model, _prompts(model), MAX_TOKENS)
+    assert tokens == hf_greedy(model, _prompts(model, name), MAX_TOKENS)
     if plain:
         assert tokens == engines[plain]["runs"][0]["tokens"]
 
@@ -130,7 +135,8 @@ def test_eagle_drafts_are_the_ones_its_attention_over_the_accepted_tokens_gives(
     """The shifted head's counters equal the prediction to the token: one draft attending over a
     rejected draft's K/V, or missing an accepted token's, changes what it proposes."""
     model = drafts["tiny-llama-shifted"]
-    expected = tiny_drafts.shifted_drafts(model, _prompts(model), MAX_TOKENS, SPEC_TOKENS)
+    expected = tiny_drafts.shifted_drafts(model, _prompts(model, "shifted_eagle_async"), MAX_TOKENS,
+                                          SHIFTED_SPEC_TOKENS)
     assert 0 < expected["accepted_tokens"] < expected["draft_tokens"]  # rejections to get wrong
     assert _counts(engines["shifted_eagle_async"]) == expected
 
