@@ -250,7 +250,10 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
     """The standard backend's host-side batch description, split decode-first, and the step's
     prefill launch plan (shared by every layer)."""
 
-    # The runner orders each batch decode-first: single-token requests, then the rest.
+    # The runner orders each batch decode-first: single-token requests, then the rest. The
+    # decode kernel takes one query per sequence, so speculative verification rows (1 + k
+    # tokens) run on the prefill path, causal over their context (vLLM's own MLA builders say
+    # this with QueryLenSupport.SINGLE_ONLY).
     reorder_batch_threshold: int = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):

@@ -6,10 +6,16 @@ import logging
 
 logger = logging.getLogger("vllm.ascend_patch")
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 """The methods served: their drafters are vLLM's own and reach only the kernels of
-:mod:`.kernels`. EAGLE, EAGLE-3 and MTP need the drafter's attention metadata from the Ascend
-builders (not done yet); suffix decoding, DFlash and the rest are not ported."""
+:mod:`.kernels` and the Ascend attention builders (EAGLE, EAGLE-3 and MTP drafters attend through
+them, with the device KV lengths copied to the host). Suffix decoding, DFlash and the rest are
+not ported."""
+
+MTP_MODEL_TYPES = ("deepseek_mtp",)
+"""The MTP drafts served: DeepSeek's (``DeepSeekMTPModel``, a full DeepSeek layer on the MLA
+backend and the MoE method). vLLM maps other models' MTP layers onto the same proposer; none of
+them is checked on the NPU path."""
 
 
 def check(vllm_config) -> None:
@@ -26,6 +32,12 @@ def check(vllm_config) -> None:
         raise NotImplementedError(
             f"speculative decoding with method {speculative.method!r} is not supported by "
             f"ascend-patch yet (supported: {', '.join(METHODS)})")
+    if speculative.method == "mtp":
+        model_type = speculative.draft_model_config.hf_config.model_type
+        if model_type not in MTP_MODEL_TYPES:
+            raise NotImplementedError(
+                f"speculative decoding with method 'mtp' on a {model_type} draft is not supported "
+                f"by ascend-patch yet (supported: {', '.join(MTP_MODEL_TYPES)})")
     scheduler = vllm_config.scheduler_config
     if scheduler.async_scheduling:
         logger.warning("ascend-patch: async scheduling is off with speculative decoding (the Ascend "
