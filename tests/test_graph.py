@@ -169,7 +169,8 @@ def _defaults(caplog, proven: bool, optimization_level: int = 2):
                             hf_text_config=SimpleNamespace())
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None),
-        optimization_level=optimization_level, model_config=model, speculative_config=None)
+        optimization_level=optimization_level, model_config=model, speculative_config=None,
+        lora_config=None)
     caplog.set_level("INFO", logger="vllm.ascend_patch")  # as vLLM's logging config sets it
     saved, release.proven_end_to_end = release.proven_end_to_end, proven
     try:

@@ -114,7 +114,7 @@ def kv_cache_plan(llm) -> dict | None:
     """What vLLM's KV-cache config for the engine's worker holds: blocks, groups (spec kind,
     layers, window, page bytes), vLLM's maximum concurrency at
     max_model_len, and the bytes charged to the emulated HBM as KV cache (None on an NPU); None unless the
-    engine core and its worker run in this process."""
+    engine core and its worker run in this process, and for a model without a KV cache."""
     from vllm.platforms import current_platform
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
@@ -123,6 +123,10 @@ def kv_cache_plan(llm) -> dict | None:
     if worker is None:
         return None
     config = worker.worker.model_runner.kv_cache_config
+    vllm_config = llm.llm_engine.vllm_config
+    if not any(group.kv_cache_spec.max_memory_usage_bytes(vllm_config)
+               for group in config.kv_cache_groups):
+        return None  # encoder-only layers cache nothing (vLLM's concurrency ratio divides by 0)
     books = getattr(current_platform.runtime(), "in_use_by_kind", None)  # the emulated HBM's only
     return {
         "num_blocks": config.num_blocks,
@@ -130,7 +134,7 @@ def kv_cache_plan(llm) -> dict | None:
                     "sliding_window": getattr(group.kv_cache_spec, "sliding_window", None),
                     "page_bytes": group.kv_cache_spec.page_size_bytes}
                    for group in config.kv_cache_groups],
-        "max_concurrency": get_max_concurrency_for_kv_cache_config(llm.llm_engine.vllm_config, config),
+        "max_concurrency": get_max_concurrency_for_kv_cache_config(vllm_config, config),
         "charged_bytes": books().get("KV cache") if books else None,
     }
 
