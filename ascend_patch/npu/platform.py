@@ -125,7 +125,7 @@ class NPUPlatform(Platform):
         unsupported = {
             # vLLM's fused-MoE LoRA layers launch Triton kernels (and want moe_backend='triton').
             "LoRA on a mixture-of-experts model": vllm_config.lora_config is not None
-            and model is not None and model.get_num_experts() > 0,
+            and model is not None and model.is_moe,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
         }
         for feature, requested in unsupported.items():
