@@ -5,7 +5,8 @@ the installed ``.pth`` (``ASCEND_PATCH=emulate`` in the environment); nothing in
 launch command mentions ascend-patch. The ``openai`` client checks completions and
 chat completions, streamed and not, tool calls (Hermes parser, a tool-aware chat
 template), that a rejected request leaves the server working, then a bounded load of
-200 requests at concurrency 16, every greedy output against HF transformers.
+200 requests at concurrency 16, every greedy output against HF transformers. A second server,
+with n-gram speculation, reports vLLM's speculative-decoding counters on /metrics.
 """
 
 from __future__ import annotations
