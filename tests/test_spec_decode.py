@@ -9,8 +9,8 @@ vLLM's optimistic ones); an EAGLE-3 head (random) on the same target; an EAGLE-1
 are known in advance (:mod:`ascend_patch.kit.tiny_drafts`' shifted pair) on its own one-layer
 target; and a tiny DeepSeek-V3 with and without its MTP layer drafting (MLA and MoE in the
 drafter). The engine without speculation, the n-gram one and the self-drafting one also serve
-chunked prefill (a 32-token budget), prefix caching, structured outputs (xgrammar: a regex and a
-JSON schema) and seeded random sampling, each checked against HF or that engine without
+chunked prefill (a 32-token budget), prefix caching, structured outputs (xgrammar, and guidance
+beside n-grams: a regex and a JSON schema) and seeded random sampling, each checked against HF or that engine without
 speculation; vLLM's acceptance counters by draft position are checked on every method. Then the
 configurations the platform refuses, each in one line.
 
@@ -119,7 +119,7 @@ TARGETS = {"shifted_eagle_async": "tiny-llama-shifted", "deepseek_plain": "tiny-
 checkpoint)."""
 
 
-FEATURED = ("plain", "ngram", "self_draft")
+FEATURED = ("plain", "ngram", "self_draft", "ngram_guidance")
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,9 @@ def engines(llama, tiny_models, drafts, tmp_path_factory):
                                 "async_scheduling": True},
         "deepseek_plain": ENGINE,
         "mtp": _speculative("mtp", num_speculative_tokens=2),
+        "ngram_guidance": {**_speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3),
+                           **FEATURES, "structured_outputs_config": {
+                               "backend": "guidance", "disable_any_whitespace": True}},
         "full_graphs": {**_speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3),
                         "enforce_eager": False,
                         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
@@ -276,18 +279,20 @@ def test_chunked_prefill_and_prefix_caching_with_speculation_equal_hf(engines, l
     assert first["spec_decode"]["drafts"] > 0 and cached["spec_decode"]["drafts"] > 0
 
 
-@pytest.mark.parametrize("name", ["ngram", "self_draft"])
+@pytest.mark.parametrize("name", ["ngram", "self_draft", "ngram_guidance"])
 def test_structured_outputs_with_speculation_equal_the_engine_without(engines, llama, name):
     """The grammar holds (vLLM checks each draft against it before verification) and the
-    constrained greedy tokens are the engine without speculation's. The regex lets each prompt's
-    greedy tokens through first, so the self-drafting engine has drafts to accept."""
+    constrained greedy tokens are the engine without speculation's (xgrammar; guidance's
+    regex too). The regex lets each prompt's greedy tokens through first, so the self-drafting
+    engine has drafts to accept."""
     import jsonschema
 
     regexes = _regexes(llama, _prompts(llama))
     for run, valid in (("regex", lambda text, i: re.fullmatch(regexes[i], text, re.DOTALL)),
                        ("json", lambda text, i: jsonschema.validate(json.loads(text), SCHEMA) is None)):
         report = _run(engines, name, run)
-        assert report["tokens"] == _run(engines, "plain", run)["tokens"], run
+        if name != "ngram_guidance" or run == "regex":  # JSON: each backend its own number forms
+            assert report["tokens"] == _run(engines, "plain", run)["tokens"], run
         for i, output in enumerate(report["outputs"]):
             completion = output["completions"][0]
             assert completion["finish_reason"] == "stop", completion  # the grammar ended it
