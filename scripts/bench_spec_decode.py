@@ -169,7 +169,8 @@ def main() -> int:
         length = f"{1 + counts['accepted_tokens'] / drafted:13.2f}" if drafted else f"{'-':>13}"
         launches = run["launches"]
         against = engines[name]["against"]
-        same = "-" if against is None else ("yes" if run["tokens"] == results[against]["tokens"] else "NO")
+        same = "-" if against is None else (
+            "yes" if run["tokens"] == results[against]["tokens"] else "NO")
         print(f"{name:32} {accepted} {length} {run['passes']['target'] / generated:17.3f} "
               f"{run['passes']['drafter'] / generated:18.3f} {sum(launches.values()) / generated:12.1f} "
               f"{launches['target'] / generated:8.1f} {launches.get('drafter', 0) / generated:8.1f} "

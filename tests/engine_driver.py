@@ -36,9 +36,9 @@ An engine that keeps stats (``"disable_log_stats": false``) also reports, per ru
 speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens and
 accepted_per_position, vLLM's accepted drafts by draft position).
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
-its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An engine spec with
-``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
-negative control of the graph tests).
+its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
+engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
+out (the negative control of the graph tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an

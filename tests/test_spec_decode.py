@@ -10,9 +10,9 @@ are known in advance (:mod:`ascend_patch.kit.tiny_drafts`' shifted pair) on its 
 target; and a tiny DeepSeek-V3 with and without its MTP layer drafting (MLA and MoE in the
 drafter). The engine without speculation, the n-gram one and the self-drafting one also serve
 chunked prefill (a 32-token budget), prefix caching, structured outputs (xgrammar, and guidance
-beside n-grams: a regex and a JSON schema) and seeded random sampling, each checked against HF or that engine without
-speculation; vLLM's acceptance counters by draft position are checked on every method. Then the
-configurations the platform refuses, each in one line.
+beside n-grams: a regex and a JSON schema) and seeded random sampling, each checked against HF
+or that engine without speculation; vLLM's acceptance counters by draft position are checked on
+every method. Then the configurations the platform refuses, each in one line.
 
 The target as its own draft accepts every draft only with exact host KV lengths in the drafter's
 passes (vLLM lengthens their queries on the device only). The shifted EAGLE head proposes exactly
