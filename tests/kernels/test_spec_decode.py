@@ -186,6 +186,7 @@ def _spec_decode_rows(p: torch.Tensor, q: torch.Tensor, rows: int) -> torch.Tens
     sampling (``apply_sampling_constraints`` and ``rejection_sample``, as ``RejectionSampler``
     calls them in the engine), its kernels being what vLLM 0.31+ launches once the platform has
     registered its overrides: position ``j`` drafts ``x ~ q[j]`` against target ``p[j]``."""
+    pytest.importorskip("vllm.triton_utils.dispatcher", reason="vLLM 0.31+'s kernel registry")
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -256,7 +257,8 @@ def test_a_broken_recovered_token_step_fails_the_chi_square_test(monkeypatch):
     """Negative control: the same rows with recovered tokens drawn from p instead of the residual
     max(p - q, 0), the classic bug, substituted for the kernel vLLM's dispatcher launches (the
     product's kernel is untouched). The emitted tokens then follow min(p, q) + (1 - a) p."""
-    from vllm.triton_utils.dispatcher import KernelOverride
+    dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher",
+                                     reason="vLLM 0.31+'s kernel registry")
     from vllm.v1.sample import rejection_sampler
 
     install.register_overrides()
@@ -271,7 +273,7 @@ def test_a_broken_recovered_token_step_fails_the_chi_square_test(monkeypatch):
             torch.zeros_like(draft_probs_ptr), target_probs_ptr, inv_q_ptr, vocab_size)
 
     owner = rejection_sampler._sample_recovered_tokens
-    monkeypatch.setattr(owner, "kernel", KernelOverride(owner.kernel, from_target))
+    monkeypatch.setattr(owner, "kernel", dispatcher.KernelOverride(owner.kernel, from_target))
     results = _per_position(_spec_decode_rows(P, Q, ROWS))
     print("broken recovered step, per position (rows, chi2, p-value):", results)
     assert calls == [3 * ROWS]
