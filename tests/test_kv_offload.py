@@ -1,0 +1,114 @@
+"""KV offload to host memory through vLLM's own OffloadingConnector and the NPU offloading spec,
+on the emulated NPU.
+
+One driver run (one fresh interpreter, in-process engines one after another). The device cache
+is 8 blocks of 128 tokens (``num_gpu_blocks_override``); a set of four 300-token prompts needs 12
+blocks, so it runs in waves and a second set of four evicts every block of the first from the
+device. Each engine asks the first set (P), the second (F), then P again:
+
+- without offload, the third run finds nothing of P in the device prefix cache (F evicted it) and
+  recomputes everything: 0 cached tokens;
+- with ``kv_offloading_size`` (vLLM's flag, which it turns into its OffloadingConnector; the
+  platform names the NPU spec), P's full blocks were copied to host memory when computed, so the
+  third run loads them back: 2 blocks (256 tokens) per prompt, 1024 tokens in all, counted by
+  vLLM as external prefix-cache hits, 8 blocks of 2 layers x 128 KiB loaded; the tokens equal the
+  engine without offload and HF greedy;
+- negative control: the offload engine asks F again (evicting P from the device once more),
+  zeroes every host block, and asks P a last time. The same 1024 tokens come from the host, and
+  the tokens no longer equal HF's: the host bytes are what the model attends to.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import run_engine
+
+PROMPTS, PROMPT_LENGTH, BLOCK = 4, 300, 128
+MAX_TOKENS = 12
+DEVICE_BLOCKS = 8
+ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": True,
+          "num_gpu_blocks_override": DEVICE_BLOCKS, "disable_log_stats": False}
+OFFLOAD = {**ENGINE, "kv_offloading_size": 0.02}  # GiB of host memory: 80 blocks of 256 KiB
+COUNTERS = ["vllm:external_prefix_cache_hits", "vllm:kv_offload_load_bytes",
+            "vllm:kv_offload_store_bytes"]
+# tiny-llama: 2 layers, 2 KV heads of 64, float32: one block of one layer is K and V of 128 tokens.
+LAYERS, BLOCK_BYTES = 2, 2 * BLOCK * 2 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def offload(tiny_models, tmp_path_factory):
+    llama = tiny_models["tiny-llama"]
+    tmp = tmp_path_factory.mktemp("kv_offload")
+    ids = prompt_token_ids(llama, [PROMPT_LENGTH] * 2 * PROMPTS)
+    first, second = ids[:PROMPTS], ids[PROMPTS:]
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+    def ask(prompts):
+        return {"prompts": prompts, "sampling": [greedy], "counters": COUNTERS}
+
+    refused = {
+        "mla": (tiny_models["tiny-deepseek-v3"], OFFLOAD, {}),
+        "lmcache": (llama, {**OFFLOAD, "kv_offloading_backend": "lmcache"}, {}),
+        "simple": (llama, OFFLOAD, {"VLLM_USE_SIMPLE_KV_OFFLOAD": "1"}),
+        "cuda_spec": (llama, {**ENGINE, "kv_transfer_config": {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 24}}}, {}),
+    }
+    # Refused while its worker registers the KV caches, so after the engines that run: the engine
+    # stops half-started.
+    hybrid = (tiny_models["tiny-gemma3-5to1"], {**OFFLOAD, "num_gpu_blocks_override": None})
+    spec = {"engines": [
+        *({"model": str(model), "kwargs": kwargs, "env": env, "runs": []} for model, kwargs, env in refused.values()),
+        {"model": str(llama), "kwargs": ENGINE, "runs": [ask(first), ask(second), ask(first)]},
+        {"model": str(llama), "kwargs": OFFLOAD, "runs": [
+            ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]},
+        {"model": str(hybrid[0]), "kwargs": hybrid[1], "runs": []},
+    ]}
+    *refusals, plain, offloaded, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
+    return {"llama": llama, "prompts": first, "plain": plain, "offloaded": offloaded,
+            "refused": {**dict(zip(refused, refusals)), "hybrid": hybrid_refusal}}
+
+
+def test_without_offload_the_evicted_prompts_are_recomputed(offload):
+    assert "error" not in offload["plain"], offload["plain"]["error"]
+    *_, again = offload["plain"]["runs"]
+    assert again["cached"] == [0] * PROMPTS, "the second prompt set evicted the first from the device"
+    assert again["counters"]["vllm:external_prefix_cache_hits"] == 0
+
+
+def test_offloaded_blocks_are_served_from_host_memory(offload):
+    engine = offload["offloaded"]
+    assert "error" not in engine, engine["error"]
+    first, _, again, *_ = engine["runs"]
+    full_blocks = (PROMPT_LENGTH - 1) // BLOCK
+    hits = PROMPTS * full_blocks * BLOCK
+    assert first["counters"]["vllm:kv_offload_store_bytes"] == PROMPTS * full_blocks * LAYERS * BLOCK_BYTES
+    assert again["cached"] == [full_blocks * BLOCK] * PROMPTS
+    assert again["counters"]["vllm:external_prefix_cache_hits"] == hits
+    assert again["counters"]["vllm:kv_offload_load_bytes"] == hits // BLOCK * LAYERS * BLOCK_BYTES
+    oracle = hf_greedy(offload["llama"], offload["prompts"], MAX_TOKENS)
+    assert first["tokens"] == oracle
+    assert again["tokens"] == offload["plain"]["runs"][2]["tokens"] == oracle
+
+
+def test_zeroed_host_blocks_change_the_tokens(offload):
+    """The negative control: the same host hits, from zeroed host memory, give other tokens."""
+    *_, zeroed = offload["offloaded"]["runs"]
+    assert zeroed["cached"] == [(PROMPT_LENGTH - 1) // BLOCK * BLOCK] * PROMPTS
+    assert zeroed["counters"]["vllm:external_prefix_cache_hits"] == PROMPTS * 2 * BLOCK
+    oracle = hf_greedy(offload["llama"], offload["prompts"], MAX_TOKENS)
+    assert all(tokens != expected for tokens, expected in zip(zeroed["tokens"], oracle))
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
+    ("lmcache", "KV offload with --kv-offloading-backend lmcache is not supported on Ascend"),
+    ("simple", "KV offload with VLLM_USE_SIMPLE_KV_OFFLOAD=1 is not supported on Ascend"),
+    ("cuda_spec", "the offloading spec CPUOffloadingSpec is not supported on Ascend"),
+    ("hybrid", "KV offload with 6 KV cache groups (hybrid KV-cache manager) is not supported on Ascend"),
+])
+def test_unsupported_offload_is_refused_in_one_line(offload, case, message):
+    error = offload["refused"][case]["error"]
+    assert message in error and "\n" not in error, error
