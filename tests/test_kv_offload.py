@@ -21,8 +21,11 @@ device. Each engine asks the first set (P), the second (F), then P again:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from ascend_patch.npu import kernels
+from ascend_patch.npu.kv_cache import kernel_caches, kernel_slots
 from tests.helpers.engine import run_engine
 
 PROMPTS, PROMPT_LENGTH, BLOCK = 4, 300, 128
@@ -112,3 +115,64 @@ def test_zeroed_host_blocks_change_the_tokens(offload):
 def test_unsupported_offload_is_refused_in_one_line(offload, case, message):
     error = offload["refused"][case]["error"]
     assert message in error and "\n" not in error, error
+
+
+def _worker(blocks_per_chunk: int, num_chunks: int, blocks: int = 4):
+    """The NPU offloading worker over one layer's Ascend cache ``[blocks, 2, 128, 2, 64]``, given
+    to it as vLLM's connector gives it: ``[blocks, page bytes]`` int8 rows over the same storage."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from ascend_patch.npu.distributed.kv_transfer.offload import NPUOffloadingWorker
+
+    kernels.use("reference")
+    cache = torch.zeros(blocks, 2, BLOCK, 2, 64)
+    page = cache[0].numel() * cache.element_size()
+    rows = torch.tensor([], dtype=torch.int8).set_(cache.untyped_storage(), 0, (blocks, page), (page, 1))
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(rows, page)], [[CanonicalKVCacheRef(0, page)]])
+    return cache, NPUOffloadingWorker(caches, blocks_per_chunk, num_chunks, pin_memory=False)
+
+
+def _write(cache, block: int, key, value):
+    """Write a block's 128 tokens as attention does: through the kernels' K and V views."""
+    key_cache, value_cache = kernel_caches(cache)
+    slots = kernel_slots(torch.arange(block * BLOCK, (block + 1) * BLOCK), BLOCK)
+    kernels.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
+
+
+def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
+    """Device block 2, written through the attention kernels' views, is stored to host chunk 1 and
+    loaded into device block 3: block 3 then reads, through the same views, block 2's keys and
+    values, and no other block changes. A wrong block mapping (chunk 0) loads other bytes."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    cache, worker = _worker(blocks_per_chunk=1, num_chunks=2)
+    generator = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(BLOCK, 2, 64, generator=generator) for _ in range(2))
+    _write(cache, 2, key, value)
+    _write(cache, 1, -key, -value)
+    assert worker.submit_store(7, GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([1]))
+    before = cache.clone()
+    assert worker.submit_load(8, CPULoadStoreSpec([1]), GPULoadStoreSpec([3], [1], [0]))
+    torch.testing.assert_close(cache[3, 0], key, rtol=0, atol=0)
+    torch.testing.assert_close(cache[3, 1], value, rtol=0, atol=0)
+    torch.testing.assert_close(cache[:3], before[:3], rtol=0, atol=0)
+    assert [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()] == [
+        (7, True, 2 * BLOCK * 2 * 64 * 4), (8, True, 2 * BLOCK * 2 * 64 * 4)]
+    worker.submit_load(9, CPULoadStoreSpec([0]), GPULoadStoreSpec([3], [1], [0]))
+    assert not torch.equal(cache[3, 0], key)
+
+
+def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
+    """With two blocks per host chunk, a store starting at a request's second block fills the
+    second half of its first chunk, as vLLM's CPU worker lays chunks out."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    cache, worker = _worker(blocks_per_chunk=2, num_chunks=3)
+    for block in range(4):
+        cache[block] = block + 1
+    worker.submit_store(1, GPULoadStoreSpec([3, 0, 2], [3], [1]), CPULoadStoreSpec([2, 0]))
+    (host,) = worker.host_tensors
+    as_blocks = host.view(torch.float32).view(6, *cache.shape[1:])
+    assert [int(as_blocks[row].flatten()[0]) for row in range(6)] == [1, 3, 0, 0, 0, 4]

@@ -41,25 +41,27 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = NPUOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+            from vllm.utils.torch_utils import PIN_MEMORY
+
+            self._worker = NPUOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks,
+                                               PIN_MEMORY)
         return self._worker
 
 
 class NPUOffloadingWorker(OffloadingWorker):
     """Copies blocks between the device KV cache and one host tensor per cache tensor."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int,
+                 pin_memory: bool):
         if len(kv_caches.group_data_refs) != 1:
             raise NotImplementedError(
                 f"KV offload with {len(kv_caches.group_data_refs)} KV cache groups (hybrid "
                 "KV-cache manager) is not supported on Ascend by ascend-patch: one group only")
-        from vllm.utils.torch_utils import PIN_MEMORY
-
         self.blocks_per_chunk = blocks_per_chunk
         self.device_tensors = [t.tensor for t in kv_caches.tensors]
         # A host row per device block: chunk c's sub-block j is row c * blocks_per_chunk + j.
         self.host_tensors = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=t.dtype,
-                                         device="cpu", pin_memory=PIN_MEMORY) for t in self.device_tensors]
+                                         device="cpu", pin_memory=pin_memory) for t in self.device_tensors]
         self.bytes_per_block = sum(t.shape[1] for t in self.device_tensors)
         self._finished: list[TransferResult] = []
 
