@@ -132,16 +132,25 @@ def _check_offloading_size(vllm_config) -> None:
 def _use_npu_offloading_spec(extra: dict) -> None:
     """Name the NPU spec in the connector's extra config (vLLM's default spec is CUDA/XPU only), on
     a vLLM whose offloading interface is the one it implements."""
-    from vllm.v1.kv_offload import base
-
-    if not hasattr(base, "CanonicalKVCaches"):  # seam: the worker interface of vLLM 0.33
+    if not _offloading_interface():
         raise NotImplementedError(
             "KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend by "
-            "ascend-patch with this vLLM: its NPU offloading spec implements the offloading worker "
-            "interface of vLLM 0.33 (OffloadingWorker.submit_store/submit_load)")
+            "ascend-patch with this vLLM: the NPU offloading spec implements the offloading "
+            "interface of vLLM 0.30-0.33 (CPUOffloadingSpec in host chunks, "
+            "OffloadingWorker.submit_store/submit_load)")
     spec = extra.setdefault("spec_name", "NPUOffloadingSpec")
     if spec != "NPUOffloadingSpec" or extra.setdefault("spec_module_path", _OFFLOAD_MODULE) != _OFFLOAD_MODULE:
         raise NotImplementedError(
             f"the offloading spec {spec} is not supported on Ascend by ascend-patch: the "
             f"OffloadingConnector takes NPUOffloadingSpec ({_OFFLOAD_MODULE}), which the platform "
             "sets when spec_name is left out")
+
+
+def _offloading_interface() -> bool:
+    """Whether this vLLM's CPU offloading spec is the one the NPU spec extends: in host chunks
+    (``num_chunks``; ``num_blocks`` until 0.29), with a worker that stores and loads."""
+    try:
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    except ImportError:  # vLLM 0.20 has no cpu/common.py
+        return False
+    return hasattr(CPULoadStoreSpec, "chunk_ids")  # seam: CPULoadStoreSpec.chunk_ids
