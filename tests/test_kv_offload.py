@@ -16,6 +16,11 @@ device. Each engine asks the first set (P), the second (F), then P again:
 - negative control: the offload engine asks F again (evicting P from the device once more),
   zeroes every host block, and asks P a last time. The same 1024 tokens come from the host, and
   the tokens no longer equal HF's: the host bytes are what the model attends to.
+
+Without an engine: the offloading worker moves exactly the block it is given, K and V halves as
+the attention kernels wrote them, into the host chunk rows vLLM's CPU worker would use, and a
+wrong block mapping loads other bytes; an OffloadingConnector named without a spec gets the NPU
+spec from vLLM's own spec factory.
 """
 
 from __future__ import annotations
@@ -176,3 +181,19 @@ def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     (host,) = worker.host_tensors
     as_blocks = host.view(torch.float32).view(6, *cache.shape[1:])
     assert [int(as_blocks[row].flatten()[0]) for row in range(6)] == [1, 3, 0, 0, 0, 4]
+
+
+def test_an_offloading_connector_named_without_a_spec_gets_the_npu_spec_from_vllms_factory():
+    """The platform names the NPU spec in the extra config of an OffloadingConnector (also inside a
+    MultiConnector) that names none, and vLLM's own spec factory loads it from there."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from ascend_patch.npu.distributed.kv_transfer import _check_connector
+    from ascend_patch.npu.distributed.kv_transfer.offload import NPUOffloadingSpec
+
+    child = {"cpu_bytes_to_use": 1 << 24}
+    _check_connector("MultiConnector", None, {"connectors": [
+        {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": child}]})
+    assert OffloadingSpecFactory.get_spec_cls(child) is NPUOffloadingSpec
+    with pytest.raises(NotImplementedError, match="the offloading spec TieringOffloadingSpec is not supported"):
+        _check_connector("OffloadingConnector", None, {"spec_name": "TieringOffloadingSpec"})
