@@ -15,14 +15,15 @@ Served:
   ``KVConnectorFactory``): the deployment's own, such as an NPU transfer connector, which reads the
   layout above.
 
-Refused in one line, each with its reason: KV offload through any other spec, backend
-(``--kv-offloading-backend lmcache``) or connector (``VLLM_USE_SIMPLE_KV_OFFLOAD``), or with more
-than one KV cache group (the hybrid KV-cache manager; refused when the worker registers); MLA models with any connector (the NPU MLA kernels read a layer's region as separate
-latent and rope planes, not the per-token pages the connectors index); sleep mode with any
-connector (sleep frees the KV cache storages the connector holds); a KV block size other than
-the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but Triton's as
-FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA transports, or not
-verified on Ascend).
+Refused in one line, each with its reason: KV offload before vLLM 0.30, through any other spec,
+backend (``--kv-offloading-backend lmcache``) or connector (``VLLM_USE_SIMPLE_KV_OFFLOAD``), or
+with more than one KV cache group (the hybrid KV-cache manager; refused when the worker
+registers); MLA models with any connector or KV offload (the NPU MLA kernels read a layer's
+region as separate latent and rope planes, not the per-token pages the connectors index); sleep
+mode with any connector (sleep frees the KV cache storages the connector holds); a KV block size
+other than the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but
+Triton's as FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA
+transports, or not verified on Ascend).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def check_config(vllm_config) -> None:
             "the KV cache storages the connector registered, and the connector is not told")
     if model is not None and model.use_mla:
         raise NotImplementedError(
-            "KV connectors and KV offload are not supported for MLA models on Ascend: the NPU MLA kernels read a "
-            "layer's cache as separate latent and rope planes, not the per-token pages the "
+            "KV connectors and KV offload are not supported for MLA models on Ascend: the NPU MLA "
+            "kernels read a layer's cache as separate latent and rope planes, not the per-token pages the "
             "connectors index")
     from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
 
@@ -139,7 +140,8 @@ def _use_npu_offloading_spec(extra: dict) -> None:
             "interface of vLLM 0.30-0.33 (CPUOffloadingSpec in host chunks, "
             "OffloadingWorker.submit_store/submit_load)")
     spec = extra.setdefault("spec_name", "NPUOffloadingSpec")
-    if spec != "NPUOffloadingSpec" or extra.setdefault("spec_module_path", _OFFLOAD_MODULE) != _OFFLOAD_MODULE:
+    module = extra.setdefault("spec_module_path", _OFFLOAD_MODULE)
+    if (spec, module) != ("NPUOffloadingSpec", _OFFLOAD_MODULE):
         raise NotImplementedError(
             f"the offloading spec {spec} is not supported on Ascend by ascend-patch: the "
             f"OffloadingConnector takes NPUOffloadingSpec ({_OFFLOAD_MODULE}), which the platform "
