@@ -15,7 +15,8 @@ device. Each engine asks the first set (P), the second (F), then P again:
   engine without offload and HF greedy;
 - negative control: the offload engine asks F again (evicting P from the device once more),
   zeroes every host block, and asks P a last time. The same 1024 tokens come from the host, and
-  the tokens no longer equal HF's: the host bytes are what the model attends to.
+  the tokens no longer equal HF's: the host bytes are what the model attends to;
+- the offload engine in bf16, whose decodes replay ACL graphs, serves the same hits from host memory.
 
 Without an engine: the offloading worker moves exactly the block it is given, K and V halves as
 the attention kernels wrote them, into the host chunk rows vLLM's CPU worker would use, and a
@@ -31,7 +32,7 @@ import torch
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kv_cache import kernel_caches, kernel_slots
-from tests.helpers.engine import run_engine
+from tests.helpers.engine import assert_tracks_hf_logits, run_engine
 
 PROMPTS, PROMPT_LENGTH, BLOCK = 4, 300, 128
 MAX_TOKENS = 12
@@ -72,10 +73,12 @@ def offload(tiny_models, tmp_path_factory):
         {"model": str(llama), "kwargs": ENGINE, "runs": [ask(first), ask(second), ask(first)]},
         {"model": str(llama), "kwargs": OFFLOAD, "runs": [
             ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]},
+        {"model": str(llama), "kwargs": {**OFFLOAD, "dtype": "bfloat16"},
+         "runs": [ask(first), ask(second), ask(first)]},
         {"model": str(hybrid[0]), "kwargs": hybrid[1], "runs": []},
     ]}
-    *refusals, plain, offloaded, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
-    return {"llama": llama, "prompts": first, "plain": plain, "offloaded": offloaded,
+    *refusals, plain, offloaded, graphed, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
+    return {"llama": llama, "prompts": first, "plain": plain, "offloaded": offloaded, "graphed": graphed,
             "refused": {**dict(zip(refused, refusals)), "hybrid": hybrid_refusal}}
 
 
@@ -108,6 +111,19 @@ def test_zeroed_host_blocks_change_the_tokens(offload):
     assert zeroed["counters"]["vllm:external_prefix_cache_hits"] == PROMPTS * 2 * BLOCK
     oracle = hf_greedy(offload["llama"], offload["prompts"], MAX_TOKENS)
     assert all(tokens != expected for tokens, expected in zip(zeroed["tokens"], oracle))
+
+
+def test_offload_beside_decode_graphs_in_bf16(offload):
+    """bf16 decodes on FULL_DECODE_ONLY ACL graphs (emulated): host loads write into the cache the
+    graphs address, in place, so the replays read them; the tokens track HF within bf16 rounding."""
+    engine = offload["graphed"]
+    assert "error" not in engine, engine["error"]
+    assert engine["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    *_, again = engine["runs"]
+    assert again["counters"]["vllm:external_prefix_cache_hits"] == PROMPTS * 2 * BLOCK
+    assert again["counters"]["vllm:kv_offload_load_bytes"] == PROMPTS * 2 * LAYERS * BLOCK_BYTES // 2
+    assert again["graph_replays"] > 0
+    assert_tracks_hf_logits(offload["llama"], offload["prompts"], again["tokens"])
 
 
 @pytest.mark.parametrize(("case", "message"), [
