@@ -16,7 +16,8 @@ device. Each engine asks the first set (P), the second (F), then P again:
 - negative control: the offload engine asks F again (evicting P from the device once more),
   zeroes every host block, and asks P a last time. The same 1024 tokens come from the host, and
   the tokens no longer equal HF's: the host bytes are what the model attends to;
-- the offload engine in bf16, whose decodes replay ACL graphs, serves the same hits from host memory.
+- the offload engine in bf16, whose decodes replay ACL graphs, serves the same hits from host
+  memory, and so does a tensor-parallel engine of two workers, each with its own host memory.
 
 Without an engine: the offloading worker moves exactly the block it is given, K and V halves as
 the attention kernels wrote them, into the host chunk rows vLLM's CPU worker would use, and a
@@ -75,11 +76,14 @@ def offload(tiny_models, tmp_path_factory):
             ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]},
         {"model": str(llama), "kwargs": {**OFFLOAD, "dtype": "bfloat16"},
          "runs": [ask(first), ask(second), ask(first)]},
+        {"model": str(llama), "kwargs": {**OFFLOAD, "tensor_parallel_size": 2,
+                                         "distributed_executor_backend": "mp"},
+         "runs": [ask(first), ask(second), ask(first)]},
         {"model": str(hybrid[0]), "kwargs": hybrid[1], "runs": []},
     ]}
-    *refusals, plain, offloaded, graphed, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
+    *refusals, plain, offloaded, graphed, tp2, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
     return {"llama": llama, "prompts": first, "plain": plain, "offloaded": offloaded, "graphed": graphed,
-            "refused": {**dict(zip(refused, refusals)), "hybrid": hybrid_refusal}}
+            "tp2": tp2, "refused": {**dict(zip(refused, refusals)), "hybrid": hybrid_refusal}}
 
 
 def test_without_offload_the_evicted_prompts_are_recomputed(offload):
@@ -124,6 +128,18 @@ def test_offload_beside_decode_graphs_in_bf16(offload):
     assert again["counters"]["vllm:kv_offload_load_bytes"] == PROMPTS * 2 * LAYERS * BLOCK_BYTES // 2
     assert again["graph_replays"] > 0
     assert_tracks_hf_logits(offload["llama"], offload["prompts"], again["tokens"])
+
+
+def test_each_tensor_parallel_rank_offloads_its_heads(offload):
+    """TP=2 (two worker processes): each rank keeps its KV head of every block in its own host
+    memory; the loads of the same 1024 hits add up to the 2 MiB of TP=1, and the tokens equal HF's."""
+    engine = offload["tp2"]
+    assert "error" not in engine, engine["error"]
+    first, _, again = engine["runs"]
+    assert first["counters"]["vllm:kv_offload_store_bytes"] == PROMPTS * 2 * LAYERS * BLOCK_BYTES
+    assert again["counters"]["vllm:external_prefix_cache_hits"] == PROMPTS * 2 * BLOCK
+    assert again["counters"]["vllm:kv_offload_load_bytes"] == PROMPTS * 2 * LAYERS * BLOCK_BYTES
+    assert again["tokens"] == hf_greedy(offload["llama"], offload["prompts"], MAX_TOKENS)
 
 
 @pytest.mark.parametrize(("case", "message"), [
