@@ -75,6 +75,10 @@ MANIFEST = [
          "AscendAttentionBackend defines get_kv_cache_shape only where vLLM still calls it",
          until="0.29", implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend",
          pr="vllm-project/vllm#51718"),
+    Seam("vllm.v1.kv_offload.cpu.common:CPULoadStoreSpec.chunk_ids",
+         "the NPU offloading spec extends CPUOffloadingSpec as it counts host chunks (num_chunks, "
+         "num_blocks until 0.29); KV offload is refused before", since="0.30",
+         implementation="ascend_patch.npu.distributed.kv_transfer:check_config"),
 ]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

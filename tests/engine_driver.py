@@ -20,6 +20,8 @@ RUN, by "kind":
   "sleep"               {"level": 1 or 2}: ``LLM.sleep``; reports the emulated HBM's books (bytes by
                         what holds them) before ("books_before") and after ("books")
   "wake_up"             {"tags": [...] or absent}: ``LLM.wake_up``; reports the books after ("books")
+  "zero_offloaded_kv"   zeroes every block the NPU offloading worker holds in host memory (the
+                        negative control of the KV offload tests; an in-process engine only)
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one. A run with "layer_launches": true also
 reports the device launches per decoder-layer call, op by op, as scripts/bench_engine.py counts
@@ -34,7 +36,8 @@ and every completion with its tokens, text, finish reason and logprobs (per posi
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
 An engine that keeps stats (``"disable_log_stats": false``) also reports, per run, vLLM's own
 speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens and
-accepted_per_position, vLLM's accepted drafts by draft position).
+accepted_per_position, vLLM's accepted drafts by draft position), and a run with "counters":
+[metric names] how much each of those vLLM counters grew during it ("counters").
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
 engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
@@ -77,6 +80,12 @@ def _run(llm, run: dict) -> dict:
     if kind == "wake_up":
         llm.wake_up(tags=run.get("tags"))
         return {"books": _books()}
+    if kind == "zero_offloaded_kv":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        for host in get_kv_transfer_group().connector_worker.worker.host_tensors:
+            host.zero_()
+        return {}
     if kind == "beam_search":
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import BeamSearchParams
@@ -133,6 +142,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     result["runs"] = []
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)
+        counters = engine.counter_values(llm, run.get("counters", []))
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
             try:
                 report = _run(llm, run)
@@ -147,6 +157,9 @@ def _generate(spec: dict, report_errors: bool) -> dict:
             measured["spec_decode"] = engine.spec_decode_counts_since(before, after)
         if layer_launches is not None:
             measured["layer_launches"] = layer_launches
+        if counters:
+            after = engine.counter_values(llm, counters)
+            measured["counters"] = {name: after[name] - counters[name] for name in counters}
         result["runs"].append({**report, **measured})
     engine.shutdown(llm)
     return result

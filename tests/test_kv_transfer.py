@@ -48,7 +48,6 @@ def disaggregated(tiny_models, tmp_path_factory):
                           "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(free_port())}
     refused = {
         "data_parallel_moe": (tiny_models["tiny-qwen3-moe"], ENGINE, data_parallel_rank),
-        "offload": (llama, {**ENGINE, "kv_offloading_size": 1}, {}),
         "nixl": (llama, {**ENGINE, "kv_transfer_config": {"kv_connector": "NixlConnector",
                                                           "kv_role": "kv_both"}}, {}),
         "block_size": (llama, {**ENGINE, "block_size": 256,
@@ -102,10 +101,9 @@ def test_consumer_decodes_from_the_producers_kv(disaggregated):
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    ("offload", "KV offload (--kv-offloading-size) is not supported on Ascend"),
     ("nixl", "the NixlConnector KV connector is not supported on Ascend"),
     ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
-    ("mla", "KV connectors are not supported for MLA models on Ascend"),
+    ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
     ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
     ("data_parallel_moe", "data-parallel MoE (--data-parallel-size > 1 with a mixture-of-experts "
                           "model) is not supported by ascend-patch yet"),

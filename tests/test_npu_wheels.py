@@ -105,7 +105,8 @@ def seam_calls(tiny_models, tmp_path_factory):
 def test_the_workload_reaches_every_op_the_engine_calls(seam_calls):
     """Every seam op is called (bf16 experts combine on npu_moe_token_unpermute, fp16 ones on
     npu_moe_finalize_routing), and the sampler makes all three of its calls."""
-    assert {call["op"] for call in seam_calls} == set(kernels.OPS)
+    # swap_blocks (KV offload's block copies) calls aten, no torch_npu op: nothing to replay.
+    assert {call["op"] for call in seam_calls} == set(kernels.OPS) - {"swap_blocks"}
     sampler = {tuple(name for name in ("p", "k") if call["kwargs"].get(name) is not None)
                for call in seam_calls if call["op"] == "top_k_top_p"}
     assert sampler == {("p", "k"), ("p",), ("k",)}

@@ -95,6 +95,7 @@ def test_the_record_carries_versions_numbers_and_timing(emulated):
     assert checks["graphs"]["numbers"]["graph_replays"] > 0
     assert checks["mla"]["numbers"]["run1"]["mla_decode_launches"] > 0
     assert checks["w8a8"]["numbers"]["quant_matmul"] > 0
+    assert checks["kv-offload"]["numbers"]["cached_tokens"] == 4 * 256
     for name, family in data["families"].items():
         assert family["startup_seconds"] > 0 and family["seconds"] >= family["startup_seconds"], name
         assert all(run["launches"] for run in family["runs"]) or name == "tp", name
@@ -158,6 +159,8 @@ def _launches(**changes):
     ("moe-grouped-routing", _launches(grouped_matmul=1), "not two grouped matmuls per dispatch"),
     ("moe", _launches(moe_gating_top_k_softmax=0), "no npu_moe_gating_top_k_softmax launch"),
     ("w8a8", _launches(quant_matmul=0), "no npu_quant_matmul launch"),
+    ("kv-offload", lambda s: s.runs[2].report.update(cached=[0, 0, 0, 0]), "served after eviction: [0, 0, 0, 0]"),
+    ("kv-offload", _launches(swap_blocks=0), "block copies: 0 while storing"),
 ])
 def test_a_check_fails_when_its_kernels_did_not_run_as_they_must(rescored, name, alter, problem):
     with pytest.raises(checks.Failed, match=re.escape(problem)):
@@ -250,7 +253,7 @@ def _missing(data):
 
 @pytest.mark.parametrize(("mutate", "version", "problem"), [
     (_failed, (), "the record did not pass: failed fia-attention, missing none"),
-    (_missing, (), "the record did not pass: failed none, missing w8a8, tp"),
+    (_missing, (), "the record did not pass: failed none, missing kv-offload, tp"),
     (lambda d: None, ("0.32.0",), "the record ran vLLM 0.33.0, not 0.32.0"),
     (lambda d: d["patch_set"].update(name="v0_20"), (), "the record ran patch set v0_20, the matrix puts 0.33.0 in v0_29"),
     (lambda d: d["patch_set"].update(digest="0" * 64), (), "declared other targets than this checkout's"),

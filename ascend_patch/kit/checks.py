@@ -283,6 +283,32 @@ def w8a8_checkpoint(models: dict[str, Path], out: Path) -> Path:
     return quantized_models.ascend_v1(qwen2, out / "tiny-qwen2-w8a8", quantized_models.mixed_types, calibration)
 
 
+# -- KV offload to host memory: tiny Llama, fp16, an 8-block device cache ------------------------
+
+OFFLOAD_PROMPTS, OFFLOAD_LENGTH = 4, 300
+
+
+def _offload_requests(model_dir: Path):
+    """Four prompts (3 blocks each with their tokens: 12 > 8), four others that evict all of their
+    blocks from the device, then the first four again: their full blocks can only come from host."""
+    prompts = oracle.prompt_token_ids(model_dir, [OFFLOAD_LENGTH] * 2 * OFFLOAD_PROMPTS)
+    first, second = prompts[:OFFLOAD_PROMPTS], prompts[OFFLOAD_PROMPTS:]
+    return [(first, [GREEDY]), (second, [GREEDY]), (first, [GREEDY])]
+
+
+def _offload(state: State):
+    again = state.runs[2]
+    block = state.facts["block_size"]
+    expected = (OFFLOAD_LENGTH - 1) // block * block
+    require(again.report["cached"] == [expected] * OFFLOAD_PROMPTS,
+            f"prompt tokens served after eviction: {again.report['cached']}, expected {expected} each from host memory")
+    stores = state.runs[0].launches.get("swap_blocks", 0)
+    loads = again.launches.get("swap_blocks", 0)
+    require(stores > 0 and loads > 0, f"block copies: {stores} while storing, {loads} while loading")
+    return _tracked(_greedy_tracking(state, 2), {"cached_tokens": sum(again.report["cached"]),
+                                                 "store_copies": stores, "load_copies": loads})
+
+
 # -- TP: tiny Llama over two devices, bf16 ---------------------------------------------------------
 
 def _tp(state: State):
@@ -309,6 +335,9 @@ def families(models: dict[str, Path]) -> list[Family]:
         Family("moe", "tiny-qwen3-moe", "bfloat16", {}, _routed_requests, {"moe": _moe}),
         Family("w8a8", "tiny-qwen2-w8a8", "bfloat16", {"quantization": "ascend"}, _w8a8_requests,
                {"w8a8": w8a8}),
+        Family("offload", "tiny-llama", "float16",
+               {"kv_offloading_size": 0.02, "num_gpu_blocks_override": 8}, _offload_requests,
+               {"kv-offload": _offload}),
         Family("tp", "tiny-llama", "bfloat16",
                {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                lambda model_dir: [(oracle.prompt_token_ids(model_dir, GRAPH_LENGTHS), [GREEDY])],

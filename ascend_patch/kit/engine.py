@@ -242,6 +242,16 @@ def spec_decode_counts_since(before: dict, after: dict) -> dict:
     return since
 
 
+def counter_values(llm, names: list[str]) -> dict[str, float]:
+    """vLLM's counters of these names so far in this process, summed over their labels (an engine
+    that keeps stats)."""
+    values = dict.fromkeys(names, 0.0)
+    for metric in llm.get_metrics() if names else ():
+        if metric.name in values:
+            values[metric.name] += metric.value
+    return values
+
+
 def shutdown(llm) -> None:
     """Free the engine and its device memory before the next one starts."""
     import torch

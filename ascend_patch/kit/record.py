@@ -30,6 +30,8 @@ CHECKS = {
            "npu_moe_init_routing_v2 / npu_grouped_matmul / npu_moe_token_unpermute, bf16",
     "w8a8": "an AscendV1 W8A8 checkpoint (static, dynamic and float layers) on "
             "npu_quantize / npu_dynamic_quant / npu_quant_matmul, bf16",
+    "kv-offload": "KV offload to host memory (vLLM's OffloadingConnector, the NPU spec): prompts "
+                  "evicted from the device served from host, block copies both ways, fp16",
     "tp": "tensor parallelism over two devices (HCCL), bf16",
 }
 NEEDS_DEVICES = {"tp": 2}

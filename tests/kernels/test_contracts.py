@@ -93,6 +93,14 @@ def top_k_top_p(**overrides):
     return kernels.top_k_top_p(**args)
 
 
+def swap_blocks(**overrides):
+    """A valid copy of blocks 3 and 0 of an 8-block cache into host rows 1 and 4, then overrides."""
+    args = dict(src=torch.zeros(8, 2, 16, 2, 64, dtype=BF16), dst=torch.zeros(5, 2, 16, 2, 64, dtype=BF16),
+                block_mapping=torch.tensor([[3, 1], [0, 4]]))
+    args.update(overrides)
+    return kernels.swap_blocks(**args)
+
+
 FIA = "npu_fused_infer_attention_score"
 PA = "_npu_paged_attention"
 
@@ -361,6 +369,31 @@ VIOLATIONS = {
     "top_k_top_p neither p nor k": (
         lambda: top_k_top_p(p=None, k=None),
         "npu_top_k_top_p: p/k must be at least one of p and k, got both None"),
+    # swap_blocks: KV offload's block copies
+    "swap_blocks int32 mapping": (
+        lambda: swap_blocks(block_mapping=torch.tensor([[3, 1]], dtype=torch.int32)),
+        "swap_blocks: block_mapping must be int64, got torch.int32"),
+    "swap_blocks mapping not pairs": (
+        lambda: swap_blocks(block_mapping=torch.tensor([3, 1])),
+        "swap_blocks: block_mapping must be [n, 2] (source, destination) pairs, got (2,)"),
+    "swap_blocks source out of range": (
+        lambda: swap_blocks(block_mapping=torch.tensor([[8, 1]])),
+        "swap_blocks: block_mapping's source blocks must be in [0, 8), got [8]"),
+    "swap_blocks destination out of range": (
+        lambda: swap_blocks(block_mapping=torch.tensor([[3, 5]])),
+        "swap_blocks: block_mapping's destination blocks must be in [0, 5), got [5]"),
+    "swap_blocks destination twice": (
+        lambda: swap_blocks(block_mapping=torch.tensor([[3, 1], [0, 1]])),
+        "swap_blocks: block_mapping's destination blocks must be distinct, got [1, 1]"),
+    "swap_blocks dtypes differ": (
+        lambda: swap_blocks(dst=torch.zeros(5, 2, 16, 2, 64)),
+        "swap_blocks: dst must be of src's dtype torch.bfloat16, got torch.float32"),
+    "swap_blocks block shapes differ": (
+        lambda: swap_blocks(dst=torch.zeros(5, 2, 16, 64, 2, dtype=BF16)),
+        "swap_blocks: dst must be blocks of src's shape (2, 16, 2, 64), got (2, 16, 64, 2)"),
+    "swap_blocks block not contiguous": (
+        lambda: swap_blocks(src=torch.zeros(8, 2, 64, 2, 16, dtype=BF16).transpose(2, 4)),
+        "swap_blocks: src must be contiguous within each block"),
 }
 
 
@@ -427,6 +460,16 @@ def _baseline_top_k_top_p():
     return kept, torch.isfinite(apply_top_k_top_p(logits.clone(), k, p))
 
 
+def _baseline_swap_blocks():
+    """Exactly the mapped blocks move, whole (both planes); the rest of the host rows stay."""
+    src = torch.arange(8 * 2 * 16 * 2 * 64, dtype=torch.float32).view(8, 2, 16, 2, 64).to(BF16)
+    dst = torch.full((5, 2, 16, 2, 64), -1.0, dtype=BF16)
+    swap_blocks(src=src, dst=dst)
+    expected = torch.full_like(dst, -1.0)
+    expected[1], expected[4] = src[3], src[0]
+    return dst, expected
+
+
 BASELINES = {
     # attention over equal value rows is that row, whatever the weights
     "fia paged TND": _baseline_fia_paged,
@@ -436,6 +479,7 @@ BASELINES = {
     "rotary_mul": _baseline_rotary_mul,
     "mrope": _baseline_mrope,
     "top_k_top_p": _baseline_top_k_top_p,  # vLLM's own top-k/top-p keeps the same logits
+    "swap_blocks": _baseline_swap_blocks,
 }
 
 

@@ -500,6 +500,20 @@ def test_selecting_the_npu_backend_does_not_import_torch_npu():
     assert result.stdout.strip() == "False"
 
 
+def test_the_real_block_copy_is_aten_and_copies_what_the_reference_copies():
+    """swap_blocks' real path calls no torch_npu op (torch_npu has no batched block copy): the same
+    gather, copy and scatter run on host tensors, into the same bytes as the reference."""
+    src = torch.randn(6, 2, 16, 64, generator=torch.Generator().manual_seed(0))
+    mapping = torch.tensor([[5, 0], [1, 2], [4, 3]])
+    copies = {}
+    for backend in ("reference", "npu"):
+        kernels.use(backend)
+        copies[backend] = torch.zeros(4, 2, 16, 64)
+        kernels.swap_blocks(src, copies[backend], mapping)
+    torch.testing.assert_close(copies["npu"], copies["reference"], rtol=0, atol=0)
+    assert torch.equal(copies["npu"][3], src[4]) and not copies["npu"][1].any()
+
+
 def test_probe_without_torch_npu():
     assert npu.probe() == (False, "torch_npu is not installed")
 

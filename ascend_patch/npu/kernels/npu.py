@@ -293,6 +293,16 @@ def batch_gather_matmul_(self, x, weight_b, indices, weight_a=None, layer_idx=0,
     )
 
 
+def swap_blocks(src, dst, block_mapping):
+    # torch_npu ships no batched block copy (vllm-ascend compiles its own _C_ascend.swap_blocks),
+    # so this is aten's: a gather on the source's device, one copy across, a scatter on the
+    # destination's (torch_npu's IndexSelect, memcpy and InplaceIndexCopy), on the current
+    # stream: not measured on an NPU.
+    sources = block_mapping[:, 0].to(src.device, non_blocking=True)
+    destinations = block_mapping[:, 1].to(dst.device, non_blocking=True)
+    dst.index_copy_(0, destinations, src.index_select(0, sources).to(dst.device))
+
+
 def installed() -> bool:
     """Whether torch_npu is installed at all (found, not imported)."""
     return importlib.util.find_spec("torch_npu") is not None

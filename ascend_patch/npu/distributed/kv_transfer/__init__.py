@@ -8,17 +8,22 @@ connector of vLLM's disaggregated-prefill example).
 
 Served:
 - ``ExampleConnector`` (vLLM 0.23 and later), and ``MultiConnector`` of served connectors;
+- ``OffloadingConnector`` (KV offload to host memory, also as ``--kv-offloading-size``) with the
+  NPU offloading spec (:mod:`.offload`), which the platform names in its extra config, on a vLLM
+  with 0.33's offloading worker interface;
 - any connector vLLM does not ship (``kv_connector_module_path``, or registered by a plugin through
   ``KVConnectorFactory``): the deployment's own, such as an NPU transfer connector, which reads the
   layout above.
 
-Refused in one line, each with its reason: KV offload (``--kv-offloading-size``; no NPU offloading
-spec yet); MLA models with any connector (the NPU MLA kernels read a layer's region as separate
-latent and rope planes, not the per-token pages the connectors index); sleep mode with any
-connector (sleep frees the KV cache storages the connector holds); a KV block size other than
-the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but Triton's as
-FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA transports, or not
-verified on Ascend).
+Refused in one line, each with its reason: KV offload before vLLM 0.30, through any other spec,
+backend (``--kv-offloading-backend lmcache``) or connector (``VLLM_USE_SIMPLE_KV_OFFLOAD``), or
+with more than one KV cache group (the hybrid KV-cache manager; refused when the worker
+registers); MLA models with any connector or KV offload (the NPU MLA kernels read a layer's
+region as separate latent and rope planes, not the per-token pages the connectors index); sleep
+mode with any connector (sleep frees the KV cache storages the connector holds); a KV block size
+other than the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but
+Triton's as FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA
+transports, or not verified on Ascend).
 """
 
 from __future__ import annotations
@@ -38,22 +43,26 @@ _SHIPPED_BY_VLLM = {
     "NixlPushConnector", "LMCacheConnectorV1", "LMCacheMPConnector", "P2pNcclConnector",
     "MoRIIOConnector", "DecodeBenchConnector", "ExampleHiddenStatesConnector",
     "FlexKVConnectorV1", "HF3FSKVConnector", "HiSparseConnector"}
-_SERVED = ("ExampleConnector (vLLM 0.23+), MultiConnector of those, or a connector of your own "
-           "through kv_connector_module_path")
+_SERVED = ("ExampleConnector (vLLM 0.23+), OffloadingConnector, MultiConnector of those, or a "
+           "connector of your own through kv_connector_module_path")
 
 
 def check_config(vllm_config) -> None:
-    """Refuse, in one line, a KV connector or KV offload the platform cannot serve. Runs in
-    ``check_and_update_config``, before vLLM turns ``--kv-offloading-size`` into a connector."""
-    if vllm_config.cache_config.kv_offloading_size is not None:
-        raise NotImplementedError(
-            "KV offload (--kv-offloading-size) is not supported on Ascend by ascend-patch yet: "
-            "vLLM's offloading specs copy blocks with CUDA/XPU kernels and no NPU spec is registered")
+    """Refuse, in one line, a KV connector or KV offload the platform cannot serve, and point vLLM's
+    offloading connector at the NPU offloading spec. Runs in ``check_and_update_config``, before
+    vLLM turns ``--kv-offloading-size`` into an ``OffloadingConnector`` (it keeps the extra config
+    set here)."""
+    offloading = vllm_config.cache_config.kv_offloading_size is not None
+    if offloading:
+        _check_offloading_size(vllm_config)
     transfer = vllm_config.kv_transfer_config
-    if transfer is None or transfer.kv_connector is None:
+    if transfer is None or (transfer.kv_connector is None and not offloading):
         return
-    _check_connector(transfer.kv_connector, transfer.kv_connector_module_path,
-                     transfer.kv_connector_extra_config)
+    if offloading:  # vLLM makes the connector its OffloadingConnector, whatever was named
+        _check_connector("OffloadingConnector", None, transfer.kv_connector_extra_config)
+    else:
+        _check_connector(transfer.kv_connector, transfer.kv_connector_module_path,
+                         transfer.kv_connector_extra_config)
     model = vllm_config.model_config
     if model is not None and model.enable_sleep_mode:
         raise NotImplementedError(
@@ -61,8 +70,8 @@ def check_config(vllm_config) -> None:
             "the KV cache storages the connector registered, and the connector is not told")
     if model is not None and model.use_mla:
         raise NotImplementedError(
-            "KV connectors are not supported for MLA models on Ascend: the NPU MLA kernels read a "
-            "layer's cache as separate latent and rope planes, not the per-token pages the "
+            "KV connectors and KV offload are not supported for MLA models on Ascend: the NPU MLA "
+            "kernels read a layer's cache as separate latent and rope planes, not the per-token pages the "
             "connectors index")
     from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
 
@@ -90,7 +99,60 @@ def _check_connector(name: str, module_path: str | None, extra: dict) -> None:
             return
         reason = ("this vLLM's ExampleConnector reads every backend's cache but Triton's as "
                   "[2, blocks, ...] (vLLM 0.23 and later read blocks first, as the Ascend cache is)")
+    elif name == "OffloadingConnector":
+        _use_npu_offloading_spec(extra)
+        return
     else:
         reason = _REASONS.get(name, "it is not verified on Ascend")
     raise NotImplementedError(f"the {name} KV connector is not supported on Ascend by "
                               f"ascend-patch: {reason}; served: {_SERVED}")
+
+
+_OFFLOAD_MODULE = "ascend_patch.npu.distributed.kv_transfer.offload"
+
+
+def _check_offloading_size(vllm_config) -> None:
+    """``--kv-offloading-size``: vLLM's native backend becomes the OffloadingConnector with the NPU
+    spec; the others move KV with CUDA code."""
+    import vllm.envs as envs
+    from vllm.config import KVTransferConfig
+
+    backend = vllm_config.cache_config.kv_offloading_backend
+    if backend != "native":
+        raise NotImplementedError(
+            f"KV offload with --kv-offloading-backend {backend} is not supported on Ascend by "
+            "ascend-patch: use the native backend (vLLM's OffloadingConnector with the NPU spec)")
+    if envs.VLLM_USE_SIMPLE_KV_OFFLOAD:
+        raise NotImplementedError(
+            "KV offload with VLLM_USE_SIMPLE_KV_OFFLOAD=1 is not supported on Ascend by ascend-patch: "
+            "SimpleCPUOffloadConnector copies with CUDA driver calls; unset it for the OffloadingConnector")
+    if vllm_config.kv_transfer_config is None:
+        vllm_config.kv_transfer_config = KVTransferConfig()
+
+
+def _use_npu_offloading_spec(extra: dict) -> None:
+    """Name the NPU spec in the connector's extra config (vLLM's default spec is CUDA/XPU only), on
+    a vLLM whose offloading interface is the one it implements."""
+    if not _offloading_interface():
+        raise NotImplementedError(
+            "KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend by "
+            "ascend-patch with this vLLM: the NPU offloading spec implements the offloading "
+            "interface of vLLM 0.30-0.33 (CPUOffloadingSpec in host chunks, "
+            "OffloadingWorker.submit_store/submit_load)")
+    spec = extra.setdefault("spec_name", "NPUOffloadingSpec")
+    module = extra.setdefault("spec_module_path", _OFFLOAD_MODULE)
+    if (spec, module) != ("NPUOffloadingSpec", _OFFLOAD_MODULE):
+        raise NotImplementedError(
+            f"the offloading spec {spec} is not supported on Ascend by ascend-patch: the "
+            f"OffloadingConnector takes NPUOffloadingSpec ({_OFFLOAD_MODULE}), which the platform "
+            "sets when spec_name is left out")
+
+
+def _offloading_interface() -> bool:
+    """Whether this vLLM's CPU offloading spec is the one the NPU spec extends: in host chunks
+    (``num_chunks``; ``num_blocks`` until 0.29), with a worker that stores and loads."""
+    try:
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    except ImportError:  # vLLM 0.20 has no cpu/common.py
+        return False
+    return hasattr(CPULoadStoreSpec, "chunk_ids")  # seam: CPULoadStoreSpec.chunk_ids

@@ -1,0 +1,101 @@
+"""KV offload to host memory on the NPU: an offloading spec for vLLM's own ``OffloadingConnector``.
+
+vLLM's connector keeps the books (which block hashes are on the host, LRU eviction, scheduling
+loads of prefix hits); its ``CPUOffloadingSpec`` moves the bytes with CUDA/XPU kernels and
+refuses every other platform in ``get_worker``. :class:`NPUOffloadingSpec` keeps vLLM's spec for
+the books (the same host sizing and manager) and brings its own worker, which copies blocks through
+the kernel seam (``kernels.swap_blocks``). vLLM loads it from the connector's extra config
+(``spec_name``/``spec_module_path``, ``vllm/v1/kv_offload/factory.py``), which the platform fills
+in (:func:`ascend_patch.npu.distributed.kv_transfer.check_config`).
+
+What the worker copies: vLLM hands it each layer's cache as ``[num_blocks, page_bytes]`` int8
+rows (``OffloadingConnectorWorker.register_kv_caches`` over ``group_kernel_blocks``). The Ascend
+cache is block-outermost (``[num_blocks, 2, block_size, kv_heads, head_size]``,
+:mod:`ascend_patch.npu.kv_cache`), so row ``b`` is all of block ``b``: its K half, then its V half.
+A host chunk holds ``blocks_per_chunk`` such rows per layer. The copies are synchronous on the
+current stream: a job is finished when it is submitted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from ascend_patch.npu import kernels
+
+SPEC_NAME = "NPUOffloadingSpec"
+
+
+class NPUOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec, with the NPU worker in place of its CUDA/XPU one."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from vllm.utils.torch_utils import PIN_MEMORY
+
+            self._worker = NPUOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks,
+                                               PIN_MEMORY)
+        return self._worker
+
+
+class NPUOffloadingWorker(OffloadingWorker):
+    """Copies blocks between the device KV cache and one host tensor per cache tensor."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int,
+                 pin_memory: bool):
+        if len(kv_caches.group_data_refs) != 1:
+            raise NotImplementedError(
+                f"KV offload with {len(kv_caches.group_data_refs)} KV cache groups (hybrid "
+                "KV-cache manager) is not supported on Ascend by ascend-patch: one group only")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.device_tensors = [t.tensor for t in kv_caches.tensors]
+        # A host row per device block: chunk c's sub-block j is row c * blocks_per_chunk + j.
+        self.host_tensors = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=t.dtype,
+                                         device="cpu", pin_memory=pin_memory) for t in self.device_tensors]
+        self.bytes_per_block = sum(t.shape[1] for t in self.device_tensors)
+        self._finished: list[TransferResult] = []
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        pairs = self._pairs(src_spec, dst_spec.block_ids)
+        return self._copy(job_id, self.device_tensors, self.host_tensors, pairs)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        pairs = self._pairs(dst_spec, src_spec.block_ids)[:, ::-1]
+        return self._copy(job_id, self.host_tensors, self.device_tensors, pairs)
+
+    def _pairs(self, device_spec: GPULoadStoreSpec, chunk_ids: np.ndarray) -> np.ndarray:
+        """(device block, host row) pairs: the request's blocks from its ``block_indices[0]``-th on
+        lie in consecutive chunk sub-blocks, the first chunk's first ``skip`` belonging to
+        blocks before them (as vLLM's CPU worker enumerates them)."""
+        (count,), (first,) = device_spec.group_sizes, device_spec.block_indices
+        skip = first % self.blocks_per_chunk
+        rows = (chunk_ids.astype(np.int64)[:, None] * self.blocks_per_chunk
+                + np.arange(self.blocks_per_chunk)).ravel()[skip: skip + count]
+        return np.stack([device_spec.block_ids.astype(np.int64), rows], axis=1)
+
+    def _copy(self, job_id: int, sources, destinations, pairs: np.ndarray) -> bool:
+        start = time.perf_counter()
+        mapping = torch.from_numpy(np.ascontiguousarray(pairs))
+        for src, dst in zip(sources, destinations):
+            kernels.swap_blocks(src, dst, mapping)
+        self._finished.append(TransferResult(job_id, True, len(pairs) * self.bytes_per_block,
+                                             time.perf_counter() - start))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every copy finished when it was submitted
