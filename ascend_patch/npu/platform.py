@@ -331,6 +331,10 @@ def graphs_off_by_default(vllm_config) -> str | None:
         return "FULL ACL graphs are not proven with LoRA adapters yet"
     if model_config is None:
         return "no model configuration to check"
+    if model_config.pooler_config is not None:
+        # No decode steps to capture; vLLM 0.28 would also turn the default into PIECEWISE,
+        # which needs torch.compile the NPU path does not run by default.
+        return "a pooling model runs no decode steps"
     head_size = model_config.get_head_size()
     refusal = paged_decode_refusal(model_config, head_size)
     if refusal is not None:
