@@ -50,6 +50,31 @@ def paged_decode_refusal(model_config, head_size: int) -> str | None:
     return None
 
 
+def graph_decode_refusal(model_config, head_size: int) -> str | None:
+    """Why not every layer's decode can be held in a FULL graph, or None: GQA models decode on
+    ``_npu_paged_attention`` (:func:`paged_decode_refusal`), MLA models on FIA's MLA form
+    (:func:`mla_graph_decode_refusal`), each with its host lengths updated on replay."""
+    if model_config.use_mla:
+        return mla_graph_decode_refusal(model_config.dtype, model_config.hf_text_config)
+    return paged_decode_refusal(model_config, head_size)
+
+
+def mla_graph_decode_refusal(dtype: torch.dtype, hf_config) -> str | None:
+    """Why an MLA model's decode does not run on ``npu_fused_infer_attention_score``'s MLA form
+    (the one MLA decode with a replay update), or None: it takes fp16/bf16, latent 512, rope 64,
+    and 32, 64 or 128 query heads (fewer are zero-padded)."""
+    # not seams: the HF config fields DeepSeek-style models carry
+    rank, rope = getattr(hf_config, "kv_lora_rank", None), getattr(hf_config, "qk_rope_head_dim", None)
+    heads = getattr(hf_config, "num_attention_heads", 0)
+    if dtype not in FUSED_DTYPES:
+        return f"{str(dtype).removeprefix('torch.')} MLA decodes on composed attention"
+    if (rank, rope) != (limits.LATENT_DIM, limits.ROPE_DIM) or heads > max(limits.FIA_ROPE_HEADS):
+        return (f"MLA kv_lora_rank {rank}, qk_rope_head_dim {rope}, {heads} heads: "
+                "npu_fused_infer_attention_score's MLA form takes 512, 64 and at most "
+                f"{max(limits.FIA_ROPE_HEADS)} heads")
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionPaths:
     """What serves a layer's steps: ``prefill`` (prefill, chunked and mixed batches) is

@@ -108,6 +108,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
 
     captures = 0  # process-wide counts, for tests and benchmarks
     replays: Counter[int] = Counter()  # by the replayed batch's (padded) token count
+    task_updates = 0  # captured launches re-issued with a replay's host parameters
 
     def __init__(self, runnable, vllm_config, runtime_mode, cudagraph_options=None) -> None:
         super().__init__(runnable, vllm_config, runtime_mode, cudagraph_options)
@@ -141,6 +142,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
                 self._update_stream = self._graphs.Stream()  # not the capture's stream
             self._workspaces = renew_host_params(self._graphs, self._update_stream, updates,
                                                  context.attn_metadata)
+            NPUGraphWrapper.task_updates += len(updates)
         entry.cudagraph.replay()
         NPUGraphWrapper.replays[descriptor.num_tokens] += 1
         return entry.output

@@ -51,6 +51,8 @@ OPS = (
     "quantize",
     "quant_matmul",
     "fused_infer_attention_score_mla",
+    "fused_infer_attention_score_mla_decode",
+    "fused_infer_attention_score_mla_decode_workspace",
     "multi_head_latent_attention",
     "batch_gather_matmul_",
 )
