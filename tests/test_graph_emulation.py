@@ -82,6 +82,16 @@ def test_what_an_npu_graph_cannot_hold_raises_during_capture(inside, message):
     assert all(getattr(kernels, name) is BOUND[name] for name in kernels.OPS), "the seam is restored"
 
 
+def test_an_integer_index_is_a_captured_gather_that_replays_on_the_refreshed_indices():
+    """``table[positions]`` (a rotary cache read, say) gathers on the device: captured, and a
+    replay reads the positions the buffer holds then. A boolean mask stays a host sync (above)."""
+    table, positions = torch.randn(16, 4), torch.tensor([3, 1, 7])
+    graph, out = _capture(lambda p: table[p] * 2, positions)
+    positions.copy_(torch.tensor([0, 15, 2]))
+    graph.replay()
+    torch.testing.assert_close(out, table[torch.tensor([0, 15, 2])] * 2)
+
+
 def _paged_case():
     """One decode step of 2 sequences over a [4 blocks, 128] bf16 cache."""
     generator = torch.Generator().manual_seed(2)

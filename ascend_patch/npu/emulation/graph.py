@@ -282,7 +282,8 @@ class _Capture:
 
     def check(self, func, args, kwargs) -> None:
         tags = func.tags
-        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+        if ((torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags)
+                and not _integer_indexing(func, args)):
             raise GraphCaptureError(
                 f"host sync inside a captured region: {func} reads tensor values on the host "
                 "(.item(), bool(), or an output shape that depends on the values); an NPU graph "
@@ -298,6 +299,15 @@ class _Capture:
                 "a graph's shapes and addresses are fixed at capture")
         if torch.Tag.cudagraph_unsafe in tags:
             raise GraphCaptureError(f"{func} is tagged cudagraph_unsafe and cannot be captured")
+
+
+def _integer_indexing(func, args) -> bool:
+    """``aten.index.Tensor`` with integer indices only (a gather, as in ``cache[positions]``): its
+    output shape is the indices' shape, so it is device work. Only boolean masks make the shape
+    depend on the values, which is why the op carries the dynamic-shape tag."""
+    return func is _aten.index.Tensor and all(
+        index is None or not (index.dtype == torch.bool or index.dtype == torch.uint8)
+        for index in args[1])
 
 
 class _DeviceWork(TorchDispatchMode):
