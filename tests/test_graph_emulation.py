@@ -222,6 +222,18 @@ def test_a_task_update_reissues_exactly_the_captured_launches():
             eg.graph_task_group_end()
 
 
+def test_a_workspace_query_in_a_capture_is_an_allocation_not_a_replayed_launch():
+    """``_npu_paged_attention_get_workspace`` sizes and allocates on the host: a replay does not
+    run it again (with the capture's host arguments it could refuse the replay's device data)."""
+    query, keys, values, table, out = _paged_case()
+    graph, lengths = eg.NPUGraph(), _lengths(5, 9)
+    with eg.graph(graph):
+        workspace = kernels.paged_attention_workspace(query, keys, values, 2, 8, 0.125, table,
+                                                      lengths, out)
+        _paged(query, keys, values, table, lengths, out, workspace)
+    assert [launch[4] for launch in graph._launches] == ["paged_attention"]
+
+
 def test_the_workspace_a_captured_launch_is_given_meets_the_kernel_contract():
     query, keys, values, table, out = _paged_case()
     lengths = _lengths(5, 9)

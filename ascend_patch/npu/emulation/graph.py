@@ -67,6 +67,11 @@ HOST_TENSORS = {
     "paged_attention": frozenset({"context_lens"}),
     "paged_attention_workspace": frozenset({"context_lens"}),
 }
+# Seam ops that size and allocate a workspace on the host (``*_get_workspace``,
+# ``*_get_max_workspace``) and launch nothing: inside a capture their buffer is an allocation of
+# the graph pool, and a replay does not run them again.
+WORKSPACE_OPS = frozenset({"paged_attention_workspace", "fused_infer_attention_score_decode_workspace",
+                           "fused_infer_attention_score_mla_decode_workspace"})
 
 
 class GraphCaptureError(RuntimeError):
@@ -277,6 +282,9 @@ class _Capture:
             args, kwargs = _by_value(name, signature, args, kwargs)
         finally:
             self.seam_depth -= 1
+        if name in WORKSPACE_OPS:
+            self.graph._hold(result)
+            return result
         self.graph._record(fn, args, kwargs, result, (args, kwargs), name)
         return result
 

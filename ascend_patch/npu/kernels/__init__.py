@@ -32,6 +32,8 @@ from .contracts import KernelContractError
 OPS = (
     "scatter_pa_kv_cache",
     "fused_infer_attention_score",
+    "fused_infer_attention_score_decode",
+    "fused_infer_attention_score_decode_workspace",
     "fusion_attention",
     "paged_attention",
     "paged_attention_workspace",
