@@ -53,9 +53,9 @@ def mla_graph_decode_refusal(dtype: torch.dtype, hf_config) -> str | None:
     """Why an MLA model's decode does not run on ``npu_fused_infer_attention_score``'s MLA form
     (the one MLA decode with a replay update), or None: it takes fp16/bf16, latent 512, rope 64,
     and 32, 64 or 128 query heads (fewer are zero-padded)."""
-    # not seams: the HF config fields DeepSeek-style models carry
-    rank, rope = getattr(hf_config, "kv_lora_rank", None), getattr(hf_config, "qk_rope_head_dim", None)
-    heads = getattr(hf_config, "num_attention_heads", 0)
+    rank = getattr(hf_config, "kv_lora_rank", None)  # not a seam: HF (DeepSeek-style configs)
+    rope = getattr(hf_config, "qk_rope_head_dim", None)  # not a seam: HF
+    heads = getattr(hf_config, "num_attention_heads", 0)  # not a seam: HF
     if dtype not in FUSED_DTYPES:
         return f"{str(dtype).removeprefix('torch.')} MLA decodes on composed attention"
     if (rank, rope) != (limits.LATENT_DIM, limits.ROPE_DIM) or heads > max(limits.FIA_ROPE_HEADS):
