@@ -300,10 +300,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         self._paths: dict[torch.dtype, AttentionPaths] = {}
         # In an engine with FULL graphs the windowed decode launches FIA's .out form, whose
         # workspace is sized at capture and whose host lengths every replay re-issues.
-        from vllm.config import get_current_vllm_config
-
-        mode = get_current_vllm_config().compilation_config.cudagraph_mode
-        self._graph_decode = mode is not None and mode.has_full_cudagraphs()
+        self._graph_decode = acl_graph.full_graphs_configured()
 
     def paths(self, dtype: torch.dtype) -> AttentionPaths:
         """The kernels that serve this layer for a model in ``dtype``."""

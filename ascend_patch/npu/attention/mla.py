@@ -381,11 +381,8 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                            "value 128 or 192 and at most 128 heads")
         # In an engine with FULL graphs the decode runs on FIA's MLA form, the one with a replay
         # update; eager engines keep the ATB op (no padding of fewer than 32 heads up to 32).
-        from vllm.config import get_current_vllm_config
-
-        mode = get_current_vllm_config().compilation_config.cudagraph_mode
         self.graph_heads = None
-        if self.decode_heads and mode is not None and mode.has_full_cudagraphs():
+        if self.decode_heads and acl_graph.full_graphs_configured():
             self.graph_heads = next(n for n in limits.FIA_ROPE_HEADS if n >= num_heads)
         self._owner = None
 

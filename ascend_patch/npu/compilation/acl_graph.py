@@ -95,6 +95,19 @@ def _collect_host_param_launches():
         _capturing = outer
 
 
+def full_graphs_configured() -> bool:
+    """Whether the engine whose model is being built captures FULL graphs: its attention layers
+    then launch the decode kernels' capturable forms. False outside an engine's config."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        config = get_current_vllm_config()
+    except AssertionError:  # vLLM 0.33 outside set_current_vllm_config (an impl built alone)
+        return False
+    mode = config.compilation_config.cudagraph_mode
+    return mode is not None and mode.has_full_cudagraphs()
+
+
 # -- the wrapper ---------------------------------------------------------------------------------
 
 
