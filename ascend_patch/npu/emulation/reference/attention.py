@@ -212,18 +212,25 @@ def fused_infer_attention_score_decode(query, key, value, *, atten_mask, block_t
         actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
         num_key_value_heads=num_key_value_heads, scale=scale, input_layout="BSH",
         block_size=block_size)
+    check_out_form(op, query, attention_out, softmax_lse, workspace)
+    attention_out.copy_(out)
+    return attention_out, softmax_lse
+
+
+def check_out_form(op, query, attention_out, softmax_lse, workspace) -> None:
+    """The ``.out`` form's own arguments: ``attention_out`` like the query (its output without
+    ``softmax_lse_flag``), contiguous; ``softmax_lse`` a tensor (not written without the flag);
+    ``workspace`` the byte buffer ``_npu_fused_infer_attention_score_get_max_workspace`` gave."""
     check_tensor(op, "attention_out", attention_out)
     require(attention_out.shape == query.shape and attention_out.dtype == query.dtype, op,
             "attention_out", f"{query.dtype} of shape {tuple(query.shape)}",
             f"{attention_out.dtype} {tuple(attention_out.shape)}")
     check_contiguous(op, "attention_out", attention_out)
     check_tensor(op, "softmax_lse", softmax_lse)
-    if workspace is not None:  # the buffer _npu_fused_infer_attention_score_get_max_workspace gave
+    if workspace is not None:
         check_tensor(op, "workspace", workspace)
         check_dtype(op, "workspace", workspace, (torch.uint8,))
         check_dims(op, "workspace", workspace, 1)
-    attention_out.copy_(out)
-    return attention_out, softmax_lse
 
 
 def fused_infer_attention_score_decode_workspace(query, key, value, *, atten_mask, block_table,

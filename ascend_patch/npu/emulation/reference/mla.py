@@ -60,6 +60,7 @@ from .attention import (
     _check_causal_mask,
     _check_tnd_lengths,
     _lengths_from_cumulative,
+    check_out_form,
     no_softmax_lse,
 )
 
@@ -191,16 +192,7 @@ def fused_infer_attention_score_mla_decode(query, key, value, *, query_rope, key
     lengths = _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
                                 actual_seq_lengths_kv, num_heads, num_key_value_heads, scale,
                                 input_layout, block_size)
-    check_tensor(op, "attention_out", attention_out)
-    require(attention_out.shape == query.shape and attention_out.dtype == query.dtype, op,
-            "attention_out", f"{query.dtype} of shape {tuple(query.shape)} (BNSD, value D 512)",
-            f"{attention_out.dtype} {tuple(attention_out.shape)}")
-    check_contiguous(op, "attention_out", attention_out)
-    check_tensor(op, "softmax_lse", softmax_lse)
-    if workspace is not None:  # the buffer _npu_fused_infer_attention_score_get_max_workspace gave
-        check_tensor(op, "workspace", workspace)
-        check_dtype(op, "workspace", workspace, (torch.uint8,))
-        check_dims(op, "workspace", workspace, 1)
+    check_out_form(op, query, attention_out, softmax_lse, workspace)  # value D 512 = query D
     batch, heads = query.shape[:2]
     blocks, size = key.shape[:2]
     out = latent_decode(query.view(batch, heads, -1), query_rope.view(batch, heads, -1),
