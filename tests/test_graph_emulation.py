@@ -82,6 +82,16 @@ def test_what_an_npu_graph_cannot_hold_raises_during_capture(inside, message):
     assert all(getattr(kernels, name) is BOUND[name] for name in kernels.OPS), "the seam is restored"
 
 
+def test_an_integer_index_is_a_captured_gather_that_replays_on_the_refreshed_indices():
+    """``table[positions]`` (a rotary cache read, say) gathers on the device: captured, and a
+    replay reads the positions the buffer holds then. A boolean mask stays a host sync (above)."""
+    table, positions = torch.randn(16, 4), torch.tensor([3, 1, 7])
+    graph, out = _capture(lambda p: table[p] * 2, positions)
+    positions.copy_(torch.tensor([0, 15, 2]))
+    graph.replay()
+    torch.testing.assert_close(out, table[torch.tensor([0, 15, 2])] * 2)
+
+
 def _paged_case():
     """One decode step of 2 sequences over a [4 blocks, 128] bf16 cache."""
     generator = torch.Generator().manual_seed(2)
@@ -210,6 +220,18 @@ def test_a_task_update_reissues_exactly_the_captured_launches():
             eg.graph_task_group_begin()
             query + 1
             eg.graph_task_group_end()
+
+
+def test_a_workspace_query_in_a_capture_is_an_allocation_not_a_replayed_launch():
+    """``_npu_paged_attention_get_workspace`` sizes and allocates on the host: a replay does not
+    run it again (with the capture's host arguments it could refuse the replay's device data)."""
+    query, keys, values, table, out = _paged_case()
+    graph, lengths = eg.NPUGraph(), _lengths(5, 9)
+    with eg.graph(graph):
+        workspace = kernels.paged_attention_workspace(query, keys, values, 2, 8, 0.125, table,
+                                                      lengths, out)
+        _paged(query, keys, values, table, lengths, out, workspace)
+    assert [launch[4] for launch in graph._launches] == ["paged_attention"]
 
 
 def test_the_workspace_a_captured_launch_is_given_meets_the_kernel_contract():

@@ -52,7 +52,8 @@ FAMILIES = {
     "dense": ("tiny-llama", "bfloat16", {}, [GREEDY, *SAMPLED]),
     "dense fp16": ("tiny-qwen2", "float16", {}, [GREEDY]),
     "windowed": ("tiny-mistral", "bfloat16", {}, [GREEDY]),
-    "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),
+    "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),  # FULL graphs: FIA's MLA decode form
+    "mla eager": ("tiny-deepseek-v3", "bfloat16", {"enforce_eager": True}, []),  # ATB MLA decode
     "moe grouped": ("tiny-deepseek-v3-moe", "bfloat16", {}, [GREEDY]),
     "moe softmax": ("tiny-qwen3-moe", "bfloat16", {}, [GREEDY]),
     "moe fp16": ("tiny-qwen3-moe", "float16", {}, []),  # combines on npu_moe_finalize_routing
@@ -145,7 +146,8 @@ def layout(description):
 
 
 # What the dispatcher says when an op has no Meta kernel (the op's qualified name first).
-_NO_META_KERNEL = re.compile(r"^\w+::(\w+): attempted to run this operator with Meta tensors")
+# (an overload's name whole: the .out form has no meta kernel where its default overload has one)
+_NO_META_KERNEL = re.compile(r"^\w+::([\w.]+): attempted to run this operator with Meta tensors")
 
 
 def replay(wheel, torch_npu, call) -> str | None:

@@ -63,13 +63,14 @@ def fused_batches(kernels):
 def measured():
     """Yield a dict that, once the block ends, holds what the block launched in this process:
     kernel-seam launches by op ("launches"), fused-attention launches by batch kind
-    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size) and captures
-    ("graph_captures")."""
+    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size), captures
+    ("graph_captures") and the captured launches re-issued before replays ("task_updates")."""
     from ascend_patch.npu import kernels
     from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 
     report: dict = {}
     replays, captures = NPUGraphWrapper.replays.copy(), NPUGraphWrapper.captures
+    updates = NPUGraphWrapper.task_updates
     with kernels.count_launches() as launches, fused_batches(kernels) as batches:
         try:
             yield report
@@ -78,6 +79,7 @@ def measured():
             report.update(launches=dict(launches), fused_batches=dict(batches),
                           graph_replays=sum(by_size.values()),
                           graph_captures=NPUGraphWrapper.captures - captures,
+                          task_updates=NPUGraphWrapper.task_updates - updates,
                           graph_replays_by_size={str(size): n for size, n in sorted(by_size.items())})
 
 

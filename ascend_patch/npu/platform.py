@@ -312,16 +312,22 @@ def recurrent_layers(model) -> str | None:
     return f"Mamba or linear-attention layers{named} beside its attention layers"
 
 
+# The head sizes the graph suites replay against eager: Llama 64 (tests/test_graph.py), Mistral
+# 128 and Gemma 3 256 (tests/test_graph_windowed.py); MLA models at their own dimensions.
+GRAPH_PROVEN_HEAD_SIZES = (64, 128, 256)
+
+
 def graphs_off_by_default(vllm_config) -> str | None:
     """Why graph mode stays off unless asked for, and how to ask where asking works; None where it
     is on: where this vLLM release's emulated end-to-end suite (or a hardware run) passed with it on
-    (compat_matrix.yaml status), for models whose every layer decodes on the fused paged-attention
-    kernel, at the head sizes that suite runs (fp16/bf16, 64 or 128, no sliding window, no
-    soft-cap). The fp32 composed attention reads host data into new tensors every step and cannot
-    be captured; FULL graphs with MLA or speculative decoding are refused (settle_graph_mode)."""
+    (compat_matrix.yaml status), for models whose every layer decodes on a kernel with a replay
+    update, at the dimensions that suite runs: the fused paged-attention kernel and, in windowed
+    layers, the masked one-token FIA (fp16/bf16, head sizes 64, 128, 256, no soft-cap), or for MLA
+    models FIA's MLA form (latent 512, rope 64). The fp32 composed attention reads host data into new tensors every step and cannot
+    be captured; FULL graphs with speculative decoding are refused (settle_graph_mode)."""
     import vllm
 
-    from ascend_patch.npu.attention.paths import FIA_TND_HEAD_SIZES, paged_decode_refusal
+    from ascend_patch.npu.attention.paths import graph_decode_refusal
 
     ask = "; ask for it with -cc.cudagraph_mode=FULL_DECODE_ONLY"
     model_config = vllm_config.model_config
@@ -336,15 +342,15 @@ def graphs_off_by_default(vllm_config) -> str | None:
         # which needs torch.compile the NPU path does not run by default.
         return "a pooling model runs no decode steps"
     head_size = model_config.get_head_size()
-    refusal = paged_decode_refusal(model_config, head_size)
+    refusal = graph_decode_refusal(model_config, head_size)
     if refusal is not None:
-        return f"{refusal}, which FULL ACL graphs do not hold yet"
+        return f"{refusal}, which FULL ACL graphs cannot hold"
     if not release.proven_end_to_end:
         return (f"vLLM {vllm.__version__} has not passed ascend-patch's end-to-end suite with graphs "
                 f"(compat_matrix.yaml){ask}")
-    if head_size not in FIA_TND_HEAD_SIZES:
+    if head_size not in GRAPH_PROVEN_HEAD_SIZES and not model_config.use_mla:
         return (f"head size {head_size}: the end-to-end suite proves graphs at head sizes "
-                f"{', '.join(map(str, FIA_TND_HEAD_SIZES))}{ask}")
+                f"{', '.join(map(str, GRAPH_PROVEN_HEAD_SIZES))}{ask}")
     return None
 
 
@@ -372,12 +378,6 @@ def settle_graph_mode(vllm_config) -> None:
     if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
         raise ValueError("ASCEND_LAUNCH_BLOCKING=1 cannot capture ACL graphs: unset it, or run with "
                          "--enforce-eager")
-    if mode.has_full_cudagraphs() and vllm_config.model_config is not None and vllm_config.model_config.use_mla:
-        # The MLA decode kernel takes its context lengths as a host list and has no
-        # host-parameter update on replay yet: a replay would attend over the capture's lengths.
-        raise ValueError(f"{mode.name} ACL graphs are not supported for MLA models yet (the MLA decode "
-                         "kernel's host context lengths are not updated on replay): run with "
-                         "--enforce-eager or -cc.cudagraph_mode=NONE")
     if mode.has_full_cudagraphs() and vllm_config.lora_config is not None:
         # Not yet replayed against eager in the emulated suite (vLLM captures per active-LoRA count).
         raise ValueError(f"{mode.name} ACL graphs are not supported with LoRA yet: run with "

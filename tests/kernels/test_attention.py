@@ -9,6 +9,8 @@ table columns and, under a sliding window, a shared stale "null" block in place 
 that lie wholly before every query's window (as vLLM's SlidingWindowManager leaves them).
 """
 
+import re
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -222,6 +224,32 @@ def test_fused_attention_bsh_decode_with_a_mask(data, context, heads, dtype, see
         expected = oracle(query[row].view(1, num_heads, head_dim), key, value, scale, True,
                           hidden=hidden[row:row + 1, :len(key)])
         assert_close(out[row].view(1, num_heads, head_dim), expected, dtype)
+    # The .out form FULL graphs capture writes the same into the caller's buffer.
+    written = torch.full_like(query, float("nan"))
+    kernels.fused_infer_attention_score_decode(
+        query, key_cache.view(paged), value_cache.view(paged), atten_mask=hidden.contiguous(),
+        block_table=block_table, actual_seq_lengths_kv=context, num_heads=num_heads,
+        num_key_value_heads=kv_heads, scale=scale, block_size=block_size, attention_out=written,
+        softmax_lse=torch.empty(0), workspace=torch.empty(0, dtype=torch.uint8))
+    torch.testing.assert_close(written, out, rtol=0, atol=0)
+
+
+def test_the_out_form_refuses_a_foreign_output_or_workspace():
+    cache = torch.zeros(4, 128, 2 * 64, dtype=torch.bfloat16)
+    query = torch.zeros(2, 1, 4 * 64, dtype=torch.bfloat16)
+    call = dict(atten_mask=torch.zeros(2, 256, dtype=torch.bool),
+                block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                actual_seq_lengths_kv=[5, 140], num_heads=4, num_key_value_heads=2, scale=0.125,
+                block_size=128, softmax_lse=torch.empty(0))
+    op = "npu_fused_infer_attention_score.out"
+    with pytest.raises(kernels.KernelContractError, match=re.escape(
+            f"{op}: attention_out must be torch.bfloat16 of shape (2, 1, 256)")):
+        kernels.fused_infer_attention_score_decode(query, cache, cache, **call,
+                                                   attention_out=torch.zeros(2, 1, 256))
+    with pytest.raises(kernels.KernelContractError, match=f"{op}: workspace must be uint8"):
+        kernels.fused_infer_attention_score_decode(query, cache, cache, **call,
+                                                   attention_out=torch.zeros_like(query),
+                                                   workspace=torch.zeros(4))
 
 
 @settings(max_examples=30, deadline=None)

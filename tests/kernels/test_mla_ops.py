@@ -26,7 +26,7 @@ from ascend_patch.npu.attention.mla import (
     prefill_metadata,
 )
 from ascend_patch.npu.kernels import KernelContractError
-from ascend_patch.npu.kernels.limits import ATB_MLA_HEADS
+from ascend_patch.npu.kernels.limits import ATB_MLA_HEADS, FIA_ROPE_HEADS
 from tests.helpers.attention import (
     CAUSAL_MASK,
     assert_close,
@@ -250,6 +250,35 @@ def test_multi_head_latent_attention_decode(context, heads, block_size, dtype, s
                      dtype)
 
 
+@settings(max_examples=15, deadline=None)
+@given(context=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+       heads=st.sampled_from(FIA_ROPE_HEADS[:2]), block_size=st.sampled_from([16, 128]),
+       dtype=half_dtypes, seed=seeds)
+def test_fia_mla_decode_form(context, heads, block_size, dtype, seed):
+    """The graph decode: FIA's rope branch (.out, BNSD queries over the BnBsH latent planes)."""
+    generator = torch.Generator().manual_seed(seed)
+    latents, ropes = latent_sequences(context, dtype, generator)
+    latent_cache, rope_cache, block_table = paged_cache(latents, ropes, block_size, generator)
+    blocks = latent_cache.shape[0]
+    q_nope = torch.randn(len(context), heads, 1, LATENT, generator=generator).to(dtype)
+    q_rope = torch.randn(len(context), heads, 1, ROPE, generator=generator).to(dtype)
+    scale = 0.7 * (LATENT + ROPE) ** -0.5
+    key = latent_cache.view(blocks, block_size, LATENT)
+    out = torch.full_like(q_nope, float("nan"))
+
+    result = kernels.fused_infer_attention_score_mla_decode(
+        q_nope, key, key, query_rope=q_rope, key_rope=rope_cache.view(blocks, block_size, ROPE),
+        block_table=block_table, actual_seq_lengths_kv=list(context), num_heads=heads,
+        num_key_value_heads=1, scale=scale, input_layout="BNSD", block_size=block_size,
+        attention_out=out, softmax_lse=torch.empty(0))
+
+    assert result[0] is out
+    for row, (latent, rope) in enumerate(zip(latents, ropes)):
+        one = slice(row, row + 1)
+        assert_close(out[one, :, 0], latent_oracle(q_nope[one, :, 0], q_rope[one, :, 0], latent,
+                                                   rope, scale, True), dtype)
+
+
 # --- contracts ------------------------------------------------------------------------------------
 
 FIA = "npu_fused_infer_attention_score"
@@ -301,7 +330,54 @@ def latent_decode(*, heads=8, block_size=128, **overrides):
     return kernels.multi_head_latent_attention(**args)
 
 
+def graph_decode(*, heads=32, block_size=128, layout="BNSD", tokens=1, workspace=None,
+                 **overrides):
+    """A valid graph decode of three sequences over [6, block_size, 512/64] planes, then overrides."""
+    args = dict(
+        query=torch.zeros(3, heads, tokens, LATENT, dtype=BF16),
+        query_rope=torch.zeros(3, heads, tokens, ROPE, dtype=BF16),
+        key=torch.zeros(6, block_size, LATENT, dtype=BF16),
+        key_rope=torch.zeros(6, block_size, ROPE, dtype=BF16),
+        block_table=torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32),
+        actual_seq_lengths_kv=[5, 140, 256], num_heads=heads, num_key_value_heads=1,
+        scale=0.04, input_layout=layout, block_size=block_size,
+    )
+    args.update(overrides)
+    query, key = args.pop("query"), args.pop("key")
+    out = args.pop("attention_out", torch.zeros_like(query))
+    return kernels.fused_infer_attention_score_mla_decode(
+        query, key, key, **args, attention_out=out, softmax_lse=torch.empty(0), workspace=workspace)
+
+
 VIOLATIONS = {
+    # The graph decode (.out): [FIA-WHEEL] query_rope约束 for one-token queries.
+    "fia graph decode 16 heads": (
+        lambda: graph_decode(heads=16),
+        f"{FIA}.out: num_heads must be 32, 64 or 128 with query_rope, got 16"),
+    "fia graph decode block size 64": (
+        lambda: graph_decode(block_size=64, block_table=torch.tensor([[0, 1, 2, 3]] * 3,
+                                                                     dtype=torch.int32)),
+        f"{FIA}.out: block_size must be key.shape[1] = 64, 16 or 128 with query_rope, got 64"),
+    "fia graph decode two query tokens": (
+        lambda: graph_decode(tokens=2),
+        f"{FIA}.out: query must be one token per sequence (S = 1) in the decode form, got 2"),
+    "fia graph decode two kv heads": (
+        lambda: graph_decode(num_key_value_heads=2),
+        f"{FIA}.out: num_key_value_heads must be 1 with query_rope, got 2"),
+    "fia graph decode kv lengths as a tensor": (
+        lambda: graph_decode(actual_seq_lengths_kv=torch.tensor([5, 140, 256])),
+        f"{FIA}.out: actual_seq_lengths_kv must be a host list[int], got Tensor"),
+    "fia graph decode kv length beyond the block table": (
+        lambda: graph_decode(actual_seq_lengths_kv=[5, 140, 257]),
+        f"{FIA}.out: actual_seq_lengths_kv must be in [1, 256] (block_table columns × block_size), "
+        "got 257"),
+    "fia graph decode output of the real heads only": (
+        lambda: graph_decode(attention_out=torch.zeros(3, 8, 1, LATENT, dtype=BF16)),
+        f"{FIA}.out: attention_out must be torch.bfloat16 of shape (3, 32, 1, 512)"),
+    "fia graph decode workspace of floats": (
+        lambda: graph_decode(workspace=torch.zeros(4)),
+        f"{FIA}.out: workspace must be uint8, got torch.float32"),
+
     # What the backend ran before (finding 3 of issue 24): the absorbed form in TND for chunks
     # of any length behind cached context, and the up-projected form with rope.
     "fia absorbed over the latent cache in TND": (
@@ -407,6 +483,9 @@ def test_valid_calls_pass_and_attend():
     # MLA's values are the latent rows themselves
     out = latent_decode(ctkv=torch.ones(6, 128, 1, LATENT, dtype=BF16))
     torch.testing.assert_close(out, torch.ones(3, 8, LATENT, dtype=BF16))
+    out, _ = graph_decode(key=torch.ones(6, 128, LATENT, dtype=BF16),
+                          workspace=torch.empty(0, dtype=torch.uint8))
+    torch.testing.assert_close(out, torch.ones(3, 32, 1, LATENT, dtype=BF16))
 
 
 def test_the_rope_branch_inside_its_envelope_is_not_implemented():

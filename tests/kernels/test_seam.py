@@ -34,6 +34,7 @@ OPS_CALLED = (
     "npu_grouped_matmul", "npu_moe_token_unpermute", "npu_moe_finalize_routing",
     "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "_npu_paged_attention",
     "_npu_paged_attention_get_workspace", "atb.npu_multi_head_latent_attention",
+    "npu_fused_infer_attention_score.out", "_npu_fused_infer_attention_score_get_max_workspace",
 )
 NEWEST = npu_wheels.matrix_versions()[-1]
 
@@ -71,7 +72,7 @@ def _split_arguments(text: str) -> list[str]:
 def parse_schema(schema: str) -> tuple[str, inspect.Signature]:
     """``name(Type arg, *, Type? arg=default) -> returns`` as a Python signature whose annotations
     are the schema types; arguments after ``*`` are keyword-only."""
-    name, arguments = re.fullmatch(r"(\w+)\((.*)\) -> .+", schema).groups()
+    name, arguments = re.fullmatch(r"([\w.]+)\((.*)\) -> .+", schema).groups()
     parameters, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
     for argument in _split_arguments(arguments):
         if argument == "*":
@@ -108,8 +109,8 @@ def accepts(schema_type: str, value, name: str = "") -> bool:
 def published() -> dict[str, str]:
     """Each called op's schema text, from the newest wheel."""
     wheel = npu_wheels.load(NEWEST)
-    return {op: (wheel.atb_schemas if op.startswith("atb.") or op.startswith("_npu_")
-                 else wheel.schemas)[op.rpartition(".")[2]] for op in OPS_CALLED}
+    return {op: wheel.atb_schemas[op.removeprefix("atb.")] if op.removeprefix("atb.") in wheel.atb_schemas
+            else wheel.schemas[op] for op in OPS_CALLED}
 
 
 @functools.cache
@@ -150,6 +151,9 @@ class PublishedTorchNpu(types.ModuleType):
             return self.results.get(name)
 
         op.default = types.SimpleNamespace(_schema=torch._C.parse_schema(published()[name]))
+        for overload in signatures():  # torch_npu.<op>.out: an overload of the same packet
+            if overload.startswith(f"{name}."):
+                setattr(op, overload.rpartition(".")[2], self._op(overload))
         return op
 
     def only_call(self, name):
@@ -415,6 +419,33 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
         "q_nope": q_nope, "q_rope": q_rope, "ctkv": ctkv, "k_rope": k_rope,
         "block_tables": table, "context_lens": [200, 140], "q_headnum": 8, "qk_scale": 0.04,
         "kv_headnum": 1})
+    # Graph decodes: the .out forms (outputs by the schema's names, a workspace sized beforehand)
+    # and the workspace query, for MLA (rope branch, BNSD) and for windowed GQA layers (BSH, mask).
+    q, q_pe = torch.zeros(2, 32, 1, 512, dtype=bf16), torch.zeros(2, 32, 1, 64, dtype=bf16)
+    out, lse, workspace = torch.zeros_like(q), torch.zeros(0), torch.zeros(0, dtype=torch.uint8)
+    mla = {"query_rope": q_pe, "key_rope": rope, "block_table": table,
+           "actual_seq_lengths_kv": [200, 140], "num_heads": 32, "num_key_value_heads": 1,
+           "scale": 0.04, "input_layout": "BNSD", "block_size": 128}
+    kernels.fused_infer_attention_score_mla_decode(q, latent, latent, **mla, attention_out=out,
+                                                   softmax_lse=lse, workspace=workspace)
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score.out"), {
+        "query": q, "key": latent, "value": latent, **mla, "workspace": workspace,
+        "attention_out": out, "softmax_lse": lse})
+    kernels.fused_infer_attention_score_mla_decode_workspace(q, latent, latent, **mla)
+    assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
+                     {"query": q, "key": latent, "value": latent, **mla})
+    query, window = torch.zeros(2, 1, 512, dtype=bf16), torch.zeros(2, 256, dtype=torch.bool)
+    out = torch.zeros_like(query)
+    gqa = {"atten_mask": window, "block_table": table, "actual_seq_lengths_kv": [200, 140],
+           "num_heads": 8, "num_key_value_heads": 2, "scale": 0.125, "block_size": 128}
+    kernels.fused_infer_attention_score_decode(query, paged, paged, **gqa, attention_out=out,
+                                               softmax_lse=lse, workspace=workspace)
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score.out"), {
+        "query": query, "key": paged, "value": paged, **gqa, "input_layout": "BSH",
+        "workspace": workspace, "attention_out": out, "softmax_lse": lse})
+    kernels.fused_infer_attention_score_decode_workspace(query, paged, paged, **gqa)
+    assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
+                     {"query": query, "key": paged, "value": paged, **gqa, "input_layout": "BSH"})
 
 
 def test_count_launches_counts_per_op_and_restores_the_originals():

@@ -42,9 +42,10 @@ offloading read; the kernels get it as two contiguous ND caches over doubled blo
 single allocation.
 
 Graphs: FULL graphs hold uniform single-token decode batches of models whose every layer
-decodes on ``_npu_paged_attention`` (fp16/bf16, no window, no soft-cap), its host context
-lengths re-issued on every replay through :func:`acl_graph.launch`; any other attention
-path refuses to run inside a capture. Prefill and mixed batches (FIA, with host query and
+decodes on ``_npu_paged_attention`` or, in windowed layers, on the masked one-token FIA
+(launched in its ``.out`` form with a workspace sized at capture in engines with FULL graphs),
+their host KV lengths re-issued on every replay through :func:`acl_graph.launch`; composed
+attention (fp32, soft-capped logits) refuses to run inside a capture. Prefill and mixed batches (FIA, with host query and
 KV lengths) stay outside graphs: eager, or between PIECEWISE graphs. A FULL graph's batch
 is padded to its capture size; its padded requests get one token each over vLLM's null
 block (block 0), and every token without a slot (padding, dummy runs) writes its K/V into
@@ -75,7 +76,7 @@ from ascend_patch.npu.attention.paths import (
     KERNEL_BLOCK_SIZE,
     AttentionPaths,
     choose_paths,
-    decodes_on_paged_attention,
+    graph_decode_refusal,
 )
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import composed, limits
@@ -195,12 +196,11 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # FULL graphs for single-token decode batches on _npu_paged_attention (see the module
-        # docstring); every other path bakes host data or refuses to run inside a capture.
-        window = getattr(kv_cache_spec, "sliding_window", None)  # not a seam: a spec kind's field
-        paged = (window is None
-                 and decodes_on_paged_attention(vllm_config.model_config, kv_cache_spec.head_size))
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if paged else AttentionCGSupport.NEVER
+        # FULL graphs for single-token decode batches on the decode kernels with a replay update
+        # (see the module docstring); every other path bakes host data or refuses to run inside
+        # a capture.
+        refusal = graph_decode_refusal(vllm_config.model_config, kv_cache_spec.head_size)
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if refusal is None else AttentionCGSupport.NEVER
 
     def _positions(self, width: int) -> torch.Tensor:
         if self._key_positions.numel() != width:  # the block table's width is fixed: once
@@ -298,6 +298,9 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._mask: torch.Tensor | None = None
         self._paths: dict[torch.dtype, AttentionPaths] = {}
+        # In an engine with FULL graphs the windowed decode launches FIA's .out form, whose
+        # workspace is sized at capture and whose host lengths every replay re-issues.
+        self._graph_decode = acl_graph.full_graphs_configured()
 
     def paths(self, dtype: torch.dtype) -> AttentionPaths:
         """The kernels that serve this layer for a model in ``dtype``."""
@@ -350,7 +353,11 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         if path == "paged_attention":
             self._paged_attention(layer.layer_name, query.contiguous(), key_cache, value_cache, meta, out)
             return output
-        if acl_graph.capturing():  # FULL graphs hold decode batches on paged attention only
+        if path == "fused_masked" and self._graph_decode:
+            self._windowed_decode(layer.layer_name, query.contiguous(), key_cache, value_cache,
+                                  meta, out)
+            return output
+        if acl_graph.capturing():  # FULL graphs hold decode batches of the kernels above only
             raise RuntimeError(f"{path} attention inside a graph capture: its host query/KV lengths "
                                "would be replayed unchanged")
         if path == "composed":
@@ -384,6 +391,32 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
 
         def workspace(params: AscendMetadata):
             return kernels.paged_attention_workspace(*args, params.context_lens, out)
+
+        acl_graph.launch(layer_name, meta, issue, workspace)
+
+    def _windowed_decode(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
+                         out) -> None:
+        """The masked one-token BSH FIA written into ``out``. Its host KV lengths are re-issued
+        on every replay; the mask is computed on the device from vLLM's device sequence lengths
+        (captured with the step), the block table is the builder's persistent buffer."""
+        n = query.shape[0]
+        num_blocks, block_size = key_cache.shape[:2]
+        args = (query.view(n, 1, -1), key_cache.view(num_blocks, block_size, -1),
+                value_cache.view(num_blocks, block_size, -1))
+        call = dict(atten_mask=meta.window_mask(self.sliding_window),
+                    block_table=meta.kernel_block_table, num_heads=self.num_heads,
+                    num_key_value_heads=self.num_kv_heads, scale=self.scale, block_size=block_size)
+        attention_out = out.view(n, 1, -1)
+        lse = torch.empty(0, dtype=torch.float32, device=query.device)  # no softmax_lse_flag
+
+        def issue(params: AscendMetadata, workspace) -> None:
+            kernels.fused_infer_attention_score_decode(
+                *args, actual_seq_lengths_kv=params.seq_lens, **call,
+                attention_out=attention_out, softmax_lse=lse, workspace=workspace)
+
+        def workspace(params: AscendMetadata):
+            return kernels.fused_infer_attention_score_decode_workspace(
+                *args, actual_seq_lengths_kv=params.seq_lens, **call)
 
         acl_graph.launch(layer_name, meta, issue, workspace)
 

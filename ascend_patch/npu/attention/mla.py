@@ -8,7 +8,11 @@ up-projection of their output. It calls this backend's impl for three things per
 - ``do_kv_cache_update``: ``npu_scatter_pa_kv_cache`` writes each token's latent ``kv_c`` and rope
   key ``k_pe`` into their two cache planes (vLLM's default is CUDA ``concat_and_cache_mla``);
 - ``forward_mqa`` (the decode tokens, queries already absorbed): ATB
-  ``npu_multi_head_latent_attention`` over the planes, heads zero-padded to a count it takes;
+  ``npu_multi_head_latent_attention`` over the planes, heads zero-padded to a count it takes; in
+  an engine with FULL graphs, ``npu_fused_infer_attention_score``'s MLA (rope) form instead, the
+  one vllm-ascend captures (``mla_v1``): its ``.out`` call with a workspace sized at capture,
+  launched through :func:`acl_graph.launch` so every replay re-issues it with the step's host KV
+  lengths (``actual_seq_lengths_kv``), heads zero-padded to the 32, 64 or 128 it takes;
 - ``forward_mha`` (the prefill tokens, fresh or behind cached context: chunked prefill,
   prefix-cache hits): up-projected attention, as vLLM's own MLA prefill runs it. Each prefill's
   latent rows (its cached context and its new tokens, which the cache write has just stored) are
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionType,
     CommonAttentionMetadata,
     MLAAttentionImpl,
@@ -61,6 +66,7 @@ from ascend_patch.npu import kernels
 from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
 from ascend_patch.npu.attention import paths
 from ascend_patch.npu.attention.paths import FUSED_DTYPES, KERNEL_BLOCK_SIZE
+from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import composed, limits
 
 logger = logging.getLogger("vllm.ascend_patch")
@@ -164,6 +170,7 @@ class AscendMLAMetadata:
     num_decode_tokens: int
     num_prefills: int
     slot_mapping: torch.Tensor
+    """The step's cache slots, a slot of the null block for each token without one (padding)."""
     decode: AscendMLADecodeMetadata | None
     prefill: AscendMLAPrefillMetadata | None
 
@@ -256,6 +263,14 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
     # this with QueryLenSupport.SINGLE_ONLY).
     reorder_batch_threshold: int = 1
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # FULL graphs for single-token decode batches on FIA's MLA form (its host KV lengths
+        # re-issued on every replay); prefills bake host lengths and stay outside graphs.
+        model = vllm_config.model_config
+        refusal = paths.mla_graph_decode_refusal(model.dtype, model.hf_text_config)
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if refusal is None else AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.prefill_budget = prefill_workspace_rows(vllm_config.model_config.max_model_len,
@@ -273,6 +288,11 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         q_lens = [end - start for start, end in zip([0, *query_ends[:-1]], query_ends)]
         num_reqs = len(q_lens)
         num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), num_reqs)
+        n = batch.num_tokens
+        # In the builder's persistent buffer (a FULL graph's captured cache write reads it there);
+        # the tokens without a slot (padding, dummy runs) write into slots of the null block.
+        slots = torch.where(batch.slot_mapping < 0, self._null_slots[:n], batch.slot_mapping,
+                            out=self._kv_slots[:n])
         decode = prefill = None
         if num_decodes:
             decode = AscendMLADecodeMetadata(block_table[:num_decodes], seq_lens[:num_decodes])
@@ -284,7 +304,7 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             num_prefills=num_reqs - num_decodes,
-            slot_mapping=batch.slot_mapping,
+            slot_mapping=slots,
             decode=decode,
             prefill=prefill,
         )
@@ -359,6 +379,11 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                            f"{qk_rope_head_dim}, v_head_dim {v_head_dim}, {num_heads} heads: "
                            "npu_fused_infer_attention_score's TND form takes query/key 192 with "
                            "value 128 or 192 and at most 128 heads")
+        # In an engine with FULL graphs the decode runs on FIA's MLA form, the one with a replay
+        # update; eager engines keep the ATB op (no padding of fewer than 32 heads up to 32).
+        self.graph_heads = None
+        if self.decode_heads and acl_graph.full_graphs_configured():
+            self.graph_heads = next(n for n in limits.FIA_ROPE_HEADS if n >= num_heads)
         self._owner = None
 
     # -- vLLM's MLAAttention layer this impl belongs to --------------------------------------
@@ -390,7 +415,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         kv_c_plane, k_pe_plane = latent_planes(kv_cache, self.kv_lora_rank)
         kernels.scatter_pa_kv_cache(
             kv_c_normed[:n].unsqueeze(1).contiguous(), k_pe[:n].contiguous(),
-            kv_c_plane, k_pe_plane, slot_mapping[:n],
+            kv_c_plane, k_pe_plane, metadata.slot_mapping,
         )
 
     # -- decode: absorbed queries over the latent cache ----------------------------------------
@@ -402,7 +427,9 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :]
         meta = attn_metadata.decode
         kv_c, k_pe = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        if self.decode_heads and q_nope.dtype in FUSED_DTYPES:
+        if self.graph_heads and q_nope.dtype in FUSED_DTYPES:
+            out = self._fia_decode(q_nope, q_pe, kv_c, k_pe, attn_metadata, layer.layer_name)
+        elif self.decode_heads and q_nope.dtype in FUSED_DTYPES:
             out = self._atb_decode(q_nope, q_pe, kv_c, k_pe, meta)
         else:
             out = composed.latent_decode(q_nope, q_pe, kv_c, k_pe, meta.block_table, meta.seq_lens,
@@ -416,6 +443,34 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         out = kernels.multi_head_latent_attention(q_nope, q_pe, kv_c, k_pe, meta.block_table,
                                                   meta.seq_lens, heads, self.scale, 1)
         return out[:, : self.num_heads]
+
+    def _fia_decode(self, q_nope, q_pe, kv_c, k_pe, metadata: AscendMLAMetadata, layer_name):
+        """FIA's MLA form: BNSD queries over the BnBsH latent planes, written into buffers of
+        this step (of the graph's pool in a capture), its host KV lengths those of the metadata
+        each launch or task update is handed."""
+        heads = self.graph_heads
+        query = _pad_heads(q_nope, heads).unsqueeze(2).contiguous()  # [B, N, 1, 512]
+        query_rope = _pad_heads(q_pe, heads).unsqueeze(2).contiguous()
+        blocks, block_size = kv_c.shape[:2]
+        key, key_rope = kv_c.view(blocks, block_size, -1), k_pe.view(blocks, block_size, -1)
+        out = torch.empty_like(query)
+        lse = torch.empty(0, dtype=torch.float32, device=query.device)  # no softmax_lse_flag
+        call = dict(query_rope=query_rope, key_rope=key_rope,
+                    block_table=metadata.decode.block_table, num_heads=heads,
+                    num_key_value_heads=1, scale=self.scale, input_layout="BNSD",
+                    block_size=block_size)
+
+        def issue(params: AscendMLAMetadata, workspace) -> None:
+            kernels.fused_infer_attention_score_mla_decode(
+                query, key, key, actual_seq_lengths_kv=params.decode.seq_lens, **call,
+                attention_out=out, softmax_lse=lse, workspace=workspace)
+
+        def workspace(params: AscendMLAMetadata):
+            return kernels.fused_infer_attention_score_mla_decode_workspace(
+                query, key, key, actual_seq_lengths_kv=params.decode.seq_lens, **call)
+
+        acl_graph.launch(layer_name, metadata, issue, workspace)
+        return out[:, : self.num_heads, 0]
 
     # -- prefill: up-projected from the cached latent rows -------------------------------------
 

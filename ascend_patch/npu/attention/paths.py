@@ -24,29 +24,44 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FIA_TND_HEAD_SIZES = limits.FIA_TND_PAGED_HEAD_SIZES
 
 
-def decodes_on_paged_attention(model_config, head_size: int) -> bool:
-    """Whether every attention layer of the model decodes on ``_npu_paged_attention`` (the one
-    decode kernel FULL graphs hold), as :func:`choose_paths` decides."""
-    return paged_decode_refusal(model_config, head_size) is None
-
-
-def paged_decode_refusal(model_config, head_size: int) -> str | None:
-    """Why not every attention layer decodes on ``_npu_paged_attention``, or None: it takes fp16
-    or bf16, no sliding window in any layer, no soft-capped logits, head sizes up to its limit;
-    MLA models decode on their own kernel."""
-    window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
-    # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
-    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)  # not a seam: HF
+def graph_decode_refusal(model_config, head_size: int) -> str | None:
+    """Why not every layer's decode can be held in a FULL graph, or None. The decode kernels with
+    a replay update of their host lengths: ``_npu_paged_attention`` (layers without a window),
+    the one-token BSH ``npu_fused_infer_attention_score`` with the window as a mask (windowed
+    layers), FIA's MLA form (MLA models: :func:`mla_graph_decode_refusal`). Composed attention
+    (fp32, soft-capped logits, head sizes no kernel takes) turns host lengths into new tensors
+    every step and cannot be captured."""
     if model_config.use_mla:
-        return "an MLA model decodes on the MLA kernel"
-    if model_config.dtype not in FUSED_DTYPES:
-        return f"{str(model_config.dtype).removeprefix('torch.')} decodes on composed attention"
-    if window is not None:
-        return f"sliding window {window}: windowed layers decode on the masked one-token FIA"
-    if soft_cap:
-        return f"logits soft-cap {soft_cap}: soft-capped layers decode on composed attention"
-    if head_size > limits.PA_MAX_HEAD_SIZE:
-        return f"head size {head_size} is above _npu_paged_attention's {limits.PA_MAX_HEAD_SIZE}"
+        return mla_graph_decode_refusal(model_config.dtype, model_config.hf_text_config)
+    window = None if model_config.disable_sliding_window else model_config.get_sliding_window()
+    hf = model_config.hf_text_config
+    # attn_logit_softcapping: what vLLM's soft-capped models (Gemma 2) pass their layers
+    soft_cap = getattr(hf, "attn_logit_softcapping", None)  # not a seam: HF
+    kv_heads = getattr(hf, "num_key_value_heads", None) or 1  # not a seam: HF
+    kinds = [("global", None)] + ([("windowed", window)] if window is not None else [])
+    composed = [(kind, paths) for kind, layer_window in kinds
+                if (paths := choose_paths(model_config.dtype, head_size, kv_heads, layer_window,
+                                          soft_cap or None)).decode == "composed"]
+    if composed:  # which layers (a windowed model may have global layers too) and why
+        which = " and ".join(kind for kind, _ in composed) if window is not None else "all"
+        return (f"{composed[0][1].why}: its {which} layers decode on composed attention "
+                "(standard torch ops, host lengths made into tensors every step)")
+    return None
+
+
+def mla_graph_decode_refusal(dtype: torch.dtype, hf_config) -> str | None:
+    """Why an MLA model's decode does not run on ``npu_fused_infer_attention_score``'s MLA form
+    (the one MLA decode with a replay update), or None: it takes fp16/bf16, latent 512, rope 64,
+    and 32, 64 or 128 query heads (fewer are zero-padded)."""
+    rank = getattr(hf_config, "kv_lora_rank", None)  # not a seam: HF (DeepSeek-style configs)
+    rope = getattr(hf_config, "qk_rope_head_dim", None)  # not a seam: HF
+    heads = getattr(hf_config, "num_attention_heads", 0)  # not a seam: HF
+    if dtype not in FUSED_DTYPES:
+        return f"{str(dtype).removeprefix('torch.')} MLA decodes on composed attention"
+    if (rank, rope) != (limits.LATENT_DIM, limits.ROPE_DIM) or heads > max(limits.FIA_ROPE_HEADS):
+        return (f"MLA kv_lora_rank {rank}, qk_rope_head_dim {rope}, {heads} heads: "
+                "npu_fused_infer_attention_score's MLA form takes 512, 64 and at most "
+                f"{max(limits.FIA_ROPE_HEADS)} heads")
     return None
 
 

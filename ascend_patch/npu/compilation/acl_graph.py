@@ -95,6 +95,19 @@ def _collect_host_param_launches():
         _capturing = outer
 
 
+def full_graphs_configured() -> bool:
+    """Whether the engine whose model is being built captures FULL graphs: its attention layers
+    then launch the decode kernels' capturable forms. False outside an engine's config."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        config = get_current_vllm_config()
+    except AssertionError:  # vLLM 0.33 outside set_current_vllm_config (an impl built alone)
+        return False
+    mode = config.compilation_config.cudagraph_mode
+    return mode is not None and mode.has_full_cudagraphs()
+
+
 # -- the wrapper ---------------------------------------------------------------------------------
 
 
@@ -108,6 +121,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
 
     captures = 0  # process-wide counts, for tests and benchmarks
     replays: Counter[int] = Counter()  # by the replayed batch's (padded) token count
+    task_updates = 0  # captured launches re-issued with a replay's host parameters
 
     def __init__(self, runnable, vllm_config, runtime_mode, cudagraph_options=None) -> None:
         super().__init__(runnable, vllm_config, runtime_mode, cudagraph_options)
@@ -141,6 +155,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
                 self._update_stream = self._graphs.Stream()  # not the capture's stream
             self._workspaces = renew_host_params(self._graphs, self._update_stream, updates,
                                                  context.attn_metadata)
+            NPUGraphWrapper.task_updates += len(updates)
         entry.cudagraph.replay()
         NPUGraphWrapper.replays[descriptor.num_tokens] += 1
         return entry.output

@@ -67,6 +67,11 @@ HOST_TENSORS = {
     "paged_attention": frozenset({"context_lens"}),
     "paged_attention_workspace": frozenset({"context_lens"}),
 }
+# Seam ops that size and allocate a workspace on the host (``*_get_workspace``,
+# ``*_get_max_workspace``) and launch nothing: inside a capture their buffer is an allocation of
+# the graph pool, and a replay does not run them again.
+WORKSPACE_OPS = frozenset({"paged_attention_workspace", "fused_infer_attention_score_decode_workspace",
+                           "fused_infer_attention_score_mla_decode_workspace"})
 
 
 class GraphCaptureError(RuntimeError):
@@ -277,12 +282,16 @@ class _Capture:
             args, kwargs = _by_value(name, signature, args, kwargs)
         finally:
             self.seam_depth -= 1
+        if name in WORKSPACE_OPS:
+            self.graph._hold(result)
+            return result
         self.graph._record(fn, args, kwargs, result, (args, kwargs), name)
         return result
 
     def check(self, func, args, kwargs) -> None:
         tags = func.tags
-        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+        if ((torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags)
+                and not _integer_indexing(func, args)):
             raise GraphCaptureError(
                 f"host sync inside a captured region: {func} reads tensor values on the host "
                 "(.item(), bool(), or an output shape that depends on the values); an NPU graph "
@@ -298,6 +307,15 @@ class _Capture:
                 "a graph's shapes and addresses are fixed at capture")
         if torch.Tag.cudagraph_unsafe in tags:
             raise GraphCaptureError(f"{func} is tagged cudagraph_unsafe and cannot be captured")
+
+
+def _integer_indexing(func, args) -> bool:
+    """``aten.index.Tensor`` with integer indices only (a gather, as in ``cache[positions]``): its
+    output shape is the indices' shape, so it is device work. Only boolean masks make the shape
+    depend on the values, which is why the op carries the dynamic-shape tag."""
+    return func is _aten.index.Tensor and all(
+        index is None or not (index.dtype == torch.bool or index.dtype == torch.uint8)
+        for index in args[1])
 
 
 class _DeviceWork(TorchDispatchMode):

@@ -32,6 +32,8 @@ from .contracts import KernelContractError
 OPS = (
     "scatter_pa_kv_cache",
     "fused_infer_attention_score",
+    "fused_infer_attention_score_decode",
+    "fused_infer_attention_score_decode_workspace",
     "fusion_attention",
     "paged_attention",
     "paged_attention_workspace",
@@ -51,6 +53,8 @@ OPS = (
     "quantize",
     "quant_matmul",
     "fused_infer_attention_score_mla",
+    "fused_infer_attention_score_mla_decode",
+    "fused_infer_attention_score_mla_decode_workspace",
     "multi_head_latent_attention",
     "batch_gather_matmul_",
     "swap_blocks",

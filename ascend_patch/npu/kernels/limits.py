@@ -44,6 +44,9 @@ FIA_TND_MLA_HEAD_DIMS = ((192, 128), (192, 192))
 FIA_ROPE_HEADS = (32, 64, 128)
 FIA_ROPE_MAX_QUERY = 16
 FIA_ROPE_LAYOUTS = ("BSH", "BSND", "BNSD")
+# [FIA-WHEEL] the same: key N 1, D 512 (key_rope D 64); "必须开启PageAttention, 此时block_size支持16、128"
+# (A2/A3, ND); Q_S = 1: "支持sparse=0且不传mask".
+FIA_ROPE_BLOCK_SIZES = (16, 128)
 
 # --- npu_fusion_attention (FA): encoder-only attention, TND ---------------------------------------
 

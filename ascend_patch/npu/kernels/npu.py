@@ -69,6 +69,35 @@ def fused_infer_attention_score(
     )
 
 
+def fused_infer_attention_score_decode(query, key, value, *, atten_mask, block_table,
+                                       actual_seq_lengths_kv, num_heads, num_key_value_heads,
+                                       scale, block_size, attention_out, softmax_lse,
+                                       workspace=None):
+    # One-token BSH queries over the paged cache with the window as a mask, written into caller
+    # buffers with a workspace sized beforehand: the .out form a FULL graph captures and re-issues
+    # per step with new actual_seq_lengths_kv (vllm-ascend's full_graph_fia, update_graph_params).
+    return _torch_npu().npu_fused_infer_attention_score.out(
+        query, key, value,
+        atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, input_layout="BSH",
+        block_size=block_size, workspace=workspace, attention_out=attention_out,
+        softmax_lse=softmax_lse,
+    )
+
+
+def fused_infer_attention_score_decode_workspace(query, key, value, *, atten_mask, block_table,
+                                                 actual_seq_lengths_kv, num_heads,
+                                                 num_key_value_heads, scale, block_size):
+    return _torch_npu()._npu_fused_infer_attention_score_get_max_workspace(
+        query, key, value,
+        atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, input_layout="BSH",
+        block_size=block_size,
+    )
+
+
 def fusion_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0,
                      pre_tockens=2147483647, next_tockens=2147483647, actual_seq_qlen=None,
                      actual_seq_kvlen=None, sparse_mode=0):
@@ -268,6 +297,39 @@ def fused_infer_attention_score_mla(query, key, value, *, query_rope=None, key_r
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
         input_layout=input_layout, sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag,
+    )
+
+
+def fused_infer_attention_score_mla_decode(query, key, value, *, query_rope, key_rope,
+                                           block_table, actual_seq_lengths_kv, num_heads,
+                                           num_key_value_heads, scale, input_layout, block_size,
+                                           attention_out, softmax_lse, workspace=None):
+    # The op's rope (MLA) branch over the paged latent cache, written into caller buffers with a
+    # workspace sized beforehand: the .out form vllm-ascend captures in ACL graphs and re-issues
+    # per step with new actual_seq_lengths_kv (mla_v1 / acl_graph.update_mla_attn_params).
+    # The outputs by the schema's names (attention_out, softmax_lse).
+    return _torch_npu().npu_fused_infer_attention_score.out(
+        query, key, value,
+        query_rope=query_rope, key_rope=key_rope, block_table=block_table,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, input_layout=input_layout,
+        block_size=block_size, workspace=workspace, attention_out=attention_out,
+        softmax_lse=softmax_lse,
+    )
+
+
+def fused_infer_attention_score_mla_decode_workspace(query, key, value, *, query_rope, key_rope,
+                                                     block_table, actual_seq_lengths_kv,
+                                                     num_heads, num_key_value_heads, scale,
+                                                     input_layout, block_size):
+    # The workspace of the largest call of this shape, so a captured launch (and each task update
+    # of it) uses the graph's buffer instead of allocating its own.
+    return _torch_npu()._npu_fused_infer_attention_score_get_max_workspace(
+        query, key, value,
+        query_rope=query_rope, key_rope=key_rope, block_table=block_table,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, input_layout=input_layout,
+        block_size=block_size,
     )
 
 

@@ -12,6 +12,8 @@ copies between device and host); this package's namespace is the backend.
 
 from .attention import (
     fused_infer_attention_score,
+    fused_infer_attention_score_decode,
+    fused_infer_attention_score_decode_workspace,
     paged_attention,
     paged_attention_workspace,
     scatter_pa_kv_cache,
@@ -20,7 +22,12 @@ from .blocks import swap_blocks
 from .fusion_attention import fusion_attention
 from .layers import add_rms_norm, mrope, rms_norm, rotary_mul, swiglu
 from .lora import batch_gather_matmul_
-from .mla import fused_infer_attention_score_mla, multi_head_latent_attention
+from .mla import (
+    fused_infer_attention_score_mla,
+    fused_infer_attention_score_mla_decode,
+    fused_infer_attention_score_mla_decode_workspace,
+    multi_head_latent_attention,
+)
 from .moe import (
     grouped_matmul,
     moe_finalize_routing,
@@ -34,7 +41,9 @@ from .sampling import top_k_top_p
 
 __all__ = [
     "add_rms_norm", "batch_gather_matmul_", "dynamic_quant", "fused_infer_attention_score",
-    "fused_infer_attention_score_mla", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
+    "fused_infer_attention_score_decode", "fused_infer_attention_score_decode_workspace",
+    "fused_infer_attention_score_mla", "fused_infer_attention_score_mla_decode",
+    "fused_infer_attention_score_mla_decode_workspace", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
     "mrope", "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
     "quantize", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swap_blocks", "swiglu", "top_k_top_p",

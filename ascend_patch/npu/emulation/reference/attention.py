@@ -199,6 +199,53 @@ def fused_infer_attention_score(
     return out, no_softmax_lse(query)
 
 
+def fused_infer_attention_score_decode(query, key, value, *, atten_mask, block_table,
+                                       actual_seq_lengths_kv, num_heads, num_key_value_heads,
+                                       scale, block_size, attention_out, softmax_lse,
+                                       workspace=None):
+    """``npu_fused_infer_attention_score.out`` for one-token BSH queries over the paged cache with
+    an explicit (B, KV_S) mask: the BSH decode of :func:`fused_infer_attention_score`, written
+    into ``attention_out`` (``softmax_lse`` is not computed: no flag)."""
+    op = "npu_fused_infer_attention_score.out"
+    out, _ = fused_infer_attention_score(
+        query, key, value, atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, input_layout="BSH",
+        block_size=block_size)
+    check_out_form(op, query, attention_out, softmax_lse, workspace)
+    attention_out.copy_(out)
+    return attention_out, softmax_lse
+
+
+def check_out_form(op, query, attention_out, softmax_lse, workspace) -> None:
+    """The ``.out`` form's own arguments: ``attention_out`` like the query (its output without
+    ``softmax_lse_flag``), contiguous; ``softmax_lse`` a tensor (not written without the flag);
+    ``workspace`` the byte buffer ``_npu_fused_infer_attention_score_get_max_workspace`` gave."""
+    check_tensor(op, "attention_out", attention_out)
+    require(attention_out.shape == query.shape and attention_out.dtype == query.dtype, op,
+            "attention_out", f"{query.dtype} of shape {tuple(query.shape)}",
+            f"{attention_out.dtype} {tuple(attention_out.shape)}")
+    check_contiguous(op, "attention_out", attention_out)
+    check_tensor(op, "softmax_lse", softmax_lse)
+    if workspace is not None:
+        check_tensor(op, "workspace", workspace)
+        check_dtype(op, "workspace", workspace, (torch.uint8,))
+        check_dims(op, "workspace", workspace, 1)
+
+
+def fused_infer_attention_score_decode_workspace(query, key, value, *, atten_mask, block_table,
+                                                 actual_seq_lengths_kv, num_heads,
+                                                 num_key_value_heads, scale, block_size):
+    """``_npu_fused_infer_attention_score_get_max_workspace`` for that call: a byte buffer (its
+    size is the op's business), after the call's contract checks."""
+    fused_infer_attention_score(
+        query, key, value, atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, input_layout="BSH",
+        block_size=block_size)
+    return torch.empty(0, dtype=torch.uint8, device=query.device)
+
+
 def no_softmax_lse(query):
     """FIA's ``softmax_lse`` with ``softmax_lse_flag=False``: an empty fp32 tensor of shape (0,).
     The op allocates it so (op-plugin ``FusedInferAttentionScoreKernelNpuOpApi.cpp``:

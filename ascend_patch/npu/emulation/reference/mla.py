@@ -60,6 +60,7 @@ from .attention import (
     _check_causal_mask,
     _check_tnd_lengths,
     _lengths_from_cumulative,
+    check_out_form,
     no_softmax_lse,
 )
 
@@ -173,6 +174,97 @@ def _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads)
             f"at most {limits.FIA_ROPE_MAX_QUERY} tokens per sequence (S) with query_rope",
             query.shape[seq_axis])
     require(num_heads in limits.FIA_ROPE_HEADS, op, "num_heads", "32, 64 or 128 with query_rope", num_heads)
+
+
+# --- npu_fused_infer_attention_score, the MLA decode form (.out, captured in graphs) ---------------
+
+
+def fused_infer_attention_score_mla_decode(query, key, value, *, query_rope, key_rope, block_table,
+                                           actual_seq_lengths_kv, num_heads, num_key_value_heads,
+                                           scale, input_layout, block_size, attention_out,
+                                           softmax_lse, workspace=None):
+    """``npu_fused_infer_attention_score.out`` in its rope (MLA) branch, one absorbed query token
+    per sequence over the paged latent cache: query ``[B, N, 1, 512]`` and query_rope
+    ``[B, N, 1, 64]`` (BNSD), key = value the latent cache ``[num_blocks, block_size, 512]`` and
+    key_rope ``[num_blocks, block_size, 64]`` (BnBsH, one KV head), host KV lengths. Writes
+    ``attention_out`` ``[B, N, 1, 512]``; ``softmax_lse`` is not computed (no flag)."""
+    op = "npu_fused_infer_attention_score.out"
+    lengths = _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
+                                actual_seq_lengths_kv, num_heads, num_key_value_heads, scale,
+                                input_layout, block_size)
+    check_out_form(op, query, attention_out, softmax_lse, workspace)  # value D 512 = query D
+    batch, heads = query.shape[:2]
+    blocks, size = key.shape[:2]
+    out = latent_decode(query.view(batch, heads, -1), query_rope.view(batch, heads, -1),
+                        key.view(blocks, size, 1, -1), key_rope.view(blocks, size, 1, -1),
+                        block_table, lengths, scale)
+    attention_out.copy_(out.view(attention_out.shape))
+    return attention_out, softmax_lse
+
+
+def fused_infer_attention_score_mla_decode_workspace(query, key, value, *, query_rope, key_rope,
+                                                     block_table, actual_seq_lengths_kv,
+                                                     num_heads, num_key_value_heads, scale,
+                                                     input_layout, block_size):
+    """``_npu_fused_infer_attention_score_get_max_workspace`` for the MLA decode call: a byte
+    buffer (its size is the op's business, none here), after the same contract checks."""
+    _check_mla_decode("_npu_fused_infer_attention_score_get_max_workspace", query, key, value,
+                      query_rope, key_rope, block_table, actual_seq_lengths_kv, num_heads,
+                      num_key_value_heads, scale, input_layout, block_size)
+    return torch.empty(0, dtype=torch.uint8, device=query.device)
+
+
+def _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
+                      actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, input_layout,
+                      block_size) -> list[int]:
+    """[FIA-WHEEL] query_rope约束 for Q_S = 1 (sparse 0, no mask), the layouts the seam uses, and
+    [FIA] PageAttention约束; returns the KV lengths."""
+    for name, tensor in (("query", query), ("key", key), ("value", value),
+                         ("query_rope", query_rope), ("key_rope", key_rope)):
+        check_tensor(op, name, tensor)
+        check_contiguous(op, name, tensor)  # [FIA] 不支持非连续
+        check_dtype(op, name, tensor, _HALF)
+        # [FIA-WHEEL] query_rope/key_rope: 数据类型与query/key一致; no antiquant: K/V as query.
+        require(tensor.dtype == query.dtype, op, name, f"{query.dtype} like query", tensor.dtype)
+    require(input_layout == "BNSD", op, "input_layout", "'BNSD' (the seam's MLA decode layout)",
+            input_layout)
+    check_dims(op, "query", query, 4)  # BNSD (B, N, S, D)
+    batch, heads, q_s, head_dim = query.shape
+    _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads)
+    require(q_s == 1, op, "query", "one token per sequence (S = 1) in the decode form", q_s)
+    require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
+    require(query_rope.shape == (batch, heads, 1, limits.ROPE_DIM), op, "query_rope",
+            f"shape {(batch, heads, 1, limits.ROPE_DIM)} (B, N, S as query, D 64)",
+            tuple(query_rope.shape))
+    require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
+    # [FIA-WHEEL] key N 1, D 512, key_rope D 64; [FIA] PageAttention: BnBsH (blocknum, block_size, H).
+    require(num_key_value_heads == 1, op, "num_key_value_heads", "1 with query_rope",
+            num_key_value_heads)
+    check_dims(op, "key", key, 3)
+    num_blocks, cache_block = key.shape[:2]
+    require(key.shape[2] == limits.LATENT_DIM, op, "key",
+            f"a paged cache (num_blocks, block_size, {limits.LATENT_DIM})", tuple(key.shape))
+    require(value.shape == key.shape, op, "value", f"shape {tuple(key.shape)} like key",
+            tuple(value.shape))
+    require(key_rope.shape == (num_blocks, cache_block, limits.ROPE_DIM), op, "key_rope",
+            f"shape {(num_blocks, cache_block, limits.ROPE_DIM)}", tuple(key_rope.shape))
+    require(block_size == cache_block and block_size in limits.FIA_ROPE_BLOCK_SIZES, op,
+            "block_size", f"key.shape[1] = {cache_block}, 16 or 128 with query_rope", block_size)
+    check_tensor(op, "block_table", block_table)
+    check_dtype(op, "block_table", block_table, (torch.int32,))
+    check_dims(op, "block_table", block_table, 2)
+    require(block_table.shape[0] == batch, op, "block_table", f"{batch} rows (one per sequence)",
+            block_table.shape[0])
+    # [FIA] non-TND: actual_seq_lengths_kv "1 or ≥ batch" entries; PageAttention 场景下必须传入.
+    lengths = check_int_list(op, "actual_seq_lengths_kv", actual_seq_lengths_kv)
+    require(len(lengths) == batch, op, "actual_seq_lengths_kv", f"{batch} entries (the batch)",
+            len(lengths))
+    capacity = block_table.shape[1] * block_size
+    for length in lengths:
+        require(1 <= length <= capacity, op, "actual_seq_lengths_kv",
+                f"in [1, {capacity}] (block_table columns × block_size)", length)
+    _check_block_ids(op, block_table, lengths, block_size, num_blocks)
+    return lengths
 
 
 # --- torch_npu.atb.npu_multi_head_latent_attention ------------------------------------------------

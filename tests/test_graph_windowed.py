@@ -1,0 +1,98 @@
+"""Windowed models in FULL graphs on the emulated NPU: replayed graphs give the tokens eager mode
+gives on Mistral (every layer windowed, head size 128) and Gemma 3 (windowed and global layers
+in two KV-cache groups, head size 256), and soft-capped Gemma 2 says in one line why it decodes
+eagerly.
+
+A windowed layer decodes on the one-token BSH npu_fused_infer_attention_score with the window as
+a (batch, KV) mask (the op ignores sparse_mode and pre/next_tokens for one-token queries): in an
+engine with FULL graphs its .out form, whose host KV lengths every replay re-issues and whose mask
+is computed on the device from vLLM's sequence lengths inside the graph. The prompts are longer
+than the windows (100 tokens), so the windows cut. The control engine replays with the
+host-parameter updates left out, and its replays break the kernel's contract.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import run_engine
+from tests.test_graph import ENGINE, PROMPT_LENGTHS, RUNS
+
+EAGER = {**ENGINE, "enforce_eager": True}
+LAYERS = 2  # attention layers of the tiny checkpoints (ascend_patch/kit/tiny_models.py)
+ENGINES = {
+    "mistral graph": ("tiny-mistral", ENGINE, RUNS),
+    "mistral eager": ("tiny-mistral", EAGER, RUNS),
+    "mistral stale host parameters": ("tiny-mistral", {**ENGINE, "stale": True}, RUNS[:1]),
+    "gemma3 graph": ("tiny-gemma3", ENGINE, RUNS),
+    "gemma3 eager": ("tiny-gemma3", EAGER, RUNS),
+    "gemma2 default": ("tiny-gemma2", ENGINE, []),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory):
+    prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
+    specs = []
+    for model, kwargs, runs in ENGINES.values():
+        kwargs = dict(kwargs)
+        stale = kwargs.pop("stale", False)
+        specs.append({"model": str(tiny_models[model]), "kwargs": kwargs,
+                      **({"stale_host_params": True} if stale else {}),
+                      "runs": [{"prompts": prompts[:n], "sampling": s} for n, s in runs]})
+    result = run_engine({"engines": specs, "report_errors": True},
+                        tmp_path_factory.mktemp("graph-windowed"), timeout=2400)
+    engines = dict(zip(ENGINES, result["engines"]))
+    for name, engine in engines.items():
+        assert "error" not in engine, f"{name}: {engine.get('error')}"
+        if "stale" not in name:
+            assert not [run["error"] for run in engine["runs"] if "error" in run], name
+    return engines
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma3"])
+def test_windowed_graphs_are_on_by_default_and_replay_eager_tokens(engines, model):
+    graph, eager = engines[f"{model} graph"], engines[f"{model} eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
+    assert [run["tokens"] for run in graph["runs"]] == [run["tokens"] for run in eager["runs"]]
+    # Decode batches of 5 and 3 requests replay the graphs of 8 and 4 (padded); 4, 2, 1 hit theirs.
+    assert set(graph["runs"][0]["graph_replays_by_size"]) == {"1", "2", "4", "8"}
+    assert sum(graph["runs"][2]["cached"]) > 0, "the third run is served from the prefix cache"
+    assert all(run["graph_replays"] > 0 for run in graph["runs"])
+    # The eager engine decodes its windowed layers on the plain call, the graph engine's eager
+    # steps (mixed batches aside) never on it once decode-only batches replay.
+    assert all(run["launches"].get("fused_infer_attention_score_decode", 0) == 0
+               for run in eager["runs"])
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma3"])
+def test_each_replay_updates_every_layers_decode(engines, model):
+    """One task update per captured attention launch (windowed FIA and global paged attention
+    alike): layers × replays."""
+    for run in engines[f"{model} graph"]["runs"]:
+        assert run["task_updates"] == LAYERS * run["graph_replays"]
+
+
+def test_without_host_parameter_updates_windowed_replays_break(engines):
+    """The control: replays keep the capture's KV lengths while the window mask, computed in the
+    graph from vLLM's device lengths, moves on with the sequences: a sequence whose window has
+    moved past the capture's length gets a row whose every key within that length is masked
+    (undefined output on the NPU), which the reference kernel refuses by name, ending the run."""
+    stale = engines["mistral stale host parameters"]
+    assert stale["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert stale["runs"][0]["error"].startswith(
+        "KernelContractError: npu_fused_infer_attention_score: atten_mask must be to leave each "
+        "sequence at least one of its keys, got row")
+
+
+def test_soft_capped_logits_keep_graph_mode_off_and_say_why_in_one_line(engines):
+    gemma2 = engines["gemma2 default"]
+    assert gemma2["cudagraph_mode"] == "NONE"
+    lines = [line for line in gemma2["log"] if "ACL graph mode is off by default" in line]
+    assert lines == [
+        "ascend-patch: ACL graph mode is off by default: logits soft-cap 50: the fused attention "
+        "kernels have no soft-cap input: its global and windowed layers decode on composed "
+        "attention (standard torch ops, host lengths made into tensors every step), which FULL "
+        "ACL graphs cannot hold"]
+
