@@ -1,7 +1,7 @@
-"""Recurrent layers (Mamba-2 mixers) on the composed path: vLLM launches Triton kernels for
-their convolution and selective scan, which do not exist on the NPU; the functions that launch
-them are replaced, by name, with the composed path's (``ascend_patch.npu.ops.recurrent``), and
-the copies ``mamba_mixer2`` imported are rebound with them."""
+"""Recurrent layers (Mamba-2 mixers, gated DeltaNet) on the composed path: vLLM launches Triton
+kernels for their convolution, selective scan and gated delta rule, which do not exist on the
+NPU; the functions that launch them are replaced, by name, with the composed path's
+(``ascend_patch.npu.ops.recurrent``), and the copies the layers imported are rebound with them."""
 
 from ascend_patch.overlay.declarations import Contract, Patch
 
@@ -10,11 +10,12 @@ _COMPOSED = "ascend_patch.npu.ops.recurrent"
 _NO_TRITON = ("launches Triton kernels (CPU builds swap in vllm._C kernels), neither of which "
               "exists on the NPU")
 _REMOVE = "a torch_npu or triton-ascend op takes vLLM's convolution and selective scan"
+_FLA = "vllm.third_party.flash_linear_attention.ops"
 
 # Served and proven on 0.33 only: the mixers' calls changed across 0.20–0.32.
 RELEASES = "==0.33.*"
 
-MAMBA2 = [
+RECURRENT = [
     Patch(
         f"{_OPS}.{module}:{name}",
         reason=f"run {what} on the composed path (generic torch ops per sequence)",
@@ -43,6 +44,37 @@ MAMBA2 = [
          "(state, x, dt, A, B, C, D, dt_bias, z=..., dt_softplus=..., state_batch_indices=..., "
          "dst_state_batch_indices=..., null_block_id=..., out=..., num_accepted_tokens=..., "
          "cu_seqlens=..., is_blackwell=...)"),
+    )
+] + [
+    Patch(
+        f"{_FLA}.{module}:{name}",
+        reason=f"run {what} on the composed path (generic torch ops per sequence)",
+        vllm=RELEASES,
+        signature=(signature,),
+        replacement=f"{_COMPOSED}:instead",
+        implementation=f"{_COMPOSED}:{name}",
+        upstream=f"vllm/third_party/flash_linear_attention/ops/{module}.py: FLA's Triton "
+                 "kernels, which do not exist on the NPU",
+        remove_when="a torch_npu or triton-ascend op takes vLLM's gated delta rule as vLLM calls it",
+    )
+    for module, name, what, signature in (
+        ("fused_gdn_prefill_post_conv", "fused_post_conv_prep",
+         "gated DeltaNet's split, L2 norm and gates after the prefill convolution",
+         "(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim, "
+         "apply_l2norm=..., output_g_exp=...)"),
+        ("chunk", "chunk_gated_delta_rule", "the gated delta rule's chunked prefill",
+         "(q, k, v, g, beta, scale=..., initial_state=..., output_final_state=..., "
+         "cu_seqlens=..., chunk_indices=..., chunk_offsets=..., use_qk_l2norm_in_kernel=..., "
+         "core_attn_out=...)"),
+        ("fused_sigmoid_gating", "fused_sigmoid_gating_delta_rule_update",
+         "the gated delta rule's decode (gates and state update)",
+         "(A_log, a, b, dt_bias, q, k, v, beta=..., threshold=..., scale=..., initial_state=..., "
+         "inplace_final_state=..., cu_seqlens=..., ssm_state_indices=..., "
+         "num_accepted_tokens=..., use_qk_l2norm_in_kernel=..., is_kda=...)"),
+        ("fused_recurrent", "fused_recurrent_gated_delta_rule_packed_decode",
+         "the gated delta rule's packed decode (vLLM's default when no request prefills)",
+         "(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices, "
+         "use_qk_l2norm_in_kernel=...)"),
     )
 ] + [
     Contract(

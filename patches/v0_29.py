@@ -38,7 +38,7 @@ PATCHES = [
     *lora.LORA_CONTRACTS,
     *lora.FULL_LINEAR,
     *spec_decode.SPEC_DECODE,
-    *recurrent.MAMBA2,
+    *recurrent.RECURRENT,
     attention.hybrid_promotion("kv_cache_utils", vllm="<0.33", pr="vllm-project/vllm#14097"),
     attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(

@@ -33,11 +33,13 @@ served from the prefix cache, and "outputs": the prompt's token ids and prompt l
 and every completion with its tokens, text, finish reason and logprobs (per position a
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
 An engine that keeps stats (``"disable_log_stats": false``) also reports, per run, vLLM's own
-speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens).
+speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens) and its
+preemptions ("preemptions").
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An engine spec with
 ``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
-negative control of the graph tests).
+negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs Mamba-2
+decode steps that never advance their SSM state (the negative control of the recurrent tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -105,14 +107,18 @@ def _run(llm, run: dict) -> dict:
 def _run_engine(spec: dict, report_errors: bool) -> dict:
     from ascend_patch.npu.compilation import acl_graph
 
-    reissue = acl_graph._reissue
+    from ascend_patch.npu.kernels import recurrence
+
+    reissue, ssm_step = acl_graph._reissue, recurrence.ssm_step
     if spec.get("stale_host_params"):
         acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
+    if spec.get("stale_recurrent_state"):  # each decode step's output, its state never advanced
+        recurrence.ssm_step = lambda x, dt, A, B, C, state: (ssm_step(x, dt, A, B, C, state)[0], state)
     try:
         with engine.ascend_patch_log() as log:
             result = _generate(spec, report_errors)
     finally:
-        acl_graph._reissue = reissue
+        acl_graph._reissue, recurrence.ssm_step = reissue, ssm_step
     return {**result, "log": log}
 
 
@@ -132,6 +138,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     result["runs"] = []
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)
+        preempted = None if before is None else engine.preemptions(llm)
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
             try:
                 report = _run(llm, run)
@@ -144,6 +151,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         if before is not None:  # the process's counters: this run's share
             after = engine.spec_decode_counts(llm)
             measured["spec_decode"] = {name: after[name] - before[name] for name in after}
+            measured["preemptions"] = engine.preemptions(llm) - preempted
         if layer_launches is not None:
             measured["layer_launches"] = layer_launches
         result["runs"].append({**report, **measured})

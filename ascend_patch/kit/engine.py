@@ -225,6 +225,12 @@ def spec_decode_counts(llm) -> dict[str, int] | None:
     return counts
 
 
+def preemptions(llm) -> int:
+    """vLLM's own count of preempted requests (``vllm:num_preemptions``) so far in this process
+    (an engine that keeps stats)."""
+    return sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+
+
 def shutdown(llm) -> None:
     """Free the engine and its device memory before the next one starts."""
     import torch

@@ -135,6 +135,14 @@ MODELS = {
         "num_local_experts": 0, "shared_intermediate_size": 512, "position_embedding_type": "nope",
         "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 32,
         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 32}),
+    # Qwen3-Next: three gated-DeltaNet layers (2 key heads shared by 4 value heads, width-4
+    # convolution) and one gated full-attention layer (partial rotary), every layer's MLP a
+    # top-2-of-8 MoE with a gated shared expert.
+    "tiny-qwen3-next": ("Qwen3NextForCausalLM", {
+        **_MOE, "norm_topk_prob": True, "shared_expert_intermediate_size": 256,
+        "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25}),
 }
 # Architectures whose config class is not named after them.
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}

@@ -136,8 +136,7 @@ class NPUPlatform(Platform):
             refusal = recurrent_refusal(vllm_config, recurrent)
             if refusal:
                 raise NotImplementedError(f"{model.model}: {refusal}")
-            logger.warning("ascend-patch: %s: %s run composed (generic torch ops per sequence: no "
-                           "torch_npu op takes them)", model.model, served_layers(model))
+            logger.warning("ascend-patch: %s: %s", model.model, served_layers(model))
 
         if model is not None and model.use_mla:
             from ascend_patch.npu.attention import mla
@@ -320,6 +319,15 @@ def recurrent_layers(model) -> str | None:
 # (patches/recurrent.py).
 SERVED_RECURRENT = {
     "GraniteMoeHybridForCausalLM": "Mamba-2 (MambaMixer2)",
+    "Qwen3NextForCausalLM": "gated DeltaNet (QwenGatedDeltaNetAttention)",
+}
+_COMPOSED = "run composed (generic torch ops per sequence: no torch_npu op takes them)"
+# How each kind runs: ascend_patch.npu.ops.recurrent says which torch_npu ops fit and why.
+_HOW = {
+    "GraniteMoeHybridForCausalLM": _COMPOSED,
+    "Qwen3NextForCausalLM": "run their convolution and chunked prefill composed (generic torch ops "
+                            "per sequence) and their decode on npu_recurrent_gated_delta_rule in "
+                            "bf16 (composed in other dtypes, which the op does not take)",
 }
 SERVED_RECURRENT_RELEASES = "0.33"
 
@@ -348,11 +356,12 @@ def recurrent_refusal(vllm_config, recurrent: str) -> str | None:
 
 
 def served_layers(model) -> str:
-    """The served recurrent layers of ``model``, by kind and index, for the start-up line."""
+    """The served recurrent layers of ``model``, by kind and index, and how they run: the
+    start-up line."""
     indices = [i for i, layer in enumerate(model.hf_config.layer_types)
                if layer not in _ATTENTION_KINDS]
     return (f"{len(indices)} {SERVED_RECURRENT[model.architecture]} layers "
-            f"({', '.join(map(str, indices))})")
+            f"({', '.join(map(str, indices))}) {_HOW[model.architecture]}")
 
 
 def graphs_off_by_default(vllm_config) -> str | None:

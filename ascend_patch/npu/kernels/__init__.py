@@ -53,6 +53,7 @@ OPS = (
     "fused_infer_attention_score_mla",
     "multi_head_latent_attention",
     "batch_gather_matmul_",
+    "recurrent_gated_delta_rule",
 )
 
 

@@ -5,7 +5,9 @@ Each function takes the arguments of the vLLM function it stands in for (the pat
 ``patches/recurrent.py`` install it under that name) and writes the same outputs and state
 slots. No torch_npu op takes these layers as vLLM builds them: npu_fused_causal_conv1d has a
 fixed width of 3, no bias and no activation (Ascend 950 only), while vLLM's convolutions are
-width 4 with bias and SiLU; torch_npu has no selective-scan (SSD) op. They run per sequence,
+width 4 with bias and SiLU; torch_npu has no selective-scan (SSD) op; npu_chunk_gated_delta_rule
+takes head dims of 128 only. The gated delta rule's decode runs npu_recurrent_gated_delta_rule
+(kernel seam) where its dtypes allow (bf16), the composed recurrence otherwise. They run per sequence,
 with the sequence boundaries read to the host once per call; the platform says so at start-up
 in one line naming the layers.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import recurrence
 
 _PAD_SLOT_ID = -1
@@ -168,3 +171,133 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
         y, after = recurrence.ssm_step(x[row], dt[row], A, B[row], C[row], state[slot])
         out[row] = (y + _skip(D[:, 0], x[row])).to(out.dtype)
         state[slot] = after.to(state.dtype)
+
+
+# --- gated DeltaNet (Qwen3-Next) ----------------------------------------------------------------
+
+
+def _l2norm(x):
+    """FLA's l2norm: ``x / sqrt(sum(x^2) + 1e-6)`` over the head dim, in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _gates(A_log, a, b, dt_bias, threshold=20.0):
+    """The gated delta rule's decay (log space) and write strength from the layer's inputs:
+    ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, float32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), threshold=threshold)
+    return g, torch.sigmoid(b.float())
+
+
+def fused_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim,
+                         apply_l2norm=True, output_g_exp=False):
+    """``vllm.third_party.flash_linear_attention.ops.fused_post_conv_prep``: the convolved
+    ``[L, q|k|v]`` split into heads (q, k L2-normalised when asked) and the gates."""
+    tokens = conv_output.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = conv_output.split([key_dim, key_dim, conv_output.shape[1] - 2 * key_dim], dim=-1)
+    q = q.reshape(tokens, num_k_heads, head_k_dim)
+    k = k.reshape(tokens, num_k_heads, head_k_dim)
+    if apply_l2norm:
+        q, k = _l2norm(q).to(conv_output.dtype), _l2norm(k).to(conv_output.dtype)
+    g, beta = _gates(A_log, a, b, dt_bias)
+    return (q.contiguous(), k.contiguous(), v.reshape(tokens, -1, head_v_dim).contiguous(),
+            g.exp() if output_g_exp else g, beta)
+
+
+# FLA's chunk length: the chunked form's tiles (the result does not depend on it).
+_GDN_CHUNK = 64
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None, chunk_indices=None,
+                           chunk_offsets=None, use_qk_l2norm_in_kernel=False, core_attn_out=None):
+    """``vllm.third_party.flash_linear_attention.ops.chunk_gated_delta_rule``: the chunked
+    prefill of the gated delta rule over ``[1, T, ...]`` packed sequences (``cu_seqlens``),
+    each from its ``initial_state`` row ``[N, HV, V, K]``. Returns ``(o [1, T, HV, V], final
+    states [N, HV, V, K] or None)``."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    out = torch.empty_like(v) if core_attn_out is None else core_attn_out
+    heads, v_dim, k_dim = v.shape[2], v.shape[3], k.shape[3]
+    finals = torch.empty(len(bounds) - 1, heads, v_dim, k_dim, dtype=torch.float32, device=v.device)
+    for seq, (begin, end) in enumerate(zip(bounds, bounds[1:])):
+        state = (torch.zeros(heads, v_dim, k_dim, device=v.device) if initial_state is None
+                 else initial_state[seq].float())
+        for start in range(begin, end, _GDN_CHUNK):
+            stop = min(start + _GDN_CHUNK, end)
+            o, state = recurrence.gated_delta_chunk(q[0, start:stop], k[0, start:stop],
+                                                    v[0, start:stop], g[0, start:stop],
+                                                    beta[0, start:stop], state, scale)
+            out[0, start:stop] = o.to(out.dtype)
+        finals[seq] = state
+    dtype = v.dtype if initial_state is None else initial_state.dtype
+    return out, finals.to(dtype) if output_final_state else None
+
+
+def fused_sigmoid_gating_delta_rule_update(A_log, a, b, dt_bias, q, k, v, beta=1.0, threshold=20.0,
+                                           scale=None, initial_state=None,
+                                           inplace_final_state=True, cu_seqlens=None,
+                                           ssm_state_indices=None, num_accepted_tokens=None,
+                                           use_qk_l2norm_in_kernel=False, is_kda=False):
+    """``vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating_delta_rule_update``:
+    the gated delta rule's decode, one token per sequence of ``[1, T, ...]`` inputs, the gates
+    computed from ``a``/``b``, each sequence's state read from and written back to
+    ``initial_state[ssm_state_indices[n]]``. Returns ``(o [1, T, HV, V], the state cache)``."""
+    if (not inplace_final_state or num_accepted_tokens is not None or is_kda or beta != 1.0
+            or (cu_seqlens is not None and cu_seqlens.shape[0] - 1 != q.shape[1])):
+        raise NotImplementedError("ascend-patch: the composed gated-delta decode takes one token "
+                                  "per sequence, its state updated in place (no speculative "
+                                  "decoding, no KDA)")
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    g, strength = _gates(A_log, a, b, dt_bias, threshold)
+    out = torch.zeros_like(v)
+    out[0] = _gated_delta_decode(q[0], k[0], v[0], g, strength, initial_state,
+                                 _slots(ssm_state_indices, q.shape[1]), scale)
+    return out, initial_state
+
+
+def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale,
+                                                   initial_state, out, ssm_state_indices,
+                                                   use_qk_l2norm_in_kernel=False):
+    """``vllm.third_party.flash_linear_attention.ops.fused_recurrent_gated_delta_rule_packed_decode``
+    (vLLM's default decode when no request prefills): one convolved ``[B, q|k|v]`` token per
+    sequence, into ``out`` ``[B, 1, HV, V]``; each state advances in place."""
+    v_dim, k_dim = initial_state.shape[-2:]
+    k_heads = (mixed_qkv.shape[1] - A_log.shape[0] * v_dim) // (2 * k_dim)
+    q, k, v, g, strength = fused_post_conv_prep(mixed_qkv, a, b, A_log, dt_bias, k_heads, k_dim,
+                                                v_dim, apply_l2norm=use_qk_l2norm_in_kernel)
+    out[:, 0] = _gated_delta_decode(q, k, v, g, strength, initial_state,
+                                    _slots(ssm_state_indices, mixed_qkv.shape[0]), scale)
+    return out, initial_state
+
+
+def _gated_delta_decode(q, k, v, g, beta, states, slots, scale):
+    """One gated-delta-rule token per row (q/k ``[B, H, K]``, v ``[B, HV, V]``, gates
+    ``[B, HV]``), each row's state ``states[slot]`` advanced in place; padded rows get zeros.
+    bf16 rows and states run npu_recurrent_gated_delta_rule (its dtypes: bf16 only), others
+    the composed recurrence."""
+    out = torch.zeros_like(v)
+    rows = [row for row, slot in enumerate(slots) if not _skipped(slot)]
+    if not rows:
+        return out
+    if all(t.dtype == torch.bfloat16 for t in (q, k, v, states)):
+        index = torch.tensor(rows, device=v.device)
+        out[index] = kernels.recurrent_gated_delta_rule(
+            q[index].contiguous(), k[index].contiguous(), v[index].contiguous(), states,
+            beta=beta[index].to(torch.bfloat16), scale=float(scale),
+            actual_seq_lengths=torch.ones(len(rows), dtype=torch.int32, device=v.device),
+            ssm_state_indices=torch.tensor([slots[row] for row in rows], dtype=torch.int32,
+                                           device=v.device),
+            g=g[index].float())
+        return out
+    for row in rows:
+        o, state = recurrence.gated_delta_step(q[row], k[row], v[row], g[row], beta[row],
+                                               states[slots[row]], scale)
+        out[row] = o.to(out.dtype)
+        states[slots[row]] = state.to(states.dtype)
+    return out
