@@ -39,7 +39,8 @@ Each run also reports the graph replays ("graph_replays", and by padded size); e
 its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An engine spec with
 ``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
 negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs Mamba-2
-decode steps that never advance their SSM state (the negative control of the recurrent tests).
+and gated-DeltaNet decode steps (composed) that never advance their state (the negative control
+of the recurrent tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -109,16 +110,18 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
 
     from ascend_patch.npu.kernels import recurrence
 
-    reissue, ssm_step = acl_graph._reissue, recurrence.ssm_step
+    reissue, steps = acl_graph._reissue, (recurrence.ssm_step, recurrence.gated_delta_step)
     if spec.get("stale_host_params"):
         acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
     if spec.get("stale_recurrent_state"):  # each decode step's output, its state never advanced
-        recurrence.ssm_step = lambda x, dt, A, B, C, state: (ssm_step(x, dt, A, B, C, state)[0], state)
+        recurrence.ssm_step, recurrence.gated_delta_step = (
+            lambda *args, step=step: (step(*args)[0], args[5]) for step in steps)
     try:
         with engine.ascend_patch_log() as log:
             result = _generate(spec, report_errors)
     finally:
-        acl_graph._reissue, recurrence.ssm_step = reissue, ssm_step
+        acl_graph._reissue = reissue
+        recurrence.ssm_step, recurrence.gated_delta_step = steps
     return {**result, "log": log}
 
 

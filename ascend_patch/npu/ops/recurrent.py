@@ -60,12 +60,12 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
                      has_initial_state=None, activation="silu", pad_slot_id=_PAD_SLOT_ID,
                      null_block_id=_NULL_BLOCK_ID, metadata=None, validate_data=False):
     """``vllm...mamba.ops.causal_conv1d.causal_conv1d_fn``: x ``[dim, tokens]`` of concatenated
-    sequences; each sequence starts from its conv state (or zeros) and leaves its last
-    ``width - 1`` inputs there. Returns ``[dim, tokens]``."""
+    sequences; each sequence starts from its conv state where ``has_initial_state`` says so
+    (zeros otherwise) and leaves its last ``width - 1`` inputs there. Returns ``[dim, tokens]``."""
     out = torch.empty_like(x)
     starts = query_start_loc.tolist()
     slots = _slots(cache_indices, len(starts) - 1)
-    initial = [True] * len(slots) if has_initial_state is None else has_initial_state.tolist()
+    initial = [False] * len(slots) if has_initial_state is None else has_initial_state.tolist()
     width = weight.shape[1]
     for seq, (begin, end) in enumerate(zip(starts, starts[1:])):
         slot = slots[seq]
