@@ -33,14 +33,15 @@ served from the prefix cache, and "outputs": the prompt's token ids and prompt l
 and every completion with its tokens, text, finish reason and logprobs (per position a
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
 An engine that keeps stats (``"disable_log_stats": false``) also reports, per run, vLLM's own
-speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens) and its
-preemptions ("preemptions").
+speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens and
+accepted_per_position, vLLM's accepted drafts by draft position) and its preemptions
+("preemptions").
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
-its vLLM-settled cudagraph mode, capture sizes and the graphs it captured. An engine spec with
-``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the
-negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs Mamba-2
-and gated-DeltaNet decode steps (composed) that never advance their state (the negative control
-of the recurrent tests).
+its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
+engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
+out (the negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs
+Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
+control of the recurrent tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -153,7 +154,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
                 report = {"error": f"{type(exc).__name__}: {exc}"}
         if before is not None:  # the process's counters: this run's share
             after = engine.spec_decode_counts(llm)
-            measured["spec_decode"] = {name: after[name] - before[name] for name in after}
+            measured["spec_decode"] = engine.spec_decode_counts_since(before, after)
             measured["preemptions"] = engine.preemptions(llm) - preempted
         if layer_launches is not None:
             measured["layer_launches"] = layer_launches

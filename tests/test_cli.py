@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
+from ascend_patch.overlay import matrix
 from ascend_patch.patches import v0_29
 from tests.helpers.engine import for_installed_vllm
 from tests.helpers.process import ROOT, clean_env, run_json
@@ -50,6 +52,9 @@ def test_doctor_json_reports_the_033_set_with_every_target_verified():
         assert t["implementation"] and t["upstream"] and t["remove_when"], t["target"]
     assert data["settings"] == {"ASCEND_PATCH": "emulate"}
     assert any(path.endswith("a1_ascend_patch.pth") for path in data["pth"])
+    # What the matrix says does not run on this release, as probe says it.
+    expected = [lim.id for lim in matrix.load().limitations_for(Version("0.33.0"))]
+    assert [lim["id"] for lim in data["limitations"]] == expected and expected
 
 
 def test_doctor_apply_reports_applied_targets():
@@ -74,6 +79,7 @@ def test_doctor_table_and_exit_status():
     assert "verdict: would activate" in ok.stdout
     assert "vllm.platforms:resolve_current_platform_cls_qualname" in ok.stdout
     assert "quantization (" in ok.stdout and "  ascend: msModelSlim AscendV1" in ok.stdout
+    assert "known limitations of this release (compat_matrix.yaml):\n  model-runner-v2: " in ok.stdout
 
     auto = _cli("doctor")
     assert auto.returncode == 0, "auto on a machine without an NPU is not a failure"

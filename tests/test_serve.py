@@ -5,7 +5,8 @@ the installed ``.pth`` (``ASCEND_PATCH=emulate`` in the environment); nothing in
 launch command mentions ascend-patch. The ``openai`` client checks completions and
 chat completions, streamed and not, tool calls (Hermes parser, a tool-aware chat
 template), that a rejected request leaves the server working, then a bounded load of
-200 requests at concurrency 16, every greedy output against HF transformers.
+200 requests at concurrency 16, every greedy output against HF transformers. A second server,
+with n-gram speculation, reports vLLM's speculative-decoding counters on /metrics.
 """
 
 from __future__ import annotations
@@ -283,3 +284,84 @@ def test_the_engine_processes_carry_the_overlay(server):
     log = server["log"].read_text()
     assert "(EngineCore" in log, "the multiprocess engine ran in its own process"
     assert "Setting kv cache block size to 128 for CUSTOM backend" in log
+
+
+SPEC_TOKENS = 3
+SPEC_DECODE_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def _spec_decode_metrics(base: str) -> dict:
+    """vLLM's speculative-decoding counters on the server's /metrics (Prometheus text), summed
+    over engines: the three totals, and the accepted drafts by position."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counts = {**dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0), "accepted_per_position": {}}
+    pattern = re.compile(r"^vllm:spec_decode_num_(\w+?)_total(?:\{(.*)\})? (\S+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if name == "accepted_tokens_per_pos":
+            position = int(re.search(r'position="(\d+)"', labels).group(1))
+            per_position = counts["accepted_per_position"]
+            per_position[position] = per_position.get(position, 0.0) + value
+        elif name in counts:
+            counts[name] += value
+    per_position = counts["accepted_per_position"]
+    counts["accepted_per_position"] = [per_position[p] for p in sorted(per_position)]
+    return counts
+
+
+def test_speculative_decoding_serves_exact_tokens_and_reports_its_metrics(tiny_models, tmp_path):
+    """``vllm serve`` with n-gram speculation (its own server): greedy completions equal HF, and
+    /metrics carries vLLM's speculative-decoding counters, consistent with each other (the
+    accepted drafts by position add up to the accepted drafts and never grow with the position)."""
+    model = tiny_models["tiny-llama"]
+    port = free_port()
+    speculative = {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS,
+                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    command = [
+        str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1",
+        "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+        "--max-model-len", "256", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.9",
+        "--speculative-config", json.dumps(speculative),
+    ]
+    log_path = tmp_path / "server.log"
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, base, log_path)
+        text, repeated = prompt_token_ids(model, [14, 6])
+        prompts = [text, repeated * 3]  # the second repeats its n-grams: drafts from the start
+        expected = hf_greedy(model, prompts, 20)
+        client = _client({"base": base})
+        for prompt, want in zip(prompts, expected):
+            completion = client.completions.create(
+                model=SERVED_NAME, prompt=prompt, max_tokens=20, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert completion.choices[0].token_ids == want
+        # The server records a step's stats after it hands out the step's outputs: read until
+        # two readings a second apart agree.
+        deadline, previous = time.monotonic() + 30, None
+        counts = _spec_decode_metrics(base)
+        while (counts != previous or counts["drafts"] == 0) and time.monotonic() < deadline:
+            time.sleep(1)
+            previous, counts = counts, _spec_decode_metrics(base)
+    finally:
+        _stop(proc)
+    per_position = counts["accepted_per_position"]
+    print("served spec-decode counters:", counts,
+          "mean acceptance length:", 1 + counts["accepted_tokens"] / max(counts["drafts"], 1))
+    assert counts["drafts"] > 0
+    assert counts["drafts"] <= counts["draft_tokens"] <= SPEC_TOKENS * counts["drafts"]
+    assert counts["accepted_tokens"] < counts["draft_tokens"]
+    assert len(per_position) == SPEC_TOKENS
+    assert sum(per_position) == counts["accepted_tokens"]
+    assert per_position == sorted(per_position, reverse=True)

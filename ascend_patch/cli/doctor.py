@@ -18,6 +18,7 @@ from pathlib import Path
 from ascend_patch import __version__, env
 from ascend_patch.cli import toolchain
 from ascend_patch.npu import detect
+from ascend_patch.overlay import matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.declarations import State
 
@@ -64,6 +65,15 @@ def ascend_stack() -> dict:
         "needs_cann": "every other NPU op (attention prefill and cache writes, norms, rotary, "
                       "sampler, MoE, W8A8): aclnn ops of the CANN toolkit and its ops package",
     }
+
+
+def _limitations(act) -> list[dict]:
+    """The matrix's known limitations for this release: what a user must not expect to run here
+    (the same entries ``probe`` and the README's matrix section show)."""
+    release = act.decision.release if act.decision else None
+    if release is None:
+        return []
+    return [{"id": lim.id, "summary": lim.summary} for lim in matrix.load().limitations_for(release)]
 
 
 def report(apply: bool = False) -> dict:
@@ -144,6 +154,7 @@ def report(apply: bool = False) -> dict:
         "matrix_status": entry.status if entry else None,
         "targets": targets,
         "quantization": quantization,
+        "limitations": _limitations(act),
         "ascend": stack,
         "import_failures": import_failures,
         "settings": env.settings(),
@@ -216,6 +227,10 @@ def render(data: dict) -> str:
         found = quantization["registered"]
         lines.append(f"  registered: methods {', '.join(found['methods']) or 'none'}; int8 kernels "
                      f"for PlatformEnum.OOT: {', '.join(found['int8_kernels']) or 'none'}")
+    if data["limitations"]:
+        lines.append("")
+        lines.append("known limitations of this release (compat_matrix.yaml):")
+        lines.extend(f"  {lim['id']}: {lim['summary']}" for lim in data["limitations"])
     for failure in data["import_failures"]:
         lines.append(f"import failed: {failure}")
     lines.append("")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import itertools
 import logging
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def start(model: str, **kwargs):
         "num_gpu_blocks": config.cache_config.num_gpu_blocks,
         "block_size": config.cache_config.block_size,
         "cudagraph_mode": config.compilation_config.cudagraph_mode.name,
+        "async_scheduling": config.scheduler_config.async_scheduling,
         "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
         "graph_captures": NPUGraphWrapper.captures - captures,
         "kv_cache": kv_cache_plan(llm),
@@ -210,19 +212,34 @@ def request_outputs(outputs) -> dict:
 
 
 SPEC_DECODE_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def spec_decode_counts(llm) -> dict[str, int] | None:
+def spec_decode_counts(llm) -> dict | None:
     """vLLM's own speculative-decoding counters (``vllm:spec_decode_num_*``) so far in this
-    process, or None when the engine keeps no stats (``disable_log_stats``)."""
+    process, with the accepted drafts by position ("accepted_per_position"), or None when the
+    engine keeps no stats (``disable_log_stats``)."""
     if llm.llm_engine.log_stats is False:
         return None
     counts = dict.fromkeys(SPEC_DECODE_COUNTERS, 0)
+    per_position: list[int] = []
     for metric in llm.get_metrics():
+        if metric.name == PER_POSITION:
+            per_position = [a + b for a, b in itertools.zip_longest(per_position, metric.values,
+                                                                      fillvalue=0)]
         name = metric.name.removeprefix("vllm:spec_decode_num_")
         if name in counts:
             counts[name] += metric.value
-    return counts
+    return {**counts, "accepted_per_position": per_position}
+
+
+def spec_decode_counts_since(before: dict, after: dict) -> dict:
+    """The counters of :func:`spec_decode_counts` between two readings."""
+    since = {name: after[name] - before[name] for name in SPEC_DECODE_COUNTERS}
+    since["accepted_per_position"] = [
+        a - b for a, b in itertools.zip_longest(after["accepted_per_position"],
+                                                before["accepted_per_position"], fillvalue=0)]
+    return since
 
 
 def preemptions(llm) -> int:

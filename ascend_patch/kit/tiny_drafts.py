@@ -146,12 +146,13 @@ def _write_shifted_eagle(out: Path, target: Path) -> None:
 
 
 def shifted_drafts(target: Path, prompts: list[list[int]], max_tokens: int,
-                   num_speculative_tokens: int) -> dict[str, int]:
+                   num_speculative_tokens: int) -> dict:
     """What vLLM's counters should say for ``tiny-llama-shifted-eagle`` drafting for
     ``tiny-llama-shifted`` over ``max_tokens`` greedy tokens per prompt: each step proposes
     ``num_speculative_tokens`` chained drafts, each the target's greedy token after the sequence so
     far without its first token, and keeps those that equal the target's next tokens (the last
-    step's drafts may run past ``max_tokens``: vLLM verifies and counts them all)."""
+    step's drafts may run past ``max_tokens``: vLLM verifies and counts them all), and how many
+    drafts each position accepted."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -159,7 +160,8 @@ def shifted_drafts(target: Path, prompts: list[list[int]], max_tokens: int,
 
     greedy = hf_greedy(target, prompts, max_tokens + num_speculative_tokens)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+              "accepted_per_position": [0] * num_speculative_tokens}
     with torch.no_grad():
         for prompt, tokens in zip(prompts, greedy):
             done = 1  # the prefill's token
@@ -174,6 +176,8 @@ def shifted_drafts(target: Path, prompts: list[list[int]], max_tokens: int,
                 counts["drafts"] += 1
                 counts["draft_tokens"] += len(drafts)
                 counts["accepted_tokens"] += accepted
+                for position in range(accepted):
+                    counts["accepted_per_position"][position] += 1
                 done += accepted + 1
     return counts
 

@@ -169,41 +169,116 @@ def test_eagle_step_slot_mapping_by_hand():
     assert seq_lens.tolist() == [7, 1]
 
 
-def _emitted(p: torch.Tensor, q: torch.Tensor, rows: int, recovered_from_residual: bool) -> torch.Tensor:
-    """Token 0 of ``rows`` one-draft verifications, composed as vLLM's rejection_sample does:
-    draft x ~ q, recovered token by the exponential race over max(p - q, 0) (or, broken, over p),
-    then accept x when p(x) / q(x) >= u."""
-    g = torch.Generator().manual_seed(0)
-    vocab = p.shape[0]
-    drafts = torch.multinomial(q, rows, replacement=True, generator=g).to(torch.int32)
-    target, draft = p.expand(rows, vocab).contiguous(), q.expand(rows, vocab).contiguous()
-    cu = torch.arange(1, rows + 1, dtype=torch.int32)
-    inv_q = torch.empty(rows, vocab).exponential_(generator=g).reciprocal()
-    recovered = torch.empty(rows, dtype=torch.int32)
-    kernels.sample_recovered_tokens_kernel(recovered, cu, drafts, draft if recovered_from_residual
-                                           else torch.zeros_like(draft), target, inv_q, vocab)
-    output = torch.full((rows, 2), -1, dtype=torch.int32)
-    kernels.rejection_random_sample_kernel(
-        output, cu, drafts, draft, target, torch.zeros(rows, dtype=torch.int64), recovered,
-        torch.rand(rows, generator=g, dtype=torch.float64), torch.zeros(rows, dtype=torch.bool), 1, vocab)
-    return output[:, 0]
+P = torch.tensor([[0.40, 0.25, 0.15, 0.12, 0.08],  # the target at each draft position
+                  [0.10, 0.20, 0.30, 0.25, 0.15],
+                  [0.05, 0.05, 0.60, 0.10, 0.20]])
+Q = torch.tensor([[0.05, 0.15, 0.40, 0.10, 0.30],  # the draft: far from the target everywhere
+                  [0.50, 0.05, 0.05, 0.10, 0.30],
+                  [0.30, 0.30, 0.05, 0.30, 0.05]])
+ROWS = 20_000
+SIGNIFICANCE = 1e-3
+"""Each position's chi-square test rejects at this level (three positions: at most 0.3 % of
+correct samplers fail the test)."""
 
 
-CHI2_DF4_P001 = 18.467  # the chi-square distribution's 0.999 quantile at 4 degrees of freedom
+def _spec_decode_rows(p: torch.Tensor, q: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` seeded requests of ``k = len(p)`` drafts each through vLLM's own random rejection
+    sampling (``apply_sampling_constraints`` and ``rejection_sample``, as ``RejectionSampler``
+    calls them in the engine), its kernels being what vLLM 0.31+ launches once the platform has
+    registered its overrides: position ``j`` drafts ``x ~ q[j]`` against target ``p[j]``."""
+    pytest.importorskip("vllm.triton_utils.dispatcher", reason="vLLM 0.31+'s kernel registry")
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    install.register_overrides()
+    k, vocab = p.shape
+    drafts = torch.multinomial(q, rows, replacement=True,
+                               generator=torch.Generator().manual_seed(1)).T.contiguous()
+    metadata = SamplingMetadata(
+        temperature=torch.ones(rows), all_greedy=False, all_random=True, top_p=None, top_k=None,
+        generators={row: torch.Generator().manual_seed(row) for row in range(rows)},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(rows), presence_penalties=torch.zeros(rows),
+        repetition_penalties=torch.ones(rows), output_token_ids=[[] for _ in range(rows)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    cu = torch.arange(k, k * (rows + 1), k, dtype=torch.int32)
+    logits = rejection_sampler.apply_sampling_constraints(p.log().repeat(rows, 1), cu, metadata)
+    output = rejection_sampler.rejection_sample(
+        drafts.flatten().to(torch.int32), [k] * rows, k, cu, q.repeat(rows, 1), logits,
+        torch.zeros(rows, 1, dtype=torch.int64), metadata)
+    return output[:, :k]
 
 
-def _chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
+def _chi_square(tokens: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic of ``tokens`` against ``p`` and its p-value (``vocab - 1`` degrees of
+    freedom: the chi-square survival function is the regularised upper incomplete gamma)."""
     observed = torch.bincount(tokens.long(), minlength=p.shape[0]).double()
     expected = p.double() * tokens.shape[0]
-    return float(((observed - expected) ** 2 / expected).sum())
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((p.shape[0] - 1) / 2, dtype=torch.float64)
+    return float(statistic), float(torch.special.gammaincc(dof, statistic / 2))
+
+
+def _per_position(output: torch.Tensor) -> list[tuple[int, float, float]]:
+    """Per draft position: the requests that emitted a token there and the chi-square of those
+    tokens against the target (a request reaches position j when its drafts before j were kept;
+    whatever happened before, the token it emits at j must be distributed as p[j])."""
+    results = []
+    for j in range(output.shape[1]):
+        emitted = output[:, j][output[:, j] >= 0]
+        results.append((emitted.shape[0], *_chi_square(emitted, P[j])))
+    return results
 
 
 def test_random_rejection_keeps_the_target_distribution():
-    p = torch.tensor([0.40, 0.25, 0.15, 0.12, 0.08])
-    q = torch.tensor([0.05, 0.15, 0.40, 0.10, 0.30])
-    assert _chi_square(_emitted(p, q, 40_000, True), p) < CHI2_DF4_P001
-    # the same test catches a recovered-token step that ignores the draft distribution
-    assert _chi_square(_emitted(p, q, 40_000, False), p) > 10 * CHI2_DF4_P001
+    from vllm.v1.sample import rejection_sampler
+
+    output = _spec_decode_rows(P, Q, ROWS)
+    for owner, ours in ((rejection_sampler._expand, kernels.expand_kernel),
+                        (rejection_sampler._sample_recovered_tokens,
+                         kernels.sample_recovered_tokens_kernel),
+                        (rejection_sampler._rejection_random_sample,
+                         kernels.rejection_random_sample_kernel)):
+        assert owner.kernel.func is ours  # the rows ran on the NPU implementations
+    results = _per_position(output)
+    print("rejection sampling vs target, per position (rows, chi2, p-value):", results)
+    for rows, statistic, p_value in results:
+        assert rows > 1000  # enough rows reach every position for the test to have power
+        assert p_value > SIGNIFICANCE, results
+    # Acceptance: position j is reached with probability prod_{i<j} sum_x min(p_i, q_i).
+    accept = torch.minimum(P, Q).sum(dim=1).double()
+    for j, (rows, _, _) in enumerate(results[1:], 1):
+        expected = ROWS * float(accept[:j].prod())
+        assert abs(rows - expected) < 5 * expected ** 0.5, (j, rows, expected)
+
+
+def test_a_broken_recovered_token_step_fails_the_chi_square_test(monkeypatch):
+    """Negative control: the same rows with recovered tokens drawn from p instead of the residual
+    max(p - q, 0), the classic bug, substituted for the kernel vLLM's dispatcher launches (the
+    product's kernel is untouched). The emitted tokens then follow min(p, q) + (1 - a) p."""
+    dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher",
+                                     reason="vLLM 0.31+'s kernel registry")
+    from vllm.v1.sample import rejection_sampler
+
+    install.register_overrides()
+    calls = []
+
+    def from_target(output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr,
+                    draft_probs_ptr, target_probs_ptr, inv_q_ptr, vocab_size, BLOCK_SIZE=None,
+                    NO_DRAFT_PROBS=False, USE_FP64_GUMBEL=False):
+        calls.append(output_token_ids_ptr.shape[0])
+        kernels.sample_recovered_tokens_kernel(
+            output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr,
+            torch.zeros_like(draft_probs_ptr), target_probs_ptr, inv_q_ptr, vocab_size)
+
+    owner = rejection_sampler._sample_recovered_tokens
+    monkeypatch.setattr(owner, "kernel", dispatcher.KernelOverride(owner.kernel, from_target))
+    results = _per_position(_spec_decode_rows(P, Q, ROWS))
+    print("broken recovered step, per position (rows, chi2, p-value):", results)
+    assert calls == [3 * ROWS]
+    for rows, statistic, p_value in results:
+        assert p_value < SIGNIFICANCE, results
 
 
 class _Kernel:
