@@ -11,7 +11,7 @@ the area modules.
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
 from ascend_patch.patches import (attention, device_api, engine, graphs, lora, moe, platform, quant,
-                                  spec_decode)
+                                  recurrent, spec_decode)
 from ascend_patch.patches.platform import cite
 
 PATCHES = [
@@ -38,6 +38,7 @@ PATCHES = [
     *lora.LORA_CONTRACTS,
     *lora.FULL_LINEAR,
     *spec_decode.SPEC_DECODE,
+    *recurrent.RECURRENT,
     attention.hybrid_promotion("kv_cache_utils", vllm="<0.33", pr="vllm-project/vllm#14097"),
     attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
     Patch(

@@ -36,12 +36,15 @@ and every completion with its tokens, text, finish reason and logprobs (per posi
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
 An engine that keeps stats (``"disable_log_stats": false``) also reports, per run, vLLM's own
 speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens and
-accepted_per_position, vLLM's accepted drafts by draft position), and a run with "counters":
-[metric names] how much each of those vLLM counters grew during it ("counters").
+accepted_per_position, vLLM's accepted drafts by draft position), its preemptions
+("preemptions"), and a run with "counters": [metric names] how much each of those vLLM
+counters grew during it ("counters").
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
 engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
-out (the negative control of the graph tests).
+out (the negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs
+Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
+control of the recurrent tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -115,14 +118,20 @@ def _run(llm, run: dict) -> dict:
 def _run_engine(spec: dict, report_errors: bool) -> dict:
     from ascend_patch.npu.compilation import acl_graph
 
-    reissue = acl_graph._reissue
+    from ascend_patch.npu.kernels import recurrence
+
+    reissue, steps = acl_graph._reissue, (recurrence.ssm_step, recurrence.gated_delta_step)
     if spec.get("stale_host_params"):
         acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
+    if spec.get("stale_recurrent_state"):  # each decode step's output, its state never advanced
+        recurrence.ssm_step, recurrence.gated_delta_step = (
+            lambda *args, step=step: (step(*args)[0], args[5]) for step in steps)
     try:
         with engine.ascend_patch_log() as log:
             result = _generate(spec, report_errors)
     finally:
         acl_graph._reissue = reissue
+        recurrence.ssm_step, recurrence.gated_delta_step = steps
     return {**result, "log": log}
 
 
@@ -143,6 +152,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)
         counters = engine.counter_values(llm, run.get("counters", []))
+        preempted = None if before is None else engine.preemptions(llm)
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
             try:
                 report = _run(llm, run)
@@ -155,6 +165,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         if before is not None:  # the process's counters: this run's share
             after = engine.spec_decode_counts(llm)
             measured["spec_decode"] = engine.spec_decode_counts_since(before, after)
+            measured["preemptions"] = engine.preemptions(llm) - preempted
         if layer_launches is not None:
             measured["layer_launches"] = layer_launches
         if counters:

@@ -264,8 +264,9 @@ def test_bf16_gemma2_soft_capped_layers_run_composed_as_logged(runs, tiny_models
 def test_a_mamba_model_is_refused_at_start_up_in_one_line_naming_it_and_its_layers(runs, tiny_models):
     error = runs[("tiny-mamba", "bfloat16")]["error"]
     assert error == (f"NotImplementedError: {tiny_models['tiny-mamba']}: MambaForCausalLM has Mamba "
-                     "(state-space) layers and no attention: layers that keep a recurrent state "
-                     "instead of a KV cache are not supported by ascend-patch yet")
+                     "(state-space) layers and no attention: ascend-patch serves recurrent layers of "
+                     "GraniteMoeHybridForCausalLM (Mamba-2 (MambaMixer2)), Qwen3NextForCausalLM (gated "
+                     "DeltaNet (QwenGatedDeltaNetAttention)) only")
 
 
 @pytest.mark.parametrize(("free", "hybrid", "layer_types", "named"), [

@@ -19,6 +19,7 @@ call, and the reference contracts against the meta kernels and the wheels' own d
 from __future__ import annotations
 
 import re
+from importlib.metadata import version as installed_version
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from ascend_patch.npu import kernels
 from ascend_patch.npu.attention.encoder import AscendEncoderMetadata, AscendEncoderOnlyImpl
 from ascend_patch.npu.emulation import reference
 from ascend_patch.npu.kernels import npu
+from ascend_patch.overlay import matrix
 from tests import npu_wheels
 from tests.helpers.engine import MODELS_DIR, run_engine
 
@@ -60,6 +62,13 @@ FAMILIES = {
     "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
     "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
 }
+# Recurrent layers are served on vLLM 0.33 only: Qwen3-Next's gated-DeltaNet decode in bf16 takes
+# npu_recurrent_gated_delta_rule (no prefix caching of its states).
+RECURRENT_SERVED = installed_version("vllm").startswith("0.33.")
+RECURRENT_TORCH_NPU = next(entry.torch_npu for entry in matrix.load().versions.values()
+                           if entry.vllm.startswith("0.33."))
+if RECURRENT_SERVED:
+    FAMILIES["gated deltanet"] = ("tiny-qwen3-next", "bfloat16", {"enable_prefix_caching": False}, [])
 # LoRA, fp16: two adapters and the base model in one batch; the merged QKV and gate/up slices
 # take npu_batch_gather_matmul_ (rank 16 stacked).
 LORA = ("tiny-llama", {**ENGINE, "dtype": "float16", "enable_lora": True, "max_loras": 2,
@@ -107,7 +116,8 @@ def test_the_workload_reaches_every_op_the_engine_calls(seam_calls):
     """Every seam op is called (bf16 experts combine on npu_moe_token_unpermute, fp16 ones on
     npu_moe_finalize_routing), and the sampler makes all three of its calls."""
     # swap_blocks (KV offload's block copies) calls aten, no torch_npu op: nothing to replay.
-    assert {call["op"] for call in seam_calls} == set(kernels.OPS) - {"swap_blocks"}
+    assert {call["op"] for call in seam_calls} == set(kernels.OPS) - {"swap_blocks"} - (
+        set() if RECURRENT_SERVED else {"recurrent_gated_delta_rule"})
     sampler = {tuple(name for name in ("p", "k") if call["kwargs"].get(name) is not None)
                for call in seam_calls if call["op"] == "top_k_top_p"}
     assert sampler == {("p", "k"), ("p",), ("k",)}
@@ -175,6 +185,8 @@ def test_every_recorded_call_binds_and_matches_the_meta_kernel(version, seam_cal
     monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
     failures = {}
     for call in seam_calls:
+        if call["op"] == "recurrent_gated_delta_rule" and version != RECURRENT_TORCH_NPU:
+            continue  # called on vLLM 0.33 only, whose torch-npu is the one that ships it
         problem = replay(wheel, torch_npu, call)
         if problem:
             failures.setdefault((call["op"], problem), call)
@@ -199,6 +211,26 @@ def test_the_windowed_encoder_call_binds(version, reference_kernels, monkeypatch
     (call,) = records.values()
     assert call["kwargs"]["sparse_mode"] == 4
     wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    assert replay(wheel, torch_npu, call) is None
+
+
+def test_the_gated_delta_decode_call_binds(reference_kernels, monkeypatch):
+    """A decode call of npu_recurrent_gated_delta_rule as the composed path makes it (bf16, one
+    token per sequence, float32 gates), recorded from the reference and replayed against the
+    torch-npu of vLLM 0.33 (the one release that serves recurrent layers)."""
+    tokens, q = 3, torch.zeros(3, 2, 32, dtype=torch.bfloat16)
+    with kernels.record_calls() as records:
+        kernels.recurrent_gated_delta_rule(
+            q, q, torch.zeros(tokens, 4, 32, dtype=torch.bfloat16),
+            torch.zeros(5, 4, 32, 32, dtype=torch.bfloat16),
+            beta=torch.zeros(tokens, 4, dtype=torch.bfloat16), scale=32 ** -0.5,
+            actual_seq_lengths=torch.ones(tokens, dtype=torch.int32),
+            ssm_state_indices=torch.tensor([1, 4, 2], dtype=torch.int32),
+            g=torch.zeros(tokens, 4))
+    (call,) = records.values()
+    wheel = npu_wheels.load(RECURRENT_TORCH_NPU)
     torch_npu = npu_wheels.stand_in(wheel)
     monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
     assert replay(wheel, torch_npu, call) is None

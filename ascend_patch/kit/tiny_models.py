@@ -124,8 +124,25 @@ MODELS = {
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 100, "num_hidden_layers": 6,
         "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "tie_word_embeddings": True,
         "embedding_std": 0.05}),
-    # State-space layers, which the NPU path refuses.
+    # State-space layers without attention (Mamba-1), which the NPU path refuses.
     "tiny-mamba": ("MambaForCausalLM", {}),
+    # A Mamba-2 hybrid, Granite 4.0-H style (dense shared MLP, no position embedding, one SSM
+    # group): three Mamba-2 layers around one attention layer; SSD chunks of 32 tokens, so a
+    # test prompt spans several. (With several groups HF's torch path normalises the gated
+    # output over all of them, vLLM and HF's CUDA kernels per group.)
+    "tiny-granite4": ("GraniteMoeHybridForCausalLM", {
+        "num_hidden_layers": 4, "layer_types": ["mamba", "mamba", "attention", "mamba"],
+        "num_local_experts": 0, "shared_intermediate_size": 512, "position_embedding_type": "nope",
+        "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 32,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 32}),
+    # Qwen3-Next: three gated-DeltaNet layers (2 key heads shared by 4 value heads, width-4
+    # convolution) and one gated full-attention layer (partial rotary), every layer's MLP a
+    # top-2-of-8 MoE with a gated shared expert.
+    "tiny-qwen3-next": ("Qwen3NextForCausalLM", {
+        **_MOE, "norm_topk_prob": True, "shared_expert_intermediate_size": 256,
+        "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25}),
 }
 # Architectures whose config class is not named after them.
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}

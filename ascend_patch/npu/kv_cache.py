@@ -113,26 +113,35 @@ def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
 
 
 def allocate_kv_cache(wrapped, instance, args, kwargs):
-    """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache`` (vLLM 0.29+)."""
-    latent = _latent_layers(args[0] if args else kwargs["kv_cache_config"])
-    views = {name: latent_layer_view(view) if name in latent else ascend_layer_view(view)
-             for name, view in wrapped(*args, **kwargs).items()}
+    """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache`` (vLLM 0.29+). A recurrent layer's
+    ``[blocks, 1, 1, page]`` state pages stay as vLLM views them: the layer unpacks its conv
+    and SSM states from each page itself (``MambaBase.bind_kv_cache``)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+
+    specs = _layer_specs(args[0] if args else kwargs["kv_cache_config"])
+    views = {}
+    for name, view in wrapped(*args, **kwargs).items():
+        spec = specs.get(name)
+        if isinstance(spec, MLAAttentionSpec):
+            views[name] = latent_layer_view(view)
+        elif isinstance(spec, MambaSpec):
+            views[name] = view
+        else:
+            views[name] = ascend_layer_view(view)
     _charge(views)
     return views
 
 
-def _latent_layers(kv_cache_config) -> set[str]:
-    """The names of the MLA layers (one latent vector per token, no separate V)."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+def _layer_specs(kv_cache_config) -> dict:
+    """Each layer's KV-cache spec, by layer name."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
-    names = set()
+    specs = {}
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        specs = (spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs)
-                 else dict.fromkeys(group.layer_names, spec))
-        names.update(name for name, layer_spec in specs.items()
-                     if isinstance(layer_spec, MLAAttentionSpec))
-    return names
+        specs.update(spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs)
+                     else dict.fromkeys(group.layer_names, spec))
+    return specs
 
 
 def reshape_kv_cache_tensors(wrapped, instance, args, kwargs):

@@ -133,9 +133,10 @@ class NPUPlatform(Platform):
                 raise NotImplementedError(f"{feature} is not supported by ascend-patch yet")
         recurrent = model and recurrent_layers(model)
         if recurrent:
-            raise NotImplementedError(
-                f"{model.model}: {model.architecture} has {recurrent}: layers that keep a recurrent "
-                f"state instead of a KV cache are not supported by ascend-patch yet")
+            refusal = recurrent_refusal(vllm_config, recurrent)
+            if refusal:
+                raise NotImplementedError(f"{model.model}: {refusal}")
+            logger.warning("ascend-patch: %s: %s", model.model, served_layers(model))
 
         if model is not None and model.use_mla:
             from ascend_patch.npu.attention import mla
@@ -291,7 +292,8 @@ class NPUPlatform(Platform):
         # manager), the windowed groups freeing (or, on a prefix-cache hit, nulling) the blocks
         # before their window. Every attention path hides those keys (backend.py), and layers of
         # different groups may share a KV tensor: a block id belongs to one group at a time.
-        # Models with recurrent (Mamba, linear-attention) layers are refused before this matters.
+        # Recurrent (Mamba-2) layers are one more group each: their state pages are blocks of
+        # the same tensor (kv_cache.allocate_kv_cache keeps vLLM's page views for them).
         return True
 
 
@@ -315,6 +317,55 @@ def recurrent_layers(model) -> str | None:
 # The head sizes the graph suites replay against eager: Llama 64 (tests/test_graph.py), Mistral
 # 128 and Gemma 3 256 (tests/test_graph_windowed.py); MLA models at their own dimensions.
 GRAPH_PROVEN_HEAD_SIZES = (64, 128, 256)
+
+# The recurrent layer kind the NPU path serves, by architecture (what vLLM builds for its
+# non-attention layer_types), on the release whose mixer calls the composed path replaces
+# (patches/recurrent.py).
+SERVED_RECURRENT = {
+    "GraniteMoeHybridForCausalLM": "Mamba-2 (MambaMixer2)",
+    "Qwen3NextForCausalLM": "gated DeltaNet (QwenGatedDeltaNetAttention)",
+}
+_COMPOSED = "run composed (generic torch ops per sequence: no torch_npu op takes them)"
+# How each kind runs: ascend_patch.npu.ops.recurrent says which torch_npu ops fit and why.
+_HOW = {
+    "GraniteMoeHybridForCausalLM": _COMPOSED,
+    "Qwen3NextForCausalLM": "run their convolution and chunked prefill composed (generic torch ops "
+                            "per sequence) and their decode on npu_recurrent_gated_delta_rule in "
+                            "bf16 (composed in other dtypes, which the op does not take)",
+}
+SERVED_RECURRENT_RELEASES = "0.33"
+
+
+def recurrent_refusal(vllm_config, recurrent: str) -> str | None:
+    """Why a model with recurrent layers cannot run here (one line), or None where it can."""
+    import vllm
+
+    model = vllm_config.model_config
+    served = SERVED_RECURRENT.get(model.architecture)
+    if served is None:
+        kinds = ", ".join(f"{arch} ({kind})" for arch, kind in SERVED_RECURRENT.items())
+        return (f"{model.architecture} has {recurrent}: ascend-patch serves recurrent layers of "
+                f"{kinds} only")
+    release = ".".join(vllm.__version__.split(".")[:2])
+    if release != SERVED_RECURRENT_RELEASES:
+        return (f"{model.architecture}'s {served} layers are served on vLLM "
+                f"{SERVED_RECURRENT_RELEASES} only, not {vllm.__version__}")
+    if vllm_config.cache_config.enable_prefix_caching:
+        return (f"prefix caching of {model.architecture}'s {served} states is not supported by "
+                f"ascend-patch yet: run with --no-enable-prefix-caching")
+    if vllm_config.speculative_config is not None:
+        return (f"speculative decoding with {model.architecture}'s {served} layers is not "
+                f"supported by ascend-patch yet")
+    return None
+
+
+def served_layers(model) -> str:
+    """The served recurrent layers of ``model``, by kind and index, and how they run: the
+    start-up line."""
+    indices = [i for i, layer in enumerate(model.hf_config.layer_types)
+               if layer not in _ATTENTION_KINDS]
+    return (f"{len(indices)} {SERVED_RECURRENT[model.architecture]} layers "
+            f"({', '.join(map(str, indices))}) {_HOW[model.architecture]}")
 
 
 def graphs_off_by_default(vllm_config) -> str | None:
@@ -341,6 +392,8 @@ def graphs_off_by_default(vllm_config) -> str | None:
         # No decode steps to capture; vLLM 0.28 would also turn the default into PIECEWISE,
         # which needs torch.compile the NPU path does not run by default.
         return "a pooling model runs no decode steps"
+    if recurrent_layers(model_config):
+        return "recurrent layers run composed, reading sequence boundaries on the host"
     head_size = model_config.get_head_size()
     refusal = graph_decode_refusal(model_config, head_size)
     if refusal is not None:
@@ -378,6 +431,11 @@ def settle_graph_mode(vllm_config) -> None:
     if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
         raise ValueError("ASCEND_LAUNCH_BLOCKING=1 cannot capture ACL graphs: unset it, or run with "
                          "--enforce-eager")
+    if (mode.has_full_cudagraphs() and vllm_config.model_config is not None
+            and recurrent_layers(vllm_config.model_config)):
+        raise ValueError(f"{mode.name} ACL graphs are not supported for models with recurrent "
+                         "layers (their composed path reads sequence boundaries on the host): "
+                         "run with --enforce-eager or -cc.cudagraph_mode=NONE")
     if mode.has_full_cudagraphs() and vllm_config.lora_config is not None:
         # Not yet replayed against eager in the emulated suite (vLLM captures per active-LoRA count).
         raise ValueError(f"{mode.name} ACL graphs are not supported with LoRA yet: run with "

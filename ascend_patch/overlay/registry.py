@@ -61,6 +61,8 @@ def _live_signature(raw: object) -> str | None:
     func = getattr(raw, "__func__", raw)  # unwrap classmethod / staticmethod
     if getattr(func, "__code__", None) is _CONTEXT_MANAGER:
         func = func.__wrapped__  # @contextmanager in the source: its function's signature counts
+    if getattr(func, "_torchdynamo_disable", False):
+        func = func.__wrapped__  # @torch.compiler.disable in the source: the same
     try:
         return render_signature(func)
     except (TypeError, ValueError):

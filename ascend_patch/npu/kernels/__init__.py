@@ -57,9 +57,9 @@ OPS = (
     "fused_infer_attention_score_mla_decode_workspace",
     "multi_head_latent_attention",
     "batch_gather_matmul_",
+    "recurrent_gated_delta_rule",
     "swap_blocks",
 )
-
 
 
 def _as_device_op(kernel):

@@ -140,3 +140,10 @@ def bgmv_takes(dtype, hidden: int, rank: int, slice_size: int, y_columns: int) -
     return (str(dtype) == "torch.float16" and hidden % BGMV_ALIGN == 0 and rank % BGMV_ALIGN == 0
             and BGMV_MIN_RANK <= rank <= BGMV_MAX_RANK and slice_size % BGMV_ALIGN == 0
             and slice_size < y_columns)
+
+# --- npu_recurrent_gated_delta_rule (RGDR) --------------------------------------------------------
+
+# [RGDR] "输入shape大小需满足约束：L_i ≤ 8，N_k ≤ 256，N_v ≤ 256，D_k ≤ 256，D_v ≤ 256".
+RGDR_MAX_SEQ_LEN = 8
+RGDR_MAX_HEADS = 256
+RGDR_MAX_HEAD_DIM = 256

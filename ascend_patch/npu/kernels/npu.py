@@ -27,6 +27,15 @@ def _torch_npu():
     return importlib.import_module("torch_npu")
 
 
+def recurrent_gated_delta_rule(query, key, value, state, *, beta=None, scale=None,
+                               actual_seq_lengths=None, ssm_state_indices=None,
+                               num_accepted_tokens=None, g=None, gk=None):
+    # The in-place form (state Tensor(a!)): the state cache's slots advance where vLLM keeps them.
+    return _torch_npu().npu_recurrent_gated_delta_rule(
+        query, key, value, state, beta=beta, scale=scale, actual_seq_lengths=actual_seq_lengths,
+        ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, g=g, gk=gk)
+
+
 def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     # npu_scatter_pa_kv_cache rather than ATB _npu_reshape_and_cache: both write vLLM's ND
     # [num_blocks, block_size, KVH, D] caches, but this one has a torch_npu API doc stating its

@@ -6,8 +6,9 @@ the op's documented output, so the emulated engine fails where the NPU would, an
 One module per area: :mod:`.attention` (the KV-cache write, fused and paged attention),
 :mod:`.fusion_attention` (encoder-only attention),
 :mod:`.layers` (norms, SwiGLU, rotary), :mod:`.sampling`, :mod:`.moe`, :mod:`.quant`,
-:mod:`.mla`, :mod:`.lora` (LoRA's batched gather matmul) and :mod:`.blocks` (KV offload's block
-copies between device and host); this package's namespace is the backend.
+:mod:`.mla`, :mod:`.lora` (LoRA's batched gather matmul), :mod:`.blocks` (KV offload's block
+copies between device and host) and :mod:`.recurrent` (the gated delta rule's decode); this
+package's namespace is the backend.
 """
 
 from .attention import (
@@ -37,6 +38,7 @@ from .moe import (
     moe_token_unpermute,
 )
 from .quant import dynamic_quant, quant_matmul, quantize
+from .recurrent import recurrent_gated_delta_rule
 from .sampling import top_k_top_p
 
 __all__ = [
@@ -46,5 +48,6 @@ __all__ = [
     "fused_infer_attention_score_mla_decode_workspace", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
     "mrope", "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
-    "quantize", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swap_blocks", "swiglu", "top_k_top_p",
+    "quantize", "recurrent_gated_delta_rule", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swap_blocks",
+    "swiglu", "top_k_top_p",
 ]
