@@ -7,6 +7,8 @@ HF transformers for the prompts that rank was given.
   tokens equal HF only if the expert group's all-to-all manager gathered every rank's tokens and
   summed the experts' outputs back. Rank 1 gets one short request and rank 0 three long ones: rank 1
   then runs vLLM's dummy batches so that rank 0's collectives have a partner.
+- The same in bf16, where ACL graphs are on by default: tokens track HF's logits (the project's
+  bf16 check, routed ties allowed); the same run eager gave identical tokens when this was written.
 - Dense, ``vllm serve --data-parallel-size 2``: vLLM's API server balances the requests over the
   two engines, and both serve some.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import assert_tracks_hf_logits
 from tests.helpers.process import ROOT, clean_env, free_port
 from tests.test_serve import _stop, _wait_healthy
 
@@ -63,21 +66,18 @@ def test_a_dp_rank_s_worker_runs_on_its_own_npu(monkeypatch, visible, assigned, 
     assert device_index(config, local_rank) == ordinal
 
 
-@pytest.fixture(scope="module")
-def offline_moe(tiny_models, tmp_path_factory):
-    """vLLM's offline DP example on the MoE model: two drivers, one per DP rank, at once."""
-    model = tiny_models["tiny-qwen3-moe"]
-    tmp = tmp_path_factory.mktemp("data_parallel")
+def _offline_dp(model: Path, dtype: str, tmp: Path, refused_first: bool = False) -> dict:
+    """vLLM's offline DP example on ``model``: two drivers, one per DP rank, at once."""
     port = free_port()
     shares = [(prompt_token_ids(model, lengths), max_tokens) for lengths, max_tokens in SHARES]
     procs = []
     for rank, (prompts, max_tokens) in enumerate(shares):
         rank_env = {"VLLM_DP_SIZE": "2", "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
                     "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
-        kwargs = {**ENGINE, "enable_expert_parallel": True}
+        kwargs = {**ENGINE, "dtype": dtype, "enable_expert_parallel": True}
         engines = [{"model": str(model), "kwargs": kwargs, "env": rank_env,
                     "runs": [{"prompts": prompts, "sampling": [_greedy(max_tokens)]}]}]
-        if rank == 0:  # refused at configuration, before the engine that starts
+        if refused_first and rank == 0:  # refused at configuration, before the engine that starts
             engines.insert(0, {"model": str(model), "env": rank_env, "runs": [],
                                "kwargs": {**kwargs, "all2all_backend": "deepep_low_latency"}})
         spec = tmp / f"rank{rank}.json"
@@ -102,13 +102,42 @@ def offline_moe(tiny_models, tmp_path_factory):
     return {"model": model, "shares": shares, "reports": reports}
 
 
+@pytest.fixture(scope="module")
+def offline_moe(tiny_models, tmp_path_factory):
+    """fp32 (graphs off by default): tokens exactly HF's."""
+    return _offline_dp(tiny_models["tiny-qwen3-moe"], "float32", tmp_path_factory.mktemp("dp_fp32"),
+                       refused_first=True)
+
+
+@pytest.fixture(scope="module")
+def offline_moe_graphs(tiny_models, tmp_path_factory):
+    """bf16, where FULL_DECODE_ONLY ACL graphs are on by default: every rank captures, and the
+    idle rank's dummy batches and the busy rank's decode steps replay at the padded size both
+    agree on."""
+    return _offline_dp(tiny_models["tiny-qwen3-moe"], "bfloat16", tmp_path_factory.mktemp("dp_bf16"))
+
+
+def _rank_tokens(run: dict, rank: int) -> list[list[int]]:
+    engine = run["reports"][rank]["engines"][-1]
+    assert "error" not in engine, engine["error"]
+    return engine["runs"][0]["tokens"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_moe_data_parallel_with_expert_parallel_equals_hf(offline_moe, rank):
-    engine = offline_moe["reports"][rank]["engines"][-1]
-    assert "error" not in engine, engine["error"]
     prompts, max_tokens = offline_moe["shares"][rank]
-    assert engine["runs"][0]["tokens"] == hf_greedy(offline_moe["model"], prompts, max_tokens)
+    assert _rank_tokens(offline_moe, rank) == hf_greedy(offline_moe["model"], prompts, max_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_moe_data_parallel_with_default_graphs_tracks_hf(offline_moe_graphs, rank):
+    engine = offline_moe_graphs["reports"][rank]["engines"][-1]
+    assert any("ACL graphs (FULL_DECODE_ONLY): capturing" in line for line in engine["log"]), engine["log"]
+    prompts, _ = offline_moe_graphs["shares"][rank]
+    assert_tracks_hf_logits(offline_moe_graphs["model"], prompts, _rank_tokens(offline_moe_graphs, rank),
+                            routed=True)
 
 
 @pytest.mark.slow
@@ -130,7 +159,7 @@ def dp_server(tiny_models, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve_dp") / "server.log"
     command = [
-        str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1",
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
         "--max-model-len", "512", "--gpu-memory-utilization", "0.9", "--data-parallel-size", "2",
     ]
