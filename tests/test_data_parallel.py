@@ -27,7 +27,7 @@ import pytest
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
 from tests.helpers.engine import assert_tracks_hf_logits
 from tests.helpers.process import ROOT, clean_env, free_port
-from tests.test_serve import _stop, _wait_healthy
+from tests.test_serve import serving
 
 ENGINE = {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.9}
 # The offline example's engines run their EngineCore in a process of its own (the DP engine core,
@@ -48,7 +48,7 @@ def _greedy(max_tokens: int) -> dict:
     ("4,5,6,7", [6, 7], 0, 2),  # physical 6 is the third visible NPU
 ])
 def test_a_dp_rank_s_worker_runs_on_its_own_npu(monkeypatch, visible, assigned, local_rank, ordinal):
-    """vLLM 0.33 hands each DP rank's engine its physical devices in the config and applies them
+    """vLLM 0.27+ hands each DP rank's engine its physical devices in the config and applies them
     only in the CUDA worker; the emulated NPU runs on the CPU whatever the index, so the index
     itself is what is checked."""
     from types import SimpleNamespace
@@ -163,15 +163,8 @@ def dp_server(tiny_models, tmp_path_factory):
         "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
         "--max-model-len", "512", "--gpu-memory-utilization", "0.9", "--data-parallel-size", "2",
     ]
-    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base, log_path)
+    with serving(command, port, log_path) as (_, base):
         yield {"base": base, "model": model}
-    finally:
-        _stop(proc)
 
 
 def _completion(base: str, prompt: list[int], max_tokens: int) -> list[int]:
