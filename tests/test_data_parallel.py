@@ -48,7 +48,7 @@ def _greedy(max_tokens: int) -> dict:
     ("4,5,6,7", [6, 7], 0, 2),  # physical 6 is the third visible NPU
 ])
 def test_a_dp_rank_s_worker_runs_on_its_own_npu(monkeypatch, visible, assigned, local_rank, ordinal):
-    """vLLM 0.27+ hands each DP rank's engine its physical devices in the config and applies them
+    """vLLM 0.24+ hands each DP rank's engine its physical devices in the config and applies them
     only in the CUDA worker; the emulated NPU runs on the CPU whatever the index, so the index
     itself is what is checked."""
     from types import SimpleNamespace

@@ -54,11 +54,11 @@ def require_npu_platform() -> None:
 
 
 def device_index(parallel_config, local_rank: int) -> int:
-    """The visible NPU ordinal of a worker. vLLM up to 0.2x narrows ``ASCEND_RT_VISIBLE_DEVICES``
-    to each data-parallel rank's devices (the local rank is then the ordinal); 0.27+ leaves the
+    """The visible NPU ordinal of a worker. vLLM up to 0.23 narrows ``ASCEND_RT_VISIBLE_DEVICES``
+    to each data-parallel rank's devices (the local rank is then the ordinal); 0.24+ leaves the
     variable alone and hands the rank its physical devices in ``assigned_physical_gpu_ids``, which
     only the CUDA worker applies: without this, every DP rank of a host would run on NPU 0."""
-    assigned = getattr(parallel_config, "assigned_physical_gpu_ids", None)  # seam: vLLM 0.27+
+    assigned = getattr(parallel_config, "assigned_physical_gpu_ids", None)  # seam: vLLM 0.24+
     if assigned is None:
         return local_rank
     from vllm.platforms.interface import set_assigned_physical_gpu_ids
