@@ -198,4 +198,8 @@ SEAMS = [
          pr="vllm-project/vllm#40996"),
     Seam("vllm.v1.worker.gpu_worker:_num_workspace_lanes", "size vLLM's workspace lanes",
          since="0.28", implementation="ascend_patch.npu.worker:NPUWorker.init_device"),
+    Seam("vllm.config.parallel:ParallelConfig.assigned_physical_gpu_ids",
+         "a DP rank's workers take the NPUs vLLM assigned its engine (before: the rank's "
+         "ASCEND_RT_VISIBLE_DEVICES slice)", since="0.24",
+         implementation="ascend_patch.npu.worker:device_index"),
 ]

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from ascend_patch.kit.oracle import hf_greedy, hf_model, prompt_token_ids
 from tests.helpers.engine import run_engine
-from tests.helpers.process import free_port
 
 # Each prompt reaches past its first 128-token block, so blocks beyond the first are saved, and
 # each saves a different number of blocks (which tells the saved prefixes apart).
@@ -41,13 +40,7 @@ def disaggregated(tiny_models, tmp_path_factory):
     prompts = prompt_token_ids(llama, PROMPT_LENGTHS)
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     prefill = {**greedy, "max_tokens": 1}
-    # Refused at configuration, so before the engines that start: vLLM caches its environment once
-    # an engine core has started, and the first holds the DP rank variables of vLLM's offline
-    # data-parallel example.
-    data_parallel_rank = {"VLLM_DP_SIZE": "2", "VLLM_DP_RANK": "0", "VLLM_DP_RANK_LOCAL": "0",
-                          "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(free_port())}
-    refused = {
-        "data_parallel_moe": (tiny_models["tiny-qwen3-moe"], ENGINE, data_parallel_rank),
+    refused = {  # refused at configuration, so before the engines that start
         "nixl": (llama, {**ENGINE, "kv_transfer_config": {"kv_connector": "NixlConnector",
                                                           "kv_role": "kv_both"}}, {}),
         "block_size": (llama, {**ENGINE, "block_size": 256,
@@ -105,8 +98,6 @@ def test_consumer_decodes_from_the_producers_kv(disaggregated):
     ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
     ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
     ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
-    ("data_parallel_moe", "data-parallel MoE (--data-parallel-size > 1 with a mixture-of-experts "
-                          "model) is not supported by ascend-patch yet"),
 ])
 def test_unsupported_serving_is_refused_in_one_line(disaggregated, case, message):
     error = disaggregated["refused"][case]["error"]

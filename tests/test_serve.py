@@ -12,6 +12,7 @@ with n-gram speculation, reports vLLM's speculative-decoding counters on /metric
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -52,13 +53,21 @@ def server(tiny_models, tmp_path_factory):
         "--max-num-seqs", "16", "--gpu-memory-utilization", "0.9",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(TOOL_TEMPLATE),
     ]
+    with serving(command, port, log_path) as (proc, base):
+        yield {"base": base, "model": model, "proc": proc, "log": log_path}
+
+
+@contextlib.contextmanager
+def serving(command: list[str], port: int, log_path: Path):
+    """``vllm serve`` on the emulated NPU in a process group of its own: healthy on entry, gone
+    on exit."""
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base, log_path)
-        yield {"base": base, "model": model, "proc": proc, "log": log_path}
+        yield proc, base
     finally:
         _stop(proc)
 

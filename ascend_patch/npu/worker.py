@@ -53,6 +53,20 @@ def require_npu_platform() -> None:
     )
 
 
+def device_index(parallel_config, local_rank: int) -> int:
+    """The visible NPU ordinal of a worker. vLLM up to 0.23 narrows ``ASCEND_RT_VISIBLE_DEVICES``
+    to each data-parallel rank's devices (the local rank is then the ordinal); 0.24+ leaves the
+    variable alone and hands the rank its physical devices in ``assigned_physical_gpu_ids``, which
+    only the CUDA worker applies: without this, every DP rank of a host would run on NPU 0."""
+    assigned = getattr(parallel_config, "assigned_physical_gpu_ids", None)  # seam: vLLM 0.24+
+    if assigned is None:
+        return local_rank
+    from vllm.platforms.interface import set_assigned_physical_gpu_ids
+
+    set_assigned_physical_gpu_ids(assigned)
+    return NPUPlatform.logical_device_id_to_visible_device_id(local_rank)
+
+
 class NPUWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
         require_npu_platform()
@@ -63,7 +77,8 @@ class NPUWorker(Worker):
         self._offload_and_free: OffloadAndFree | None = None
 
     def init_device(self) -> None:
-        self.device = current_platform.runtime().worker_device(self.local_rank)
+        index = device_index(self.parallel_config, self.local_rank)
+        self.device = current_platform.runtime().worker_device(index)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(

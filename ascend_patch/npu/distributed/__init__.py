@@ -1,12 +1,16 @@
 """Device collectives on the NPU (HCCL, or gloo when emulated)."""
 
+# vLLM's all-gather/reduce-scatter expert all-to-all (its config turns ``naive`` into it).
+AGRS_BACKEND = "allgather_reducescatter"
+
 
 def check_config(vllm_config) -> None:
-    """Refuse data-parallel MoE in one line: vLLM dispatches the experts' tokens across DP ranks
-    through the expert group's all-to-all manager (``get_ep_all2all_manager``), and the NPU
-    communicator builds none, so vLLM would fail there with a bare AssertionError."""
-    model = vllm_config.model_config
-    if model is not None and model.is_moe and vllm_config.parallel_config.data_parallel_size > 1:
+    """Refuse, in one line, an expert all-to-all backend the NPU communicator cannot build: with
+    data parallelism the MoE layers dispatch their tokens through the expert group's all-to-all
+    manager, and only vLLM's all-gather/reduce-scatter one runs on the device group's collectives."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if (model is not None and model.is_moe and parallel.data_parallel_size > 1
+            and parallel.all2all_backend != AGRS_BACKEND):
         raise NotImplementedError(
-            "data-parallel MoE (--data-parallel-size > 1 with a mixture-of-experts model) is not "
-            "supported by ascend-patch yet: the NPU communicator has no expert all-to-all manager")
+            f"--all2all-backend {parallel.all2all_backend} is not supported on Ascend by ascend-patch "
+            f"(a CUDA/ROCm kernel): data-parallel MoE runs on {AGRS_BACKEND}")

@@ -8,6 +8,12 @@ send/recv through ``torch.distributed`` on that group, and both backends
 implement those directly, so they are inherited unchanged. What the base leaves
 unimplemented, the variable-size gathers used by sequence parallelism and MoE
 dispatch, is built here from those same collectives.
+
+With data parallelism (0.20+: ``use_all2all`` on the expert group's communicator) the experts'
+tokens cross the DP ranks through vLLM's own ``AgRsAll2AllManager``: it gathers every rank's
+tokens and router logits with this communicator's ``all_gatherv`` and sums the expert outputs
+back with ``reduce_scatterv``, over the device group (HCCL on the NPU, gloo emulated). vLLM's
+other managers (DeepEP, NIXL-EP, FlashInfer, MoRI, MoonEP) are CUDA or ROCm kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +39,33 @@ class NPUCommunicator(DeviceCommunicatorBase):
                     f"{current_platform.dist_backend!r} (torch.distributed was initialised "
                     "without the platform's dist_backend)"
                 )
+        if self.use_all2all:
+            from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+
+            # ascend_patch.npu.distributed.check_config refuses any other --all2all-backend.
+            self.all2all_manager = AgRsAll2AllManager(self.cpu_group)
+
+    # The expert group's dispatch and combine go through the manager when DP needs one; the
+    # base class's identities otherwise (arguments passed on as given: 0.20+ signatures).
+    def dispatch_router_logits(self, *args, **kwargs):
+        if self.all2all_manager is None:
+            return super().dispatch_router_logits(*args, **kwargs)
+        return self.all2all_manager.dispatch_router_logits(*args, **kwargs)
+
+    def dispatch(self, *args, **kwargs):
+        if self.all2all_manager is None:
+            return super().dispatch(*args, **kwargs)
+        return self.all2all_manager.dispatch(*args, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        if self.all2all_manager is None:
+            return super().combine(*args, **kwargs)
+        return self.all2all_manager.combine(*args, **kwargs)
+
+    def destroy(self):
+        if self.all2all_manager is not None:
+            self.all2all_manager.destroy()
+            self.all2all_manager = None
 
     def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
         """All-gather along ``dim`` where rank ``r`` contributes ``sizes[r]`` rows."""

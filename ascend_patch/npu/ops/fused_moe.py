@@ -229,7 +229,9 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
     """
     tokens, top_k = ids.shape
     if expert_map is not None:
-        local = expert_map[ids.long()]
+        # index_select, not expert_map[ids]: advanced indexing may take a boolean mask, so it
+        # counts as a host sync, which an ACL graph (on by default, EP included) cannot hold.
+        local = expert_map.index_select(0, ids.flatten().long()).view(ids.shape)
         weights = torch.where(local >= 0, weights, 0.0)
         ids = local.clamp_(min=0).to(torch.int32)
     experts = w13.shape[0]
