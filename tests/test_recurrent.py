@@ -45,8 +45,10 @@ PRESSED = [[(13 * i + r) % 490 + 7 for i in range(100)] for r in range(4)]
 
 def _engines(model, bf16=False):
     """The fp32 engine, the pressed one and the negative control (and a bf16 one) of a model."""
+    # The first leaves prefix caching to vLLM's default (on), which the overlay turns off.
+    unset = {k: v for k, v in _BASE.items() if k != "enable_prefix_caching"}
     engines = [
-        {"model": model, "kwargs": _BASE, "runs": [{"prompts": PROMPTS, "sampling": _GREEDY}]},
+        {"model": model, "kwargs": unset, "runs": [{"prompts": PROMPTS, "sampling": _GREEDY}]},
         {"model": model, "kwargs": {**_BASE, "num_gpu_blocks_override": 10,
                                     "disable_log_stats": False},
          "runs": [{"prompts": PRESSED, "sampling": [{"temperature": 0, "max_tokens": 80,
@@ -71,6 +73,8 @@ def served(tiny_models, tmp_path_factory):
     return {"tiny-granite4": engines[:3], "tiny-qwen3-next": engines[3:]}
 
 
+ARCHITECTURES = {"tiny-granite4": "GraniteMoeHybridForCausalLM",
+                 "tiny-qwen3-next": "Qwen3NextForCausalLM"}
 MODELS = {"tiny-granite4": ("MambaSpec", "3 Mamba-2 (MambaMixer2) layers (0, 1, 3) run composed"),
           "tiny-qwen3-next": ("MambaSpec", "3 gated DeltaNet (QwenGatedDeltaNetAttention) layers "
                                            "(0, 1, 2) run their convolution and chunked prefill "
@@ -87,6 +91,8 @@ def test_fp32_greedy_equals_hf(served, tiny_models, model):
     # the state pages are blocks of the one KV tensor, charged to the emulated HBM
     assert engine["kv_cache"]["charged_bytes"] >= engine["kv_cache"]["num_blocks"] * groups[0]["page_bytes"]
     assert any(line in message for message in engine["log"])
+    assert any(f"prefix caching is off by default for {ARCHITECTURES[model]}" in message
+               for message in engine["log"])
 
 
 @pytest.mark.parametrize("model", MODELS)

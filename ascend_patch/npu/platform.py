@@ -359,6 +359,20 @@ def recurrent_refusal(vllm_config, recurrent: str) -> str | None:
     return None
 
 
+def recurrent_states_uncached_by_default(wrapped, instance, args, kwargs):
+    """vLLM's engine arguments turn prefix caching on by default; for a model whose recurrent
+    layers the NPU path serves, whose states it does not cache, left unset it goes off here with
+    one line (asked for explicitly, recurrent_refusal refuses it)."""
+    unset = instance.enable_prefix_caching is None
+    result = wrapped(*args, **kwargs)
+    model = args[0] if args else kwargs["model_config"]
+    if unset and instance.enable_prefix_caching and model.architecture in SERVED_RECURRENT:
+        instance.enable_prefix_caching = False
+        logger.info("ascend-patch: prefix caching is off by default for %s: ascend-patch does not "
+                    "cache its %s states yet", model.architecture, SERVED_RECURRENT[model.architecture])
+    return result
+
+
 def served_layers(model) -> str:
     """The served recurrent layers of ``model``, by kind and index, and how they run: the
     start-up line."""
