@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import zipfile
 
 import pytest
 from packaging.version import Version
@@ -170,10 +171,20 @@ def test_doctor_reports_nnal_the_soc_and_the_paths_that_need_nnal(tmp_path):
 
 
 def test_the_nnal_table_names_every_atb_call_of_the_kernel_seam():
-    """torch_npu exposes its ATB ops as torch_npu._npu_* and torch_npu.atb.* (op_plugin/atb/_atb_ops.py:
-    API_LIST and ATB_API_LIST); every such call of the seam must be in doctor's table."""
+    """torch_npu exposes its ATB ops as torch_npu.<API_LIST name> and torch_npu.atb.<ATB_API_LIST
+    name> (op_plugin/atb/_atb_ops.py of each wheel the matrix pins); every such call of the seam
+    must be in doctor's table (an _npu_* name alone does not make an op ATB: FIA's workspace query
+    is an aclnn op)."""
     from ascend_patch.cli import toolchain
+    from tests import npu_wheels
 
-    source = (ROOT / "ascend_patch" / "npu" / "kernels" / "npu.py").read_text()
-    called = set(re.findall(r"_torch_npu\(\)\.((?:atb\.)?\w+)\(", source))
-    assert {op for op in called if op.startswith(("_npu_", "atb."))} == set(toolchain.ATB_OPS)
+    atb = set()
+    for version in npu_wheels.matrix_versions():
+        with zipfile.ZipFile(npu_wheels.fetch(version)) as wheel:
+            source = wheel.read(npu_wheels._ATB_OPS).decode()
+        atb |= set(npu_wheels._string_list(source, "API_LIST"))
+        atb |= {f"atb.{name}" for name in npu_wheels._string_list(source, "ATB_API_LIST")}
+    seam = (ROOT / "ascend_patch" / "npu" / "kernels" / "npu.py").read_text()
+    called = set(re.findall(r"_torch_npu\(\)\.((?:atb\.)?\w+)\(", seam))
+    assert "_npu_paged_attention" in atb and "atb.npu_multi_head_latent_attention" in atb
+    assert called & atb == set(toolchain.ATB_OPS)
