@@ -166,7 +166,8 @@ def _defaults(caplog, proven: bool, optimization_level: int = 2):
 
     model = SimpleNamespace(use_mla=False, dtype=torch.bfloat16, disable_sliding_window=False,
                             get_sliding_window=lambda: None, get_head_size=lambda: 64,
-                            hf_text_config=SimpleNamespace())
+                            hf_text_config=SimpleNamespace(), pooler_config=None,
+                            is_attention_free=False, is_hybrid=False)
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None),
         optimization_level=optimization_level, model_config=model, speculative_config=None,
