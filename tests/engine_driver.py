@@ -36,9 +36,8 @@ and every completion with its tokens, text, finish reason and logprobs (per posi
 list of [token id, logprob, rank]). A beam-search run reports its sequences instead.
 An engine that keeps stats (``"disable_log_stats": false``) also reports, per run, vLLM's own
 speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens and
-accepted_per_position, vLLM's accepted drafts by draft position), its preemptions
-("preemptions"), and a run with "counters": [metric names] how much each of those vLLM
-counters grew during it ("counters").
+accepted_per_position, vLLM's accepted drafts by draft position), and a run with "counters":
+[metric names] how much each of those vLLM counters grew during it ("counters").
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
 engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
@@ -152,7 +151,6 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     for run in spec["runs"]:
         before = engine.spec_decode_counts(llm)
         counters = engine.counter_values(llm, run.get("counters", []))
-        preempted = None if before is None else engine.preemptions(llm)
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
             try:
                 report = _run(llm, run)
@@ -165,7 +163,6 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         if before is not None:  # the process's counters: this run's share
             after = engine.spec_decode_counts(llm)
             measured["spec_decode"] = engine.spec_decode_counts_since(before, after)
-            measured["preemptions"] = engine.preemptions(llm) - preempted
         if layer_launches is not None:
             measured["layer_launches"] = layer_launches
         if counters:

@@ -254,12 +254,6 @@ def counter_values(llm, names: list[str]) -> dict[str, float]:
     return values
 
 
-def preemptions(llm) -> int:
-    """vLLM's own count of preempted requests (``vllm:num_preemptions``) so far in this process
-    (an engine that keeps stats)."""
-    return int(counter_values(llm, ["vllm:num_preemptions"])["vllm:num_preemptions"])
-
-
 def shutdown(llm) -> None:
     """Free the engine and its device memory before the next one starts."""
     import torch
