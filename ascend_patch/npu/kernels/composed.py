@@ -164,6 +164,12 @@ class SlotRows(NamedTuple):
     def first(self, count: int) -> "SlotRows":
         return SlotRows(self.slot[:count], self.unassigned[:count])
 
+    def refresh_(self, indices: torch.Tensor) -> None:
+        """Rewrite in place from ``indices`` (as long as these rows): a captured graph reads
+        these tensors, so a new step's slots must land in them, not in new ones."""
+        self.slot.copy_(indices.clamp(min=0))
+        self.unassigned.copy_((indices < 0).unsqueeze(1))
+
 
 def slot_rows(indices: torch.Tensor) -> SlotRows:
     """vLLM's per-row LoRA indices (-1: no adapter) as :class:`SlotRows`."""

@@ -32,6 +32,13 @@ from ascend_patch.npu.kernels import limits
 from ascend_patch.npu.kernels.composed import gathered_matmul, slot_rows
 
 
+def refresh_slots(wrapper: "PunicaWrapperNPU") -> None:
+    """The step's slot buffers from vLLM's per-token and per-request indices, in place."""
+    wrapper._token_slots_int32.copy_(wrapper._token_lora_indices)
+    wrapper._token_rows.refresh_(wrapper._token_lora_indices)
+    wrapper._request_rows.refresh_(wrapper._sampler_indices)
+
+
 class PunicaWrapperNPU(PunicaWrapperBase):
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device, **kwargs):
         super().__init__(max_num_batched_tokens, max_batches, device)
@@ -45,11 +52,11 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         self._request_rows = slot_rows(self._sampler_indices)
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
-        # Once per step, for every layer's call: the slots as the NPU op and the plain path read them.
+        # Once per step, for every layer's call: the slots as the NPU op and the plain path read
+        # them, written into the same buffers every step (vLLM's base metadata is copied into
+        # fixed buffers too), so that a replayed decode graph reads this step's adapters.
         self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
-        self._token_slots_int32.copy_(self._token_lora_indices)
-        self._token_rows = slot_rows(self._token_lora_indices)
-        self._request_rows = slot_rows(self._sampler_indices)
+        refresh_slots(self)
 
     def _token_slots(self, rows: int):
         return self._token_rows.first(rows)
