@@ -176,6 +176,22 @@ def slot_rows(indices: torch.Tensor) -> SlotRows:
     return SlotRows(indices.long().clamp(min=0), (indices < 0).unsqueeze(1))
 
 
+def slot_weights_(out: torch.Tensor, indices: torch.Tensor, slots: torch.Tensor) -> None:
+    """``out`` [T, S, 1] float32 rewritten in place: 1 at each row's adapter slot (``slots`` is
+    ``arange(S)``), 0 elsewhere and for every slot of a row without an adapter (index -1)."""
+    out.copy_((indices.unsqueeze(1) == slots).unsqueeze(2))
+
+
+def lora_delta(x, lora_a, lora_b, weights):
+    """Each row's ``(x[t] @ A[s]ᵀ) @ B[s]ᵀ`` for its slot ``s`` (unscaled): ``x`` [T, K] float32,
+    ``lora_a`` [S, R, K], ``lora_b`` [S, N, R], ``weights`` [T, S, 1] from :func:`slot_weights_`
+    -> [T, N] in lora_b's dtype, 0 for rows without an adapter. The shrink meets every slot in one
+    einsum (float32, as vLLM's own LoRA paths keep it), the weights keep each row's own slot, and the
+    expand contracts slots and rank at once: two matmuls and a multiply, no gather or mask."""
+    shrunk = torch.einsum("tk,srk->tsr", x, lora_a.float()) * weights
+    return torch.einsum("tsr,snr->tn", shrunk.to(lora_b.dtype), lora_b)
+
+
 def gathered_matmul(x, weight, rows: SlotRows):
     """LoRA's per-row matmul: row ``t`` of ``x`` [T, K] times its adapter slot's
     ``weight[slot[t]]ᵀ`` (``weight`` [slots, N, K]) -> [T, N], zero for rows without an adapter.

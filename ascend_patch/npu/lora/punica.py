@@ -29,12 +29,13 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
-from ascend_patch.npu.kernels.composed import gathered_matmul, slot_rows
+from ascend_patch.npu.kernels.composed import gathered_matmul, lora_delta, slot_rows, slot_weights_
 
 
 def refresh_slots(wrapper: "PunicaWrapperNPU") -> None:
     """The step's slot buffers from vLLM's per-token and per-request indices, in place."""
     wrapper._token_slots_int32.copy_(wrapper._token_lora_indices)
+    slot_weights_(wrapper._token_weights, wrapper._token_lora_indices, wrapper._slots)
     wrapper._token_rows.refresh_(wrapper._token_lora_indices)
     wrapper._request_rows.refresh_(wrapper._sampler_indices)
 
@@ -50,12 +51,19 @@ class PunicaWrapperNPU(PunicaWrapperBase):
                                              device=device)  # BGMV's indices are int32
         self._token_rows = slot_rows(self._token_lora_indices)
         self._request_rows = slot_rows(self._sampler_indices)
+        self._slots = self._token_weights = None  # sized by the first step's slots
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         # Once per step, for every layer's call: the slots as the NPU op and the plain path read
         # them, written into the same buffers every step (vLLM's base metadata is copied into
         # fixed buffers too), so that a replayed decode graph reads this step's adapters.
         self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
+        if self._token_weights is None:  # the first step, before any capture
+            # One weight per slot of the stacked adapters (vLLM's max_loras here is slots + 1).
+            slots = len(lora_index_to_id)
+            self._slots = torch.arange(slots, device=self.device)
+            self._token_weights = torch.zeros(self._token_lora_indices.shape[0], slots, 1,
+                                              device=self.device)
         refresh_slots(self)
 
     def _token_slots(self, rows: int):
@@ -97,7 +105,7 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         the op takes, plain torch for the others."""
         x = x.view(-1, x.shape[-1])
         flat = y.view(-1, y.shape[-1])
-        slots = self._token_slots(x.shape[0])
+        weights, x32 = self._token_weights[: x.shape[0]], None
         offset = 0
         for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
             if limits.bgmv_takes(x.dtype, x.shape[1], lora_a.shape[2], size, flat.shape[1]):
@@ -105,8 +113,9 @@ class PunicaWrapperNPU(PunicaWrapperBase):
                                              lora_a, scale=scale, y_offset=offset,
                                              y_slice_size=size)
             else:
-                shrunk = scale * gathered_matmul(x.float(), lora_a[:, 0].float(), slots)
-                self._expand_into(flat[:, offset: offset + size], shrunk, lora_b, True, slots)
+                x32 = x.float() if x32 is None else x32  # once for the layer's plain slices
+                delta = lora_delta(x32, lora_a[:, 0], lora_b[:, 0], weights)
+                flat[:, offset: offset + size].add_(delta, alpha=scale)  # scaled in the add
             offset += size
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
