@@ -123,7 +123,8 @@ class NPUPlatform(Platform):
         model = vllm_config.model_config
         spec_decode.config.check(vllm_config)
         unsupported = {
-            # vLLM's fused-MoE LoRA layers launch Triton kernels (and want moe_backend='triton').
+            # vLLM's FusedMoEWithLoRA wants a non-monolithic modular-kernel MoE method whose
+            # experts take its LoRA context (Triton's fused_moe_lora); ours is monolithic.
             "LoRA on a mixture-of-experts model": vllm_config.lora_config is not None
             and model is not None and model.is_moe,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,

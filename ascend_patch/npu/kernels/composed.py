@@ -182,14 +182,21 @@ def slot_weights_(out: torch.Tensor, indices: torch.Tensor, slots: torch.Tensor)
     out.copy_((indices.unsqueeze(1) == slots).unsqueeze(2))
 
 
-def lora_delta(x, lora_a, lora_b, weights):
-    """Each row's ``(x[t] @ A[s]ᵀ) @ B[s]ᵀ`` for its slot ``s`` (unscaled): ``x`` [T, K] float32,
-    ``lora_a`` [S, R, K], ``lora_b`` [S, N, R], ``weights`` [T, S, 1] from :func:`slot_weights_`
-    -> [T, N] in lora_b's dtype, 0 for rows without an adapter. The shrink meets every slot in one
-    einsum (float32, as vLLM's own LoRA paths keep it), the weights keep each row's own slot, and the
-    expand contracts slots and rank at once: two matmuls and a multiply, no gather or mask."""
-    shrunk = torch.einsum("tk,srk->tsr", x, lora_a.float()) * weights
-    return torch.einsum("tsr,snr->tn", shrunk.to(lora_b.dtype), lora_b)
+def lora_deltas(x, lora_as, lora_bs, weights) -> list:
+    """Each row's ``(x[t] @ A_i[s]ᵀ) @ B_i[s]ᵀ`` per slice ``i``, for the row's slot ``s``
+    (unscaled): ``x`` [T, K] float32, ``lora_as`` [S, R_i, K], ``lora_bs`` [S, N_i, R_i],
+    ``weights`` [T, S, 1] from :func:`slot_weights_` -> per slice [T, N_i] in B's dtype, 0 for rows
+    without an adapter. One shrink for all slices (their A's stacked along the rank) meets every
+    slot in one float32 einsum (as vLLM's own LoRA paths keep it), the weights keep each row's own
+    slot, and one expand per slice contracts slots and rank at once: no gather or mask."""
+    stacked = lora_as[0] if len(lora_as) == 1 else torch.cat(lora_as, dim=1)
+    shrunk = (torch.einsum("tk,srk->tsr", x, stacked.float()) * weights).to(lora_bs[0].dtype)
+    deltas, start = [], 0
+    for lora_b in lora_bs:
+        rank = lora_b.shape[2]
+        deltas.append(torch.einsum("tsr,snr->tn", shrunk[:, :, start: start + rank], lora_b))
+        start += rank
+    return deltas
 
 
 def gathered_matmul(x, weight, rows: SlotRows):

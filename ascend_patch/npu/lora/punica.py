@@ -10,14 +10,16 @@ max_loras) and each token's slot in ``token_lora_indices`` (-1: the base model).
   16, rank 16-128, a slice narrower than the layer's output);
 - everything else (bf16 and fp32 models, a slice that is the whole output, the embedding, the
   logits, the classifier head, the separate shrink and expand of fully sharded layers) runs plain
-  torch (:func:`ascend_patch.npu.kernels.composed.gathered_matmul`), which runs on the NPU as
-  ordinary kernels: torch_npu has no other LoRA op (vllm-ascend compiles its own bgmv/sgmv).
+  torch (a linear layer's slices :func:`ascend_patch.npu.kernels.composed.lora_deltas`, the others
+  :func:`~ascend_patch.npu.kernels.composed.gathered_matmul`), which runs on the NPU as ordinary
+  kernels: torch_npu has no other LoRA op (vllm-ascend compiles its own bgmv/sgmv).
 
 Both read per-token slot indices only: vLLM's prefill metadata (``compute_meta``: a
 ``unique_consecutive`` and host reads of its result every prefill step, the step that crashed
 ``aclnnUniqueConsecutive`` in vllm-ascend#10626) is never built, so a step's metadata is host-to-device
 copies into fixed buffers and no host read, as on vLLM's CUDA path (its ``LoRAKernelMeta`` sorts on
-the device). The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
+the device). Those buffers, and the slots derived from them once per step, are rewritten in place
+(:func:`refresh_slots`): a FULL decode graph captured once reads each replay's adapters. The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
 is abstract from 0.31 and answered on every release. LoRA on MoE layers is refused
 (``NPUPlatform.check_and_update_config``).
 """
@@ -29,7 +31,7 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
-from ascend_patch.npu.kernels.composed import gathered_matmul, lora_delta, slot_rows, slot_weights_
+from ascend_patch.npu.kernels.composed import gathered_matmul, lora_deltas, slot_rows, slot_weights_
 
 
 def refresh_slots(wrapper: "PunicaWrapperNPU") -> None:
@@ -105,18 +107,20 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         the op takes, plain torch for the others."""
         x = x.view(-1, x.shape[-1])
         flat = y.view(-1, y.shape[-1])
-        weights, x32 = self._token_weights[: x.shape[0]], None
-        offset = 0
+        plain, offset = [], 0
         for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
             if limits.bgmv_takes(x.dtype, x.shape[1], lora_a.shape[2], size, flat.shape[1]):
                 kernels.batch_gather_matmul_(flat, x, lora_b, self._token_slots_int32[: x.shape[0]],
                                              lora_a, scale=scale, y_offset=offset,
                                              y_slice_size=size)
             else:
-                x32 = x.float() if x32 is None else x32  # once for the layer's plain slices
-                delta = lora_delta(x32, lora_a[:, 0], lora_b[:, 0], weights)
-                flat[:, offset: offset + size].add_(delta, alpha=scale)  # scaled in the add
+                plain.append((lora_a[:, 0], lora_b[:, 0], flat[:, offset: offset + size]))
             offset += size
+        if plain:  # one shrink for the layer's plain slices, one expand each
+            lora_as, lora_bs, columns = zip(*plain)
+            deltas = lora_deltas(x.float(), lora_as, lora_bs, self._token_weights[: x.shape[0]])
+            for out, delta in zip(columns, deltas):
+                out.add_(delta, alpha=scale)  # scaled in the add
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
                         **kwargs):
