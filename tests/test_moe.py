@@ -20,8 +20,10 @@ from tests.helpers.engine import assert_greedy_equals_hf, assert_tracks_hf_logit
 
 MOE_MODELS = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-glm4-moe")
 # The gating op each family's routing maps to.
-GATING = {"tiny-qwen3-moe": "moe_gating_top_k_softmax", "tiny-qwen2-moe": "moe_gating_top_k_softmax",
-          "tiny-mixtral": "moe_gating_top_k_softmax", "tiny-glm4-moe": "moe_gating_top_k"}
+# Renormalised softmax routing (Qwen3-MoE, Mixtral) is one launch of the v2 op with renorm=1.
+GATING = {"tiny-qwen3-moe": "moe_gating_top_k_softmax_v2",
+          "tiny-qwen2-moe": "moe_gating_top_k_softmax",
+          "tiny-mixtral": "moe_gating_top_k_softmax_v2", "tiny-glm4-moe": "moe_gating_top_k"}
 PROMPT_LENGTHS = [3, 17, 129, 200]
 MAX_TOKENS = 16
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -96,7 +98,8 @@ def test_routing_the_npu_gating_op_cannot_take_runs_vllms_grouped_top_k(name, ru
     engine = runs[(name, "float32")]
     assert_greedy_equals_hf(engine, tiny_models[name], prompts, MAX_TOKENS)
     launches = engine["runs"][0]["launches"]
-    assert not {"moe_gating_top_k", "moe_gating_top_k_softmax"} & set(launches), launches
+    gating = {"moe_gating_top_k", "moe_gating_top_k_softmax", "moe_gating_top_k_softmax_v2"}
+    assert not gating & set(launches), launches
     assert launches["grouped_matmul"] == 2 * launches["moe_finalize_routing"] > 0
     (warning,) = [line for line in engine["log"] if "MoE" in line]
     assert warning == (f"ascend-patch: {tiny_models[name]}: MoE layer(s) "
