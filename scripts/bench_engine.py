@@ -73,34 +73,16 @@ if kernels is not None:
     for name in kernels.OPS:
         setattr(kernels, name, mode.counting(name, getattr(kernels, name)))
 for layer in layers:
-    mode.watch(layer)
-moe = {"seam": Counter(), "aten": Counter(), "active": False}
+    mode.watch(layer)  # its MoE runner too, which vLLM runs inside its moe_forward custom op
+moe = {"seam": Counter(), "aten": Counter()}
 def moe_enter(*a):
-    moe["active"], moe["before"] = True, (Counter(mode.seam), Counter(mode.aten))
+    moe["before"] = (Counter(mode.seam), Counter(mode.aten))
 def moe_exit(*a):
-    moe["active"] = False
     moe["seam"].update(Counter(mode.seam) - moe["before"][0])
     moe["aten"].update(Counter(mode.aten) - moe["before"][1])
 for block in moe_blocks:
     block.register_forward_pre_hook(moe_enter)
     block.register_forward_hook(moe_exit)
-# The routed experts run inside vLLM's moe_forward custom op, where the dispatch mode above is
-# switched off: count the MoE method's own device ops with a mode entered inside it.
-from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-def inside_moe(fn):
-    def call(*a, **k):
-        inner = Launches()
-        inner.active = moe["active"]
-        with inner:
-            result = fn(*a, **k)
-        mode.aten.update(inner.aten)  # the MoE block's own count takes it from there
-        return result
-    return call
-for cls in (UnquantizedFusedMoEMethod, *UnquantizedFusedMoEMethod.__subclasses__()):
-    for name in ("apply", "apply_monolithic"):
-        if name in vars(cls):
-            setattr(cls, name, inside_moe(vars(cls)[name]))
-
 prompts = [TokensPrompt(prompt_token_ids=[i + 3]) for i in range(8)]  # 1-token prompts: every step decodes
 steps = 16
 with mode:
