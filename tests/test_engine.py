@@ -284,8 +284,10 @@ def test_a_dense_bf16_decode_layer_launches_at_the_floor(half_precision_runs):
     """Issue 20's floor, counted as scripts/bench_engine.py counts, per decoder layer of a decode
     step: two norms (the first layer's first without a residual), four linears, one rotary launch
     for q and k, the cache write, paged attention, SwiGLU; and the one copy left, of V, a strided
-    slice of vLLM's qkv that the cache write takes contiguous only. The step's KV slots and kernel
-    block table are built once per step by the metadata builder, outside the layers."""
+    slice of vLLM's qkv that the cache write takes contiguous only (npu_scatter_pa_kv_cache's
+    doc, torch-npu 2.11-2.14: "输入参数不支持非连续"), so 11 against the issue's 10. The step's KV
+    slots and kernel block table are built once per step by the metadata builder, outside the
+    layers."""
     launches = half_precision_runs[("llama", "bfloat16")]["runs"][4]["layer_launches"]
     assert launches == {"rms_norm": 0.5, "add_rms_norm": 1.5, "linear.default": 4, "mrope": 1,
                         "contiguous.default": 1, "scatter_pa_kv_cache": 1, "paged_attention": 1,

@@ -58,7 +58,9 @@ FAMILIES = {
     "mla eager": ("tiny-deepseek-v3", "bfloat16", {"enforce_eager": True}, []),  # ATB MLA decode
     "moe grouped": ("tiny-deepseek-v3-moe", "bfloat16", {}, [GREEDY]),
     "moe softmax": ("tiny-qwen3-moe", "bfloat16", {}, [GREEDY]),
-    "moe fp16": ("tiny-qwen3-moe", "float16", {}, []),  # combines on npu_moe_finalize_routing
+    # Qwen3-MoE renormalises (npu_moe_gating_top_k_softmax_v2), Qwen2-MoE does not (the v1 op);
+    # fp16 combines on npu_moe_finalize_routing.
+    "moe fp16": ("tiny-qwen2-moe", "float16", {}, []),
     "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
     "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
 }
@@ -420,6 +422,11 @@ CITED = {
                              "数据类型支持bool、uint8"],
     "npu_batch_gather_matmul_": ["数据类型Float16", "数据类型Int32", "R需要是16的整数倍且取值范围为[16, 128]",
                                  "第三维需要小于y的第二维（H2<y_column）", "randint(-1, 2, size=4096)"],
+    "npu_moe_gating_top_k_softmax_v2": ["当renorm参数设置为0时，对输入x做softmax操作，再做topk操作；当renorm参数"
+                                        "设置为1时，对x做topk操作，后做softmax操作。",
+                                        "数据类型支持float16、bfloat16、float32",
+                                        "大小为0<k<=x的-1轴大小, k<=1024."],
+    "npu_scatter_pa_kv_cache": ["输入参数不支持非连续"],
     "npu_moe_finalize_routing": ["drop_pad_mode: int类型, 可选参数, 表示是否支持丢弃模式, 取值范围为0",
                                  "skip2参数为None时, skip1参数必须也为None."],
 }

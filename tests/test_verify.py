@@ -157,7 +157,7 @@ def _launches(**changes):
     ("graphs", _launches(paged_attention_workspace=1), "paged-attention updates for"),
     ("mla", _launches(paged_attention=1), "standard attention ran on an MLA model"),
     ("moe-grouped-routing", _launches(grouped_matmul=1), "not two grouped matmuls per dispatch"),
-    ("moe", _launches(moe_gating_top_k_softmax=0), "no npu_moe_gating_top_k_softmax launch"),
+    ("moe", _launches(moe_gating_top_k_softmax_v2=0), "no npu_moe_gating_top_k_softmax_v2 launch"),
     ("w8a8", _launches(quant_matmul=0), "no npu_quant_matmul launch"),
     ("kv-offload", lambda s: s.runs[2].report.update(cached=[0, 0, 0, 0]), "served after eviction: [0, 0, 0, 0]"),
     ("kv-offload", _launches(swap_blocks=0), "block copies: 0 while storing"),

@@ -247,7 +247,7 @@ def _moe_grouped_routing(state: State):
 # -- MoE: tiny Qwen3-MoE, bf16 -------------------------------------------------------------------
 
 def _moe(state: State):
-    numbers = _moe_ops(state.runs[0].launches, "moe_gating_top_k_softmax")
+    numbers = _moe_ops(state.runs[0].launches, "moe_gating_top_k_softmax_v2")
     run = state.runs[0]
     return _tracked(oracle.hf_logit_tracking(state.model_dir, run.prompts, run.tokens, routed=True), numbers)
 

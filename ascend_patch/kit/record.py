@@ -26,7 +26,7 @@ CHECKS = {
            "form of npu_fused_infer_attention_score, with prefix caching and chunked prefill, bf16",
     "moe-grouped-routing": "DeepSeek-V3 grouped sigmoid routing on npu_moe_gating_top_k, experts "
                            "on the NPU MoE ops, bf16",
-    "moe": "Qwen3-MoE softmax routing on npu_moe_gating_top_k_softmax, experts on "
+    "moe": "Qwen3-MoE renormalised softmax routing on npu_moe_gating_top_k_softmax_v2, experts on "
            "npu_moe_init_routing_v2 / npu_grouped_matmul / npu_moe_token_unpermute, bf16",
     "w8a8": "an AscendV1 W8A8 checkpoint (static, dynamic and float layers) on "
             "npu_quantize / npu_dynamic_quant / npu_quant_matmul, bf16",

@@ -74,6 +74,42 @@ def test_gating_top_k_softmax_is_the_top_k_of_the_softmax(rows, experts, k, dtyp
             assert float(scores[ids].min()) >= float(scores[others].max()) - 1e-7
 
 
+
+# --- npu_moe_gating_top_k_softmax_v2 --------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 12), experts=st.integers(1, 40), k=st.integers(1, 8),
+       dtype=float_dtypes, three_d=st.booleans(), steps=st.sampled_from([1, 3, 50]), seed=seeds)
+def test_gating_top_k_softmax_v2_renorm_is_the_top_k_of_the_softmax_renormalised(
+        rows, experts, k, dtype, three_d, steps, seed):
+    """renorm=1 (top-k, then softmax) against the routing vLLM's renormalising routers compute:
+    the top k of the softmax, divided by their sum; renorm=0 is the v1 op."""
+    k = min(k, experts)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (2, rows, experts) if three_d else (rows, experts)
+    x = grid_logits(generator, shape, dtype, steps)
+
+    y, expert_idx, softmax = kernels.moe_gating_top_k_softmax_v2(x, k=k, renorm=1)
+
+    assert y.shape == expert_idx.shape == (*shape[:-1], k) and softmax.shape == (0,)
+    assert (y.dtype, expert_idx.dtype) == (dtype, torch.int32)
+    flat_x, flat_y, flat_ids = x.reshape(-1, experts).float(), y.reshape(-1, k), expert_idx.reshape(-1, k)
+    for row in range(len(flat_x)):
+        scores = flat_x[row].exp() / flat_x[row].exp().sum()
+        ids = flat_ids[row].tolist()
+        assert len(set(ids)) == k and all(0 <= i < experts for i in ids)
+        others = [i for i in range(experts) if i not in ids]
+        if others:
+            assert float(scores[ids].min()) >= float(scores[others].max()) - 1e-7
+        assert_close(flat_y[row], (scores[ids] / scores[ids].sum()).to(dtype), dtype)
+
+    plain = kernels.moe_gating_top_k_softmax_v2(x, k=k, renorm=0, output_softmax=True)
+    v1 = kernels.moe_gating_top_k_softmax(x, k=k)
+    assert torch.equal(plain[0], v1[0]) and torch.equal(plain[1], v1[1])
+    torch.testing.assert_close(plain[2], x.float().softmax(-1))
+
+
 # --- npu_moe_gating_top_k -------------------------------------------------------------------------
 
 
@@ -509,6 +545,12 @@ def gating_softmax(**overrides):
     return kernels.moe_gating_top_k_softmax(**args)
 
 
+def gating_softmax_v2(**overrides):
+    args = dict(x=torch.zeros(4, 8), k=2, renorm=1)
+    args.update(overrides)
+    return kernels.moe_gating_top_k_softmax_v2(args.pop("x"), **args)
+
+
 def gating(**overrides):
     args = dict(x=torch.zeros(4, 16), k=4, bias=torch.zeros(16), k_group=2, group_count=4,
                 group_select_mode=1, norm_type=1)
@@ -551,6 +593,7 @@ def finalize(**overrides):
 
 
 SOFTMAX, GATING = "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k"
+SOFTMAX_V2 = "npu_moe_gating_top_k_softmax_v2"
 INIT, GMM = "npu_moe_init_routing_v2", "npu_grouped_matmul"
 UNPERMUTE, FINALIZE = "npu_moe_token_unpermute", "npu_moe_finalize_routing"
 
@@ -563,6 +606,13 @@ VIOLATIONS = {
     "softmax top-k finished of the wrong shape": (
         lambda: gating_softmax(finished=torch.zeros(4, 1, dtype=torch.bool)),
         f"{SOFTMAX}: finished must be shape (4,) (x.shape[:-1]), got (4, 1)"),
+    "softmax top-k v2 renorm 2": (
+        lambda: gating_softmax_v2(renorm=2),
+        f"{SOFTMAX_V2}: renorm must be 0 (softmax, then top-k) or 1 (top-k, then softmax), got 2"),
+    "softmax top-k v2 k over the experts": (
+        lambda: gating_softmax_v2(k=9), f"{SOFTMAX_V2}: k must be in [1, 8], got 9"),
+    "softmax top-k v2 1-D logits": (
+        lambda: gating_softmax_v2(x=torch.zeros(8)), f"{SOFTMAX_V2}: x must be 2-D to 3-D, got 1-D (8,)"),
     "grouped top-k bias of another dtype": (
         lambda: gating(bias=torch.zeros(16, dtype=torch.bfloat16)),
         f"{GATING}: bias must be torch.float32 of shape (16,), got torch.bfloat16 (16,)"),

@@ -30,7 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 OPS_CALLED = (
     "npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "npu_rms_norm",
     "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope", "npu_top_k_top_p",
-    "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
+    "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k_softmax_v2", "npu_moe_gating_top_k",
+    "npu_moe_init_routing_v2",
     "npu_grouped_matmul", "npu_moe_token_unpermute", "npu_moe_finalize_routing",
     "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "_npu_paged_attention",
     "_npu_paged_attention_get_workspace", "atb.npu_multi_head_latent_attention",
@@ -330,6 +331,9 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     kernels.moe_gating_top_k_softmax(logits, k=2)
     assert_arguments(torch_npu.only_call("npu_moe_gating_top_k_softmax"),
                      {"x": logits, "finished": None, "k": 2})
+    kernels.moe_gating_top_k_softmax_v2(logits, k=2, renorm=1)
+    assert_arguments(torch_npu.only_call("npu_moe_gating_top_k_softmax_v2"),
+                     {"x": logits, "k": 2, "finished": None, "renorm": 1, "output_softmax": False})
     bias = logits[0]
     kernels.moe_gating_top_k(logits, 2, bias=bias, k_group=1, group_count=2,
                              group_select_mode=1, norm_type=1, routed_scaling_factor=2.5)

@@ -44,6 +44,7 @@ OPS = (
     "mrope",
     "top_k_top_p",
     "moe_gating_top_k_softmax",
+    "moe_gating_top_k_softmax_v2",
     "moe_gating_top_k",
     "moe_init_routing_v2",
     "grouped_matmul",

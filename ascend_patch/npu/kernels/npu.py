@@ -199,6 +199,11 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
     return _torch_npu().npu_moe_gating_top_k_softmax(x, finished=finished, k=k)
 
 
+def moe_gating_top_k_softmax_v2(x, *, k=1, finished=None, renorm=0, output_softmax=False):
+    return _torch_npu().npu_moe_gating_top_k_softmax_v2(x, k=k, finished=finished, renorm=renorm,
+                                                        output_softmax=output_softmax)
+
+
 def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
                      group_count=1, group_select_mode=0, renorm=0, norm_type=0,
                      out_flag=False, routed_scaling_factor=1.0, eps=1e-20):

@@ -8,7 +8,8 @@ all the work. :class:`AscendUnquantizedFusedMoEMethod` does it *monolithically*:
 runner hands it the router logits (``apply_monolithic``, the path vLLM's own CPU backend
 used up to 0.27), and it routes, dispatches, computes and combines on the NPU:
 
-1. routing: ``npu_moe_gating_top_k_softmax`` (softmax top-k) or ``npu_moe_gating_top_k``
+1. routing: ``npu_moe_gating_top_k_softmax`` (softmax top-k), its ``_v2`` with ``renorm=1``
+   (softmax top-k renormalised, in the same launch) or ``npu_moe_gating_top_k``
    (sigmoid/softmax scores, score-correction bias, grouped top-k, routed scaling), with
    exactly the semantics of vLLM's own routers for the same layer attributes;
 2. dispatch: ``npu_moe_init_routing_v2`` sorts the token copies by expert and counts
@@ -125,6 +126,8 @@ class Routing:
 
     def _gating(self, logits, bias):
         """The NPU gating op for this routing and its arguments: ``(name, args, kwargs)``."""
+        if self.plain_softmax and self.renormalize:  # the softmax of the top k: renormalised
+            return "moe_gating_top_k_softmax_v2", (logits,), {"k": self.top_k, "renorm": 1}
         if self.plain_softmax:
             return "moe_gating_top_k_softmax", (logits,), {"k": self.top_k}
         # The op renormalises sigmoid weights itself (and scales after that); softmax weights
@@ -138,15 +141,22 @@ class Routing:
             eps=1e-20)
 
     def __call__(self, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights fp32 [T, k], expert ids int32 [T, k])`` for tokens x [T, H] and their
-        router logits [T, E]."""
+        """``(weights [T, k], expert ids int32 [T, k])`` for tokens x [T, H] and their router
+        logits [T, E]; the weights fp32, or in the logits' dtype for plain softmax routing."""
         if self.npu_limit is not None:  # as vLLM's GroupedTopKRouter calls it
             return grouped_topk(
                 hidden_states=x, gating_output=logits, topk=self.top_k,
                 renormalize=self.renormalize, num_expert_group=self.groups,
                 topk_group=self.group_top_k, scoring_func=self.scoring,
                 routed_scaling_factor=self.scaling, e_score_correction_bias=self.bias)
-        logits = logits.float()  # the ops return weights in the logits' dtype; vLLM's are fp32
+        if self.plain_softmax:
+            # One launch: the softmax ops take the logits in the model's dtype and return the
+            # weights in it, the dtype the combine weighs the rows in (vLLM's routers return fp32
+            # weights; the combine rounds them to the rows' dtype all the same).
+            name, args, kwargs = self._gating(logits, None)
+            weights, ids, _ = getattr(kernels, name)(*args, **kwargs)
+            return weights, ids
+        logits = logits.float()  # the op returns weights in the logits' dtype; vLLM's are fp32
         name, args, kwargs = self._gating(logits, None if self.bias is None else self.bias.float())
         weights, ids, _ = getattr(kernels, name)(*args, **kwargs)
         if self.scoring == "sigmoid":

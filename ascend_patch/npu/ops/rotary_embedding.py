@@ -21,12 +21,15 @@ class AscendRotaryEmbedding(RotaryEmbedding):
     the query) ``npu_rotary_mul`` runs per tensor: it takes 4-D tensors only (BNSD, BSND or
     SBND), so a query or key of ``T`` tokens is viewed as BSND with one batch, ``[1, T, N, D]``
     (no copy), and cos/sin as ``[1, T, 1, D]``, the 1S1D layout both rotary modes accept for
-    BSND. Those cos/sin are gathered once per step and shared by every layer: models build one
-    rotary module for all layers, and positions only change between forward passes.
+    BSND. Those cos/sin are gathered once per step, in one launch, and shared by every layer:
+    models build one rotary module for all layers, and positions only change between forward
+    passes. What they are gathered from, vLLM's cos|sin cache laid out per rotary mode (each
+    frequency on the two lanes it rotates), is built once, at the first forward.
     """
 
     _step = None  # (forward context, positions) the cached cos/sin belong to
     _cos_sin = None
+    _table = None  # (vLLM's cos|sin cache, its cos and sin per lane [2, positions, rotary_dim])
 
     def forward_oot(self, positions, query, key=None):
         rows = None if key is None else self._mrope_rows(positions, query, key)
@@ -54,15 +57,22 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         step = (get_forward_context(), positions) if is_forward_context_available() else None
         if step is not None and self._step is not None and all(a is b for a, b in zip(step, self._step)):
             return self._cos_sin
-        cache = self._match_cos_sin_cache_dtype(query)
-        cos, sin = cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
-        if self.is_neox_style:  # "half": lanes i and i + d/2 share a frequency
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        else:  # "interleave": lanes 2i and 2i + 1 share a frequency
-            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        cos, sin = self._lanes(query).index_select(1, positions.flatten())
         self._cos_sin = (cos[None, :, None], sin[None, :, None])  # [1, T, 1, rotary_dim]: 1S1D
         self._step = step
         return self._cos_sin
+
+    def _lanes(self, query: torch.Tensor) -> torch.Tensor:
+        """vLLM's cos|sin cache as ``[2, positions, rotary_dim]``: cos, then sin, per lane."""
+        cache = self._match_cos_sin_cache_dtype(query)
+        if self._table is None or self._table[0] is not cache:
+            cos, sin = cache.chunk(2, dim=-1)
+            if self.is_neox_style:  # "half": lanes i and i + d/2 share a frequency
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            else:  # "interleave": lanes 2i and 2i + 1 share a frequency
+                cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+            self._table = (cache, torch.stack((cos, sin)))
+        return self._table[1]
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         shape = x.shape

@@ -34,6 +34,7 @@ from .moe import (
     moe_finalize_routing,
     moe_gating_top_k,
     moe_gating_top_k_softmax,
+    moe_gating_top_k_softmax_v2,
     moe_init_routing_v2,
     moe_token_unpermute,
 )
@@ -46,7 +47,8 @@ __all__ = [
     "fused_infer_attention_score_decode", "fused_infer_attention_score_decode_workspace",
     "fused_infer_attention_score_mla", "fused_infer_attention_score_mla_decode",
     "fused_infer_attention_score_mla_decode_workspace", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
-    "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_init_routing_v2", "moe_token_unpermute",
+    "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_gating_top_k_softmax_v2",
+    "moe_init_routing_v2", "moe_token_unpermute",
     "mrope", "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
     "quantize", "recurrent_gated_delta_rule", "rms_norm", "rotary_mul", "scatter_pa_kv_cache", "swap_blocks",
     "swiglu", "top_k_top_p",

@@ -68,6 +68,11 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 - [SOFTMAX-TOPK] ``torch_npu-npu_moe_gating_top_k_softmax.md``; [SOFTMAX-TOPK-ACLNN]
   ``moe/moe_gating_top_k_softmax/docs/aclnnMoeGatingTopKSoftmax.md`` (finished rows get expert
   id ``E``).
+- [SOFTMAX-TOPK-V2] the ``npu_moe_gating_top_k_softmax_v2`` docstring of the torch-npu 2.11-2.14
+  wheels (``_op_plugin_docs.py``: renorm 0 is softmax then top-k, renorm 1 top-k then softmax; x
+  float16/bfloat16/float32, 2-D or 3-D; 0 < k <= E, k <= 1024) and their meta kernel (outputs: y
+  in x's dtype, int32 ids, and the fp32 softmax only with renorm 0 and output_softmax, else an
+  empty ``[0]``).
 - [GATING] ``torch_npu-npu_moe_gating_top_k.md`` (its equivalent-computation code is the
   algorithm); [GATING-ACLNN] ``moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md`` (normalisation
   rule per norm_type and renorm; no empty input).
@@ -166,6 +171,38 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
     shape = (*x.shape[:-1], k)
     return (y.to(x.dtype).view(shape), expert_idx.to(torch.int32).view(shape),
             row_idx.reshape(shape))
+
+
+def moe_gating_top_k_softmax_v2(x, *, k=1, finished=None, renorm=0, output_softmax=False):
+    """``(y, expert_idx, softmax)``: renorm 0 is :func:`moe_gating_top_k_softmax`'s top k of the
+    softmax; renorm 1 the softmax of the top k logits, which is that top k renormalised to sum to
+    1 (the softmax is monotonic, so both pick the same experts) [SOFTMAX-TOPK-V2]. ``softmax`` is
+    the whole fp32 softmax with renorm 0 and ``output_softmax``, else empty."""
+    op = "npu_moe_gating_top_k_softmax_v2"
+    check_tensor(op, "x", x)
+    check_dims(op, "x", x, 2, 3)
+    check_dtype(op, "x", x, _FLOATS)
+    experts = x.shape[-1]
+    _check_int(op, "k", k)
+    top = min(experts, limits.SOFTMAX_TOP_K_MAX)
+    require(0 < k <= top, op, "k", f"in [1, {top}]", k)
+    _check_int(op, "renorm", renorm)
+    require(renorm in (0, 1), op, "renorm", "0 (softmax, then top-k) or 1 (top-k, then softmax)",
+            renorm)
+    require(isinstance(output_softmax, bool), op, "output_softmax", "a bool",
+            type(output_softmax).__name__)
+    if finished is not None:  # the v2 docstring gives no rule for finished rows' ids
+        raise NotImplementedError(f"{op}: finished rows are not implemented")
+
+    logits = x.reshape(-1, experts).float()
+    scores = logits.softmax(dim=-1)
+    y, expert_idx = _top_k(scores, k)
+    if renorm == 1:
+        y = logits.gather(-1, expert_idx).softmax(dim=-1)
+    shape = (*x.shape[:-1], k)
+    full = renorm == 0 and output_softmax
+    softmax = scores.view(x.shape) if full else torch.empty(0, dtype=torch.float32, device=x.device)
+    return y.to(x.dtype).view(shape), expert_idx.to(torch.int32).view(shape), softmax
 
 
 def moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1,
