@@ -11,6 +11,8 @@ by side, since nothing else runs any more.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +50,7 @@ class PinnedRuns:
                 proc = subprocess.Popen(
                     [sys.executable, str(ROOT / "scripts" / "record_matrix_run.py"), "--check", version],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True,  # its pytest and engines are stopped with it
                 )
             self._procs[version] = proc
         self._started[version].set()
@@ -68,11 +71,12 @@ class PinnedRuns:
         return code, (self.logs / f"{version}.log").read_text()[-6000:]
 
     def close(self) -> None:
-        """Stop the runs still going (the session ended before their tests)."""
+        """Stop the runs still going (the session ended before their tests), each with the
+        processes it started."""
         with self._lock:
             self._closed = True
             procs = list(self._procs.values())
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
