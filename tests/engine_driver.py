@@ -43,7 +43,9 @@ its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs 
 engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
 out (the negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
-control of the recurrent tests).
+control of the recurrent tests); one with ``"stale_lora_slots": true`` has the LoRA wrapper put
+each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a
+replayed graph still the capture's: the negative control of the LoRA graph tests).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -118,8 +120,12 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     from ascend_patch.npu.compilation import acl_graph
 
     from ascend_patch.npu.kernels import recurrence
+    from ascend_patch.npu.lora import punica
 
     reissue, steps = acl_graph._reissue, (recurrence.ssm_step, recurrence.gated_delta_step)
+    refresh_slots = punica.refresh_slots
+    if spec.get("stale_lora_slots"):
+        punica.refresh_slots = _fresh_lora_slots
     if spec.get("stale_host_params"):
         acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
     if spec.get("stale_recurrent_state"):  # each decode step's output, its state never advanced
@@ -131,7 +137,16 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     finally:
         acl_graph._reissue = reissue
         recurrence.ssm_step, recurrence.gated_delta_step = steps
+        punica.refresh_slots = refresh_slots
     return {**result, "log": log}
+
+
+def _fresh_lora_slots(wrapper) -> None:
+    from ascend_patch.npu.kernels.composed import slot_rows
+
+    wrapper._token_slots_int32 = wrapper._token_lora_indices.int()
+    wrapper._token_rows = slot_rows(wrapper._token_lora_indices)
+    wrapper._request_rows = slot_rows(wrapper._sampler_indices)
 
 
 def _generate(spec: dict, report_errors: bool) -> dict:
