@@ -7,8 +7,11 @@ For each VERSION:
 2. dynamic (when ``requirements/test-vllm-VERSION.txt`` pins an environment for it):
    builds ``.venvs/vllm-VERSION`` with that exact vLLM on the CPU torch, and runs the
    emulated end-to-end suite (tests/test_engine.py: greedy equal to HF, prefix caching,
-   chunked prefill, bf16 fused kernels, sampling, emulated HBM) inside it;
-3. writes the outcome into the matrix: ``emulated-e2e`` when the suite passed,
+   chunked prefill, bf16 fused kernels, sampling, emulated HBM, LoRA) inside it, and, on a release
+   of a set in FEATURES, the feature tests carrying that set's marker (speculative decoding,
+   disaggregated prefill, data parallelism, encoder-only pooling, sleep mode: what issues 19, 21
+   and 22 ask to see on 0.33.0, the main environment, and one v0_20 release);
+3. writes the outcome into the matrix: ``emulated-e2e`` when the suites passed,
    ``static-probe`` when only the probe ran and every target verified,
    ``unsupported`` when the probe found mismatches — with the date and the evidence.
 
@@ -46,6 +49,10 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "compat_matrix.yaml"
 E2E_SUITE = "tests/test_engine.py"
+FEATURES = {"v0_20": "v0_20_features"}
+"""Patch set -> the pytest marker of the feature tests its pinned releases also run."""
+FEATURE_SUITES = ["tests/test_spec_decode.py", "tests/test_kv_transfer.py", "tests/test_data_parallel.py",
+                  "tests/test_pooling.py", "tests/test_graph.py"]
 
 
 def requirements_for(version: str) -> Path:
@@ -87,38 +94,48 @@ def _environment(version: str) -> Path:
     return venv
 
 
-def dynamic_e2e(version: str) -> dict:
-    venv = _environment(version)
-    python = venv / "bin" / "python"
+def _pytest(python: Path, args: list[str]) -> dict:
+    """Run pytest on ``args`` in the release's environment: its counts and exit status."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PATCH")}
         proc = subprocess.run(
-            [str(python), "-m", "pytest", E2E_SUITE, "-q", "-p", "no:cacheprovider",
-             f"--junitxml={report}"],
+            [str(python), "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
             cwd=ROOT, env=env, timeout=3600,
         )
         suite = ET.parse(report).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    tests = int(suite.get("tests"))
+    failed = int(suite.get("failures")) + int(suite.get("errors"))
+    skipped = int(suite.get("skipped", 0))
+    return {"passed": tests - failed - skipped, "failed": failed, "skipped": skipped,
+            "exit_status": proc.returncode}
+
+
+def dynamic_e2e(version: str, patch_set: str) -> dict:
+    """The e2e suite's record, and the feature tests' (``features``) on a set in FEATURES."""
+    venv = _environment(version)
+    python = venv / "bin" / "python"
+    e2e = _pytest(python, [E2E_SUITE])
     versions = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m, json, platform; print(json.dumps({"
          "'vllm': m.version('vllm'), 'torch': m.version('torch'), "
          "'transformers': m.version('transformers'), 'python': platform.python_version()}))"],
         capture_output=True, text=True, check=True,
     )
-    tests = int(suite.get("tests"))
-    failed = int(suite.get("failures")) + int(suite.get("errors"))
-    skipped = int(suite.get("skipped", 0))
-    return {
-        "run": "emulated-e2e",
-        "command": f"scripts/record_matrix_run.py {version}",
-        "suite": E2E_SUITE,
-        "passed": tests - failed - skipped,
-        "failed": failed,
-        "skipped": skipped,
-        "exit_status": proc.returncode,
-        "environment": json.loads(versions.stdout),
-    }
+    command = f"scripts/record_matrix_run.py {version}"
+    record = {"run": "emulated-e2e", "command": command, "suite": E2E_SUITE, **e2e,
+              "environment": json.loads(versions.stdout)}
+    if patch_set in FEATURES:
+        marker = FEATURES[patch_set]
+        record["features"] = {"run": "emulated-features", "command": command, "suites": FEATURE_SUITES,
+                              "marker": marker, **_pytest(python, [*FEATURE_SUITES, "-m", marker])}
+    return record
+
+
+def passed(run: dict) -> bool:
+    """Every test ran and passed, and pytest agrees: a skip or a crash is not evidence."""
+    return run["failed"] == 0 and run["skipped"] == 0 and run["passed"] > 0 and run["exit_status"] == 0
 
 
 def outcome(version: str, static_only: bool) -> tuple[str, dict]:
@@ -127,9 +144,8 @@ def outcome(version: str, static_only: bool) -> tuple[str, dict]:
         return "unsupported", evidence
     if static_only or not requirements_for(version).is_file():
         return "static-probe", evidence
-    evidence["e2e"] = run = dynamic_e2e(version)
-    # Every test ran and passed, and pytest agrees: a skip or a crash is not evidence.
-    ok = run["failed"] == 0 and run["skipped"] == 0 and run["passed"] > 0 and run["exit_status"] == 0
+    evidence["e2e"] = run = dynamic_e2e(version, evidence["static_probe"]["patch_set"])
+    ok = passed(run) and ("features" not in run or passed(run["features"]))
     return ("emulated-e2e" if ok else "unsupported"), evidence
 
 

@@ -42,6 +42,7 @@ def _greedy(max_tokens: int) -> dict:
     return {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
 
 
+@pytest.mark.v0_20_features
 @pytest.mark.parametrize(("visible", "assigned", "local_rank", "ordinal"), [
     (None, None, 1, 1),  # no shard in the config (older releases narrow the variable instead)
     (None, [2, 3], 1, 3),  # DP rank 1 of TP=2 on one host: physical NPUs 2 and 3
@@ -124,6 +125,7 @@ def _rank_tokens(run: dict, rank: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.v0_20_features
 @pytest.mark.parametrize("rank", [0, 1])
 def test_moe_data_parallel_with_expert_parallel_equals_hf(offline_moe, rank):
     prompts, max_tokens = offline_moe["shares"][rank]
@@ -141,6 +143,7 @@ def test_moe_data_parallel_with_default_graphs_tracks_hf(offline_moe_graphs, ran
 
 
 @pytest.mark.slow
+@pytest.mark.v0_20_features
 def test_an_all2all_backend_of_cuda_kernels_is_refused_in_one_line(offline_moe):
     error = offline_moe["reports"][0]["engines"][0]["error"]
     message = ("--all2all-backend deepep_low_latency is not supported on Ascend by ascend-patch "

@@ -8,13 +8,18 @@ HF's cache (post-rotary keys, values) token for token, so the connector read the
 attention wrote, not another plane or block; the consumer's tokens equal HF greedy and it served
 the prompts' full blocks from the connector (prefix caching is off). The refusals start engines
 that stop at configuration, in one line each: rank 0 of vLLM's offline data-parallel example on
-an MoE model stops there instead of asserting in vLLM's get_ep_all2all_manager.
+an MoE model stops there instead of asserting in vLLM's get_ep_all2all_manager; before vLLM 0.30,
+whose offloading interface the NPU spec does not implement, so does KV offload
+(tests/test_kv_offload.py runs it on 0.30+).
 """
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import pytest
 import torch
+from packaging.version import Version
 from safetensors.torch import load_file
 
 from ascend_patch.kit.oracle import hf_greedy, hf_model, prompt_token_ids
@@ -25,6 +30,10 @@ from tests.helpers.engine import run_engine
 PROMPT_LENGTHS = [420, 300, 200]
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": False}
+# KV offload is declared for vLLM 0.30-0.33 (patches/v0_29.py); earlier releases refuse it.
+OFFLOAD_REFUSED = Version(Version(version("vllm")).base_version) < Version("0.30")
+
+pytestmark = pytest.mark.v0_20_features
 
 
 def _connector(role: str, storage) -> dict:
@@ -49,6 +58,8 @@ def disaggregated(tiny_models, tmp_path_factory):
         "sleep": (llama, {**ENGINE, "enable_sleep_mode": True,
                           "kv_transfer_config": _connector("kv_both", storage)}, {}),
     }
+    if OFFLOAD_REFUSED:
+        refused["offload"] = (llama, {**ENGINE, "kv_offloading_size": 0.02}, {})
     spec = {"engines": [
         *({"model": str(model), "kwargs": kwargs, "env": env, "runs": []} for model, kwargs, env in refused.values()),
         {"model": str(llama), "kwargs": {**ENGINE, "kv_transfer_config": _connector("kv_producer", storage)},
@@ -103,3 +114,10 @@ def test_unsupported_serving_is_refused_in_one_line(disaggregated, case, message
     error = disaggregated["refused"][case]["error"]
     assert message in error and "\n" not in error, error
 
+
+
+@pytest.mark.skipif(not OFFLOAD_REFUSED, reason="vLLM 0.30+ offloads: tests/test_kv_offload.py")
+def test_kv_offload_before_vllm_0_30_is_refused_in_one_line(disaggregated):
+    error = disaggregated["refused"]["offload"]["error"]
+    assert ("KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend by "
+            "ascend-patch with this vLLM") in error and "\n" not in error, error

@@ -4,14 +4,15 @@
 - Every listed release is probed statically (its sdist from PyPI, cached in the workspace)
   and must still verify as the matrix says.
 - The releases CI pins (below) are installed in their own environment and run the emulated
-  end-to-end suite; the matrix must say ``emulated-e2e`` for each.
+  end-to-end suite (a v0_20 release also the feature tests marked ``v0_20_features``); the matrix
+  must say ``emulated-e2e`` for each. The runs start in the background when the session's tests are
+  collected (tests/helpers/pinned.py), and their tests run last.
 """
 
 from __future__ import annotations
 
-import subprocess
+import re
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,8 +21,9 @@ from ascend_patch.overlay import matrix
 from tests.helpers.process import ROOT, require_pypi
 
 TABLE = matrix.load()
-# vLLM 0.33.0 is the main test environment (its suite runs in tests/test_engine.py).
-CI_DYNAMIC = ["0.29.0", "0.28.0"]
+# vLLM 0.33.0 is the main test environment (its suite runs in tests/test_engine.py). The longest
+# run first: the pinned runs start one after another (tests/helpers/pinned.py).
+CI_DYNAMIC = ["0.28.0", "0.29.0"]
 
 
 def _record_script():
@@ -58,6 +60,15 @@ def test_every_claimed_status_has_a_recorded_run(version):
         assert run["failed"] == 0 and run["passed"] > 0 and run["exit_status"] == 0
         assert run["skipped"] == 0, "a skipped test is an unchecked claim"
         assert run["environment"]["vllm"] == version, "the run used exactly this release"
+        record = _record_script()
+        marker = record.FEATURES.get(entry.patch_set)
+        assert ("features" in run) == (marker is not None), "the feature tests of its patch set"
+        if marker:
+            features = run["features"]
+            assert features["run"] == "emulated-features" and features["marker"] == marker
+            assert features["suites"] == record.FEATURE_SUITES
+            assert features["failed"] == features["skipped"] == features["exit_status"] == 0
+            assert features["passed"] > 0
     else:
         assert entry.status == "static-probe" and "e2e" not in evidence
 
@@ -70,6 +81,17 @@ def test_ci_pins_the_versions_the_issue_asks_for():
 def test_ci_reruns_every_release_the_matrix_claims_ran():
     claimed = {str(v) for v, entry in TABLE.versions.items() if entry.status == "emulated-e2e"}
     assert claimed == {*CI_DYNAMIC, "0.33.0"}
+
+
+def test_every_patch_set_with_feature_tests_has_a_pinned_release_and_marked_tests():
+    """Issues 19, 21 and 22 want their features run on one v0_20 release: a pinned one runs the
+    tests carrying the set's marker, and those live in the suites the run names."""
+    record = _record_script()
+    for patch_set, marker in record.FEATURES.items():
+        assert any(TABLE.versions[v].patch_set == patch_set for v in CI_DYNAMIC), patch_set
+        marked = {f"tests/{path.name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+                  if re.search(rf"mark\.{marker}\b", path.read_text())}
+        assert marked == set(record.FEATURE_SUITES)
 
 
 @pytest.mark.parametrize("version", sorted(TABLE.versions), ids=str)
@@ -86,38 +108,15 @@ def test_static_probe_still_matches_the_matrix(version):
         recorded["verified"], recorded["unchecked"], recorded["targets"])
 
 
-@pytest.fixture(scope="module")
-def pinned_runs(tiny_models, tmp_path_factory):
-    """``record_matrix_run.py --check`` of every pinned release, side by side: each builds its
-    release's environment and runs the emulated e2e suite in it, one interpreter at a time that
-    keeps about one core busy, and CI has two. The tiny models are built first, so the runs only
-    read them."""
-    logs = tmp_path_factory.mktemp("pinned")
-    runs = {}
-    for version in CI_DYNAMIC:
-        log = open(logs / f"{version}.log", "w")
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "scripts" / "record_matrix_run.py"), "--check", version],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-        )
-        runs[version] = (proc, log)
-    yield runs
-    for proc, log in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("version", CI_DYNAMIC)
 def test_pinned_release_runs_end_to_end(version, pinned_runs):
-    """The release's own environment runs the emulated e2e suite."""
+    """The release's own environment runs the emulated e2e suite (and its set's feature tests):
+    ``record_matrix_run.py --check``, started with the session (the ``pinned_runs`` fixture,
+    tests/conftest.py)."""
     assert TABLE.versions[version].status == "emulated-e2e"
-    proc, log = pinned_runs[version]
-    code = proc.wait(timeout=3000)
-    log.flush()
-    assert code == 0, Path(log.name).read_text()[-6000:]
+    code, log = pinned_runs.wait(version, timeout=3000)
+    assert code == 0, log
 
 
 def test_record_script_keeps_the_schema_comment(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ import pytest
 
 from ascend_patch.kit import tiny_drafts
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
-from tests.helpers.engine import MODELS_DIR, run_engine
+from tests.helpers.engine import MODELS_DIR, only_marked_tests, run_engine
 
 MAX_TOKENS = 20
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -120,10 +120,18 @@ checkpoint)."""
 
 
 FEATURED = ("plain", "ngram", "self_draft", "ngram_guidance")
+V0_20 = ("plain", "ngram", "self_draft", "shifted_eagle_async", "deepseek_plain", "mtp")
+"""The engines the tests marked v0_20_features read (a v0_20-set release in CI): one lossless
+greedy run per method family (n-grams, a draft model, EAGLE, MTP), without the feature runs."""
+V0_20_FEATURES = pytest.mark.v0_20_features
+
+
+def _v0_20(*names):
+    return [pytest.param(name, marks=V0_20_FEATURES) for name in names]
 
 
 @pytest.fixture(scope="module")
-def engines(llama, tiny_models, drafts, tmp_path_factory):
+def engines(llama, tiny_models, drafts, tmp_path_factory, request):
     other = str(tiny_models["tiny-qwen2"])  # same KV shape and vocabulary, other weights
     configs = {
         "plain": {**ENGINE, **FEATURES},
@@ -144,11 +152,15 @@ def engines(llama, tiny_models, drafts, tmp_path_factory):
                         "enforce_eager": False,
                         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
     }
+    subset = only_marked_tests(request)
+    if subset:
+        configs = {name: configs[name] for name in V0_20}
+    featured = () if subset else FEATURED
     models = {name: str(drafts[TARGETS[name]] if name in TARGETS else llama) for name in configs}
     result = run_engine({"engines": [{"model": models[name], "kwargs": kwargs,
                                       "runs": [{"prompts": _prompts(models[name], name),
                                                 "sampling": [GREEDY]},
-                                               *(_feature_runs(llama) if name in FEATURED else [])]}
+                                               *(_feature_runs(llama) if name in featured else [])]}
                                      for name, kwargs in configs.items()],
                          "report_errors": True},
                         tmp_path_factory.mktemp("spec_decode"), timeout=1500)
@@ -173,13 +185,15 @@ def _counts(engine: dict) -> dict:
     return engine["runs"][0]["spec_decode"]
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "self_draft", "other_draft_async", "eagle3"])
+@pytest.mark.parametrize("name", [*_v0_20("plain", "ngram", "self_draft"), "other_draft_async",
+                                  "eagle3"])
 def test_greedy_tokens_equal_hf_and_the_engine_without_speculation(engines, oracle, name):
     assert "error" not in engines[name], engines[name]["error"]
     assert engines[name]["runs"][0]["tokens"] == oracle
     assert engines[name]["runs"][0]["tokens"] == engines["plain"]["runs"][0]["tokens"]
 
 
+@pytest.mark.v0_20_features
 @pytest.mark.parametrize("name, plain", [("shifted_eagle_async", None), ("mtp", "deepseek_plain")])
 def test_eagle_and_mtp_tokens_equal_hf_and_the_engine_without_speculation(engines, drafts, name,
                                                                         plain):
@@ -191,13 +205,14 @@ def test_eagle_and_mtp_tokens_equal_hf_and_the_engine_without_speculation(engine
         assert tokens == engines[plain]["runs"][0]["tokens"]
 
 
-@pytest.mark.parametrize("name", ["eagle3", "mtp"])
+@pytest.mark.parametrize("name", ["eagle3", *_v0_20("mtp")])
 def test_eagle3_and_mtp_drafts_are_proposed_and_verified(engines, name):
     counts = _counts(engines[name])
     assert counts["drafts"] > 0
     assert counts["draft_tokens"] >= counts["drafts"] * (2 if name == "mtp" else SPEC_TOKENS)
 
 
+@pytest.mark.v0_20_features
 def test_eagle_drafts_are_the_ones_its_attention_over_the_accepted_tokens_gives(engines, drafts):
     """The shifted head's counters equal the prediction to the token: one draft attending over a
     rejected draft's K/V, or missing an accepted token's, changes what it proposes."""
@@ -208,25 +223,27 @@ def test_eagle_drafts_are_the_ones_its_attention_over_the_accepted_tokens_gives(
     assert _counts(engines["shifted_eagle_async"]) == expected
 
 
+@pytest.mark.v0_20_features
 def test_the_target_as_its_own_draft_accepts_every_draft(engines):
     counts = _counts(engines["self_draft"])
     assert counts["draft_tokens"] >= SPEC_TOKENS * (MAX_TOKENS // (SPEC_TOKENS + 1))
     assert counts["accepted_tokens"] == counts["draft_tokens"]
 
 
-@pytest.mark.parametrize("name", ["ngram", "other_draft_async"])
+@pytest.mark.parametrize("name", [*_v0_20("ngram"), "other_draft_async"])
 def test_rejected_drafts_are_reported_and_leave_the_output_exact(engines, name):
     counts = _counts(engines[name])
     assert counts["drafts"] > 0
     assert counts["accepted_tokens"] < counts["draft_tokens"]
 
 
-@pytest.mark.parametrize("name", ["other_draft_async", "shifted_eagle_async"])
+@pytest.mark.parametrize("name", ["other_draft_async", *_v0_20("shifted_eagle_async")])
 def test_async_scheduling_is_turned_off_with_speculative_decoding_in_one_line(engines, name):
     log = engines[name]["log"]
     assert sum("async scheduling is off with speculative decoding" in line for line in log) == 1
 
 
+@pytest.mark.v0_20_features
 @pytest.mark.parametrize("method", ["suffix", "dflash", "ngram_gpu"])
 def test_other_methods_are_refused_in_one_line_naming_the_method(method):
     from ascend_patch.npu.spec_decode import config
@@ -239,6 +256,7 @@ def test_other_methods_are_refused_in_one_line_naming_the_method(method):
                                   "mtp)")
 
 
+@pytest.mark.v0_20_features
 def test_mtp_of_other_models_is_refused_in_one_line_naming_the_model_type():
     from ascend_patch.npu.spec_decode import config
 
@@ -333,7 +351,8 @@ def test_async_scheduling_on_and_off_give_the_same_greedy_tokens(engines):
 # --- vLLM's speculative-decoding metrics on the NPU path --------------------------------------
 
 
-@pytest.mark.parametrize("name", ["ngram", "self_draft", "other_draft_async", "eagle3", "mtp"])
+@pytest.mark.parametrize("name", [*_v0_20("ngram", "self_draft"), "other_draft_async", "eagle3",
+                                  *_v0_20("mtp")])
 def test_acceptance_by_position_adds_up_to_the_accepted_drafts(engines, name):
     """vLLM counts a draft position as accepted only when every earlier one was: the counts by
     position never grow, add up to the accepted drafts, and a position accepts at most once per
@@ -346,6 +365,7 @@ def test_acceptance_by_position_adds_up_to_the_accepted_drafts(engines, name):
     assert per_position[0] <= counts["drafts"]
 
 
+@pytest.mark.v0_20_features
 def test_the_target_as_its_own_draft_accepts_at_every_position(engines):
     counts = _counts(engines["self_draft"])
     assert counts["accepted_per_position"] == [counts["drafts"]] * SPEC_TOKENS

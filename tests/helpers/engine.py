@@ -26,6 +26,16 @@ def for_installed_vllm(declarations) -> list:
 
 
 MODELS_DIR = ROOT / ".cache" / "models"
+V0_20_FEATURES = "v0_20_features"
+"""The marker of the feature tests a v0_20-set release runs in CI (scripts/record_matrix_run.py)."""
+
+
+def only_marked_tests(request, marker: str = V0_20_FEATURES) -> bool:
+    """Whether every test this session runs from the requesting module carries ``marker`` (a
+    pinned release's ``-m v0_20_features`` run): the module's shared engines then start only the
+    ones those tests read. A marked test that reads another engine fails on its missing key."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    return bool(selected) and all(item.get_closest_marker(marker) for item in selected)
 
 
 def assert_greedy_equals_hf(engine: dict, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
