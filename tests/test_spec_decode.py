@@ -251,10 +251,13 @@ def test_mtp_of_other_models_is_refused_in_one_line_naming_the_model_type():
                                   "is not supported by ascend-patch yet (supported: deepseek_mtp)")
 
 
-def test_full_graphs_with_speculative_decoding_are_refused_in_one_line(engines):
+def test_full_graphs_that_cannot_hold_verification_rows_are_refused_in_one_line(engines):
+    """fp32 verification rows run composed attention (bf16 ones replay: tests/test_graph_spec.py)."""
     error = engines["full_graphs"]["error"]  # vLLM's config validation wraps the platform's
-    assert ("Value error, FULL_DECODE_ONLY ACL graphs are not supported with speculative decoding "
-            "yet: run with --enforce-eager or -cc.cudagraph_mode=NONE [") in error, error
+    assert ("Value error, FULL_DECODE_ONLY ACL graphs cannot hold speculative decoding's "
+            "verification rows here (float32: the fused attention kernels take fp16/bf16 only: "
+            "verification rows run composed attention): run with --enforce-eager or "
+            "-cc.cudagraph_mode=NONE [") in error, error
 
 
 # --- features with speculative decoding (the engines with FEATURES) ---------------------------
