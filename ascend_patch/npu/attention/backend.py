@@ -214,7 +214,6 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         if graph_decode_refusal(vllm_config.model_config, kv_cache_spec.head_size) is not None:
             return AttentionCGSupport.NEVER
         if (vllm_config.speculative_config is not None
-                and getattr(kv_cache_spec, "sliding_window", None) is None  # seam: FullAttentionSpec
                 and verify_graph_refusal(vllm_config, kv_cache_spec.head_size) is None):
             return AttentionCGSupport.UNIFORM_BATCH
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
