@@ -53,9 +53,9 @@ KV lengths are exact there: with speculative decoding the builder reads vLLM's d
 (one copy per build), never the optimistic host upper bound. Composed
 attention (fp32, soft-capped logits) refuses to run inside a capture. Prefill and mixed batches (FIA, with host query and
 KV lengths) stay outside graphs: eager, or between PIECEWISE graphs. A FULL graph's batch
-is padded to its capture size; its padded requests get one token each over vLLM's null
-block (block 0), and every token without a slot (padding, dummy runs) writes its K/V into
-a slot of that block.
+is padded to its capture size; its padded requests get one token each (1 + k with
+speculative decoding) over vLLM's null block (block 0), and every token without a slot
+(padding, dummy runs) writes its K/V into a slot of that block.
 """
 
 from __future__ import annotations
