@@ -45,10 +45,18 @@ def prompts(llama):
 
 
 @pytest.fixture(scope="module")
-def engines(llama, prompts, tmp_path_factory):
+def mistral_prompts(tiny_models):
+    # Longer than its 100-token window by the end: the band cuts the verification rows.
+    return prompt_token_ids(tiny_models["tiny-mistral"], [120, 95, 30])
+
+
+@pytest.fixture(scope="module")
+def engines(llama, prompts, tiny_models, mistral_prompts, tmp_path_factory):
     self_draft = _speculative("draft_model", model=str(llama))
     ngram = _speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3)
     eagle = _speculative("eagle", model=str(tiny_drafts.build(MODELS_DIR)["tiny-llama-eagle"]))
+    mistral = str(tiny_models["tiny-mistral"])
+    windowed = _speculative("draft_model", model=mistral)
     configs = {
         "self_draft graph": ({**ENGINE, **self_draft}, {}),
         "self_draft eager": ({**ENGINE, **self_draft, "enforce_eager": True}, {}),
@@ -57,9 +65,13 @@ def engines(llama, prompts, tmp_path_factory):
         "eagle graph": ({**ENGINE, **eagle}, {}),
         "eagle eager": ({**ENGINE, **eagle, "enforce_eager": True}, {}),
         "self_draft stale host parameters": ({**ENGINE, **self_draft}, {"stale_host_params": True}),
+        "mistral self_draft graph": ({**ENGINE, **windowed}, {"model": mistral}),
+        "mistral self_draft eager": ({**ENGINE, **windowed, "enforce_eager": True},
+                                     {"model": mistral}),
     }
     result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, **extra,
-                                      "runs": [{"prompts": prompts, "sampling": GREEDY}]}
+                                      "runs": [{"prompts": mistral_prompts if "model" in extra
+                                                else prompts, "sampling": GREEDY}]}
                                      for kwargs, extra in configs.values()]},
                         tmp_path_factory.mktemp("graph-spec"), timeout=2400)
     engines = dict(zip(configs, result["engines"]))
@@ -93,9 +105,20 @@ def test_a_padded_verification_batch_replays_the_next_graph(engines):
     assert set(graph["runs"][0]["graph_replays_by_size"]) == {"4", "8", "16"}
 
 
-def test_the_target_as_its_own_draft_accepts_every_draft_in_graphs(engines):
-    counts = engines["self_draft graph"]["runs"][0]["spec_decode"]
+@pytest.mark.parametrize("name", ["self_draft", "mistral self_draft"])
+def test_the_target_as_its_own_draft_accepts_every_draft_in_graphs(engines, name):
+    counts = engines[f"{name} graph"]["runs"][0]["spec_decode"]
     assert counts["drafts"] > 0 and counts["accepted_tokens"] == counts["draft_tokens"]
+
+
+def test_windowed_verification_rows_replay_eager_tokens(engines):
+    """Mistral (every layer windowed, head size 128): verification rows on the band
+    (sparse_mode 4, pre_tokens = window - 1) in graphs, past the window."""
+    graph, eager = engines["mistral self_draft graph"], engines["mistral self_draft eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    run = graph["runs"][0]
+    assert run["tokens"] == eager["runs"][0]["tokens"]
+    assert run["graph_replays"] > 0 and run["task_updates"] == LAYERS * run["graph_replays"]
 
 
 def test_each_replay_updates_every_layers_verification(engines):
@@ -144,8 +167,7 @@ def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, s
     ({}, 128, None),
     ({"mla": True}, 576, "MLA verification rows (1 + k queries on FIA's MLA form) are not captured "
                         "by ascend-patch yet"),
-    ({"window": 32}, 128, "verification rows of windowed layers (the band) are not captured by "
-                          "ascend-patch yet"),
+    ({"window": 32}, 128, None),
     ({"spec_tokens": 16}, 64, "17 verification rows per request: the TND "
                               "npu_fused_infer_attention_score takes at most 16 "
                               "(1 + num_speculative_tokens)"),

@@ -221,20 +221,24 @@ def test_the_windowed_encoder_call_binds(version, reference_kernels, monkeypatch
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_verification_rows_calls_bind(version, reference_kernels, monkeypatch):
-    """The .out form and the workspace query of speculative verification rows (TND, causal, 1 + k
-    rows per sequence) as the backend makes them, recorded from the reference and replayed."""
+    """The .out form and the workspace query of speculative verification rows (TND, causal or the
+    band, 1 + k rows per sequence) as the backend makes them, recorded from the reference and
+    replayed."""
     cache = torch.zeros(4, 128, 2 * 64, dtype=torch.bfloat16)
     query = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
     call = dict(atten_mask=torch.ones(2048, 2048, dtype=torch.int8).triu_(1),
                 block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                 actual_seq_lengths=[4, 8], actual_seq_lengths_kv=[40, 200], num_heads=4,
                 num_key_value_heads=2, scale=0.125, block_size=128, sparse_mode=3)
+    band = {**call, "sparse_mode": 4, "pre_tokens": 99, "next_tokens": 0}  # a windowed layer's
     with kernels.record_calls() as records:
-        workspace = kernels.fused_infer_attention_score_verify_workspace(query, cache, cache, **call)
-        kernels.fused_infer_attention_score_verify(
-            query, cache, cache, **call, attention_out=torch.zeros_like(query),
-            softmax_lse=torch.empty(0), workspace=workspace)
-    assert {record["op"] for record in records.values()} == {
+        for form in (call, band):
+            workspace = kernels.fused_infer_attention_score_verify_workspace(query, cache, cache,
+                                                                             **form)
+            kernels.fused_infer_attention_score_verify(
+                query, cache, cache, **form, attention_out=torch.zeros_like(query),
+                softmax_lse=torch.empty(0), workspace=workspace)
+    assert len(records) == 4 and {record["op"] for record in records.values()} == {
         "fused_infer_attention_score_verify", "fused_infer_attention_score_verify_workspace"}
     wheel = npu_wheels.load(version)
     torch_npu = npu_wheels.stand_in(wheel)

@@ -46,8 +46,8 @@ decodes on ``_npu_paged_attention`` or, in windowed layers, on the masked one-to
 (launched in its ``.out`` form with a workspace sized at capture in engines with FULL graphs),
 their host KV lengths re-issued on every replay through :func:`acl_graph.launch`. With
 speculative decoding they also hold uniform verification batches (1 + k ≤ 16 query tokens per
-request, the builder reporting ``UNIFORM_BATCH``) in layers without a window at the TND head
-sizes: the causal TND FIA in its ``.out`` form, its host query ends and KV lengths re-issued on
+request, the builder reporting ``UNIFORM_BATCH``) at the TND head sizes: the TND FIA (causal,
+or the band in windowed layers) in its ``.out`` form, its host query ends and KV lengths re-issued on
 every replay (:func:`~ascend_patch.npu.attention.paths.verify_graph_refusal` says where not). The
 KV lengths are exact there: with speculative decoding the builder reads vLLM's device lengths
 (one copy per build), never the optimistic host upper bound. Composed
@@ -380,8 +380,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             self._windowed_decode(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                   meta, out)
             return output
-        if (path == "fused" and meta.verification and self._graph_decode
-                and self.sliding_window is None):
+        if path == "fused" and meta.verification and self._graph_decode:
             self._verification(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                meta, out)
             return output
@@ -397,12 +396,10 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 atten_mask=meta.window_mask(self.sliding_window), input_layout="BSH",
             )
         else:
-            band = {"sparse_mode": 3} if self.sliding_window is None else {
-                "sparse_mode": 4, "pre_tokens": self._pre_tokens(), "next_tokens": 0}
             self._fused_attention(
                 query.contiguous(), key_cache, value_cache, meta, out,
                 atten_mask=self._causal_mask(query.device), actual_seq_lengths=meta.query_ends,
-                input_layout="TND", **band,
+                input_layout="TND", **self._band(),
             )
         return output
 
@@ -450,8 +447,8 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
 
     def _verification(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                       out) -> None:
-        """Speculative verification rows (1 + k per request) on the causal TND FIA .out form.
-        Its host query ends and KV lengths are re-issued on every replay (the ends are fixed by
+        """Speculative verification rows (1 + k per request) on the TND FIA .out form, causal or
+        in a windowed layer the band. Its host query ends and KV lengths are re-issued on every replay (the ends are fixed by
         the captured shape, the KV lengths move); the block table is the builder's persistent
         buffer."""
         num_blocks, block_size = key_cache.shape[:2]
@@ -459,7 +456,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 value_cache.view(num_blocks, block_size, -1))
         call = dict(atten_mask=self._causal_mask(query.device), block_table=meta.kernel_block_table,
                     num_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                    scale=self.scale, block_size=block_size, sparse_mode=3)
+                    scale=self.scale, block_size=block_size, **self._band())
         lse = torch.empty(0, dtype=torch.float32, device=query.device)  # no softmax_lse_flag
 
         def lengths(params: AscendMetadata) -> dict:
@@ -475,6 +472,12 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                                                                         **call)
 
         acl_graph.launch(layer_name, meta, issue, workspace)
+
+    def _band(self) -> dict:
+        """The TND mask mode: causal, or in a windowed layer the band of the window."""
+        if self.sliding_window is None:
+            return {"sparse_mode": 3}
+        return {"sparse_mode": 4, "pre_tokens": self._pre_tokens(), "next_tokens": 0}
 
     def _pre_tokens(self) -> int | None:
         """The band's reach before each query in a windowed layer: ``window - 1``.

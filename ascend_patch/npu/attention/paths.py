@@ -52,9 +52,9 @@ def graph_decode_refusal(model_config, head_size: int) -> str | None:
 def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
     """Why FULL graphs cannot hold this engine's speculative verification rows (1 + k queries per
     request, uniform), or None: they run on the TND ``npu_fused_infer_attention_score`` with the
-    causal mask in its ``.out`` form, whose host query and KV lengths every replay re-issues, in
-    layers without a window, at the head sizes and dtypes its paged TND form takes, for at most
-    16 rows per request. None also without speculative decoding."""
+    causal mask (the band in windowed layers) in its ``.out`` form, whose host query and KV
+    lengths every replay re-issues, at the head sizes and dtypes its paged TND form takes, for at
+    most 16 rows per request. None also without speculative decoding."""
     spec = vllm_config.speculative_config
     if spec is None:
         return None
@@ -62,8 +62,6 @@ def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
     if model_config.use_mla:
         return ("MLA verification rows (1 + k queries on FIA's MLA form) are not captured "
                 "by ascend-patch yet")
-    if not model_config.disable_sliding_window and model_config.get_sliding_window() is not None:
-        return "verification rows of windowed layers (the band) are not captured by ascend-patch yet"
     rows = 1 + spec.num_speculative_tokens
     if rows > limits.FIA_VERIFY_MAX_QUERY:
         return (f"{rows} verification rows per request: the TND npu_fused_infer_attention_score "

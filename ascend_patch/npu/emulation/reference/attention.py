@@ -222,17 +222,20 @@ def fused_infer_attention_score_decode(query, key, value, *, atten_mask, block_t
 def fused_infer_attention_score_verify(query, key, value, *, atten_mask, block_table,
                                        actual_seq_lengths, actual_seq_lengths_kv, num_heads,
                                        num_key_value_heads, scale, block_size, sparse_mode,
-                                       attention_out, softmax_lse, workspace=None):
+                                       attention_out, softmax_lse, pre_tokens=_INT_MAX,
+                                       next_tokens=_INT_MAX, workspace=None):
     """``npu_fused_infer_attention_score.out`` for speculative verification rows: TND queries of
-    at most 16 rows per sequence over the paged cache, causal (``sparse_mode=3``), written into
-    ``attention_out`` (``softmax_lse`` is not computed: no flag)."""
+    at most 16 rows per sequence over the paged cache, causal (``sparse_mode=3``) or in a
+    windowed layer the band (``sparse_mode=4``), written into ``attention_out``
+    (``softmax_lse`` is not computed: no flag)."""
     op = "npu_fused_infer_attention_score.out"
     _check_verify_rows(op, actual_seq_lengths, sparse_mode)
     out, _ = fused_infer_attention_score(
         query, key, value, atten_mask=atten_mask, block_table=block_table,
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
-        input_layout="TND", block_size=block_size, sparse_mode=sparse_mode)
+        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout="TND",
+        block_size=block_size, sparse_mode=sparse_mode)
     check_out_form(op, query, attention_out, softmax_lse, workspace)
     attention_out.copy_(out)
     return attention_out, softmax_lse
@@ -241,7 +244,8 @@ def fused_infer_attention_score_verify(query, key, value, *, atten_mask, block_t
 def fused_infer_attention_score_verify_workspace(query, key, value, *, atten_mask, block_table,
                                                  actual_seq_lengths, actual_seq_lengths_kv,
                                                  num_heads, num_key_value_heads, scale,
-                                                 block_size, sparse_mode):
+                                                 block_size, sparse_mode, pre_tokens=_INT_MAX,
+                                                 next_tokens=_INT_MAX):
     """``_npu_fused_infer_attention_score_get_max_workspace`` for that call: a byte buffer, after
     the call's contract checks."""
     _check_verify_rows("_npu_fused_infer_attention_score_get_max_workspace", actual_seq_lengths,
@@ -250,14 +254,15 @@ def fused_infer_attention_score_verify_workspace(query, key, value, *, atten_mas
         query, key, value, atten_mask=atten_mask, block_table=block_table,
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
-        input_layout="TND", block_size=block_size, sparse_mode=sparse_mode)
+        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout="TND",
+        block_size=block_size, sparse_mode=sparse_mode)
     return torch.empty(0, dtype=torch.uint8, device=query.device)
 
 
 def _check_verify_rows(op, actual_seq_lengths, sparse_mode) -> None:
-    # The causal verification form: [VA-SPEC] 1 + k ≤ 16 rows per sequence.
-    require(sparse_mode == 3, op, "sparse_mode", "3 (rightDownCausal) for verification rows",
-            sparse_mode)
+    # The masked verification form: [VA-SPEC] 1 + k ≤ 16 rows per sequence.
+    require(sparse_mode in (3, 4), op, "sparse_mode",
+            "3 (rightDownCausal) or 4 (band) for verification rows", sparse_mode)
     ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
     rows = [end - start for start, end in zip([0, *ends[:-1]], ends)]
     require(all(1 <= n <= limits.FIA_VERIFY_MAX_QUERY for n in rows), op, "actual_seq_lengths",
