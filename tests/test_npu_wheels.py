@@ -52,7 +52,10 @@ ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "gpu_memory_utilization": 0.9
 # family -> (model, dtype, extra engine arguments, samplings of the runs after the first)
 FAMILIES = {
     "dense": ("tiny-llama", "bfloat16", {}, [GREEDY, *SAMPLED]),
-    "dense fp16": ("tiny-qwen2", "float16", {}, [GREEDY]),
+    # n-gram drafts: FULL graphs capture verification rows on the TND FIA .out form.
+    "dense fp16": ("tiny-qwen2", "float16", {"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}}, [GREEDY]),
     "windowed": ("tiny-mistral", "bfloat16", {}, [GREEDY]),
     "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),  # FULL graphs: FIA's MLA decode form
     "mla eager": ("tiny-deepseek-v3", "bfloat16", {"enforce_eager": True}, []),  # ATB MLA decode
@@ -216,6 +219,34 @@ def test_the_windowed_encoder_call_binds(version, reference_kernels, monkeypatch
     torch_npu = npu_wheels.stand_in(wheel)
     monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
     assert replay(wheel, torch_npu, call) is None
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_verification_rows_calls_bind(version, reference_kernels, monkeypatch):
+    """The .out form and the workspace query of speculative verification rows (TND, causal or the
+    band, 1 + k rows per sequence) as the backend makes them, recorded from the reference and
+    replayed."""
+    cache = torch.zeros(4, 128, 2 * 64, dtype=torch.bfloat16)
+    query = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    call = dict(atten_mask=torch.ones(2048, 2048, dtype=torch.int8).triu_(1),
+                block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                actual_seq_lengths=[4, 8], actual_seq_lengths_kv=[40, 200], num_heads=4,
+                num_key_value_heads=2, scale=0.125, block_size=128, sparse_mode=3)
+    band = {**call, "sparse_mode": 4, "pre_tokens": 99, "next_tokens": 0}  # a windowed layer's
+    with kernels.record_calls() as records:
+        for form in (call, band):
+            workspace = kernels.fused_infer_attention_score_verify_workspace(query, cache, cache,
+                                                                             **form)
+            kernels.fused_infer_attention_score_verify(
+                query, cache, cache, **form, attention_out=torch.zeros_like(query),
+                softmax_lse=torch.empty(0), workspace=workspace)
+    assert len(records) == 4 and {record["op"] for record in records.values()} == {
+        "fused_infer_attention_score_verify", "fused_infer_attention_score_verify_workspace"}
+    wheel = npu_wheels.load(version)
+    torch_npu = npu_wheels.stand_in(wheel)
+    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+    for record in records.values():
+        assert replay(wheel, torch_npu, record) is None, record["op"]
 
 
 def test_the_gated_delta_decode_call_binds(reference_kernels, monkeypatch):

@@ -393,15 +393,14 @@ def graphs_off_by_default(vllm_config) -> str | None:
     update, at the dimensions that suite runs: the fused paged-attention kernel and, in windowed
     layers, the masked one-token FIA (fp16/bf16, head sizes 64, 128, 256, no soft-cap), or for MLA
     models FIA's MLA form (latent 512, rope 64). The fp32 composed attention reads host data into new tensors every step and cannot
-    be captured; FULL graphs with speculative decoding are refused (settle_graph_mode)."""
+    be captured. With speculative decoding the verification rows must be capturable too
+    (:func:`~ascend_patch.npu.attention.paths.verify_graph_refusal`)."""
     import vllm
 
-    from ascend_patch.npu.attention.paths import graph_decode_refusal
+    from ascend_patch.npu.attention.paths import graph_decode_refusal, verify_graph_refusal
 
     ask = "; ask for it with -cc.cudagraph_mode=FULL_DECODE_ONLY"
     model_config = vllm_config.model_config
-    if vllm_config.speculative_config is not None:
-        return "FULL ACL graphs do not hold speculative decoding's verification rows yet"
     if model_config is None:
         return "no model configuration to check"
     if model_config.pooler_config is not None:
@@ -414,6 +413,9 @@ def graphs_off_by_default(vllm_config) -> str | None:
     refusal = graph_decode_refusal(model_config, head_size)
     if refusal is not None:
         return f"{refusal}, which FULL ACL graphs cannot hold"
+    verify = verify_graph_refusal(vllm_config, head_size)
+    if verify is not None:
+        return f"speculative decoding: {verify}"
     if not release.proven_end_to_end:
         return (f"vLLM {vllm.__version__} has not passed ascend-patch's end-to-end suite with graphs "
                 f"(compat_matrix.yaml){ask}")
@@ -433,7 +435,7 @@ def settle_graph_mode(vllm_config) -> None:
     """
     from vllm.config import CUDAGraphMode
 
-    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
+    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE, verify_graph_refusal
     from ascend_patch.npu.compilation import acl_graph
 
     compilation = vllm_config.compilation_config
@@ -452,11 +454,15 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs are not supported for models with recurrent "
                          "layers (their composed path reads sequence boundaries on the host): "
                          "run with --enforce-eager or -cc.cudagraph_mode=NONE")
-    if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None:
-        # Verification rows are 1 + k tokens: the Ascend builder captures single-token decode
-        # only, and vLLM would drop the graphs with no more than a warning.
-        raise ValueError(f"{mode.name} ACL graphs are not supported with speculative decoding yet: "
-                         "run with --enforce-eager or -cc.cudagraph_mode=NONE")
+    verify = (verify_graph_refusal(vllm_config, vllm_config.model_config.get_head_size())
+              if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None
+              else None)
+    if verify is not None:
+        # Where the builder cannot report UNIFORM_BATCH, vLLM would drop the graphs with no more
+        # than a warning.
+        raise ValueError(f"{mode.name} ACL graphs cannot hold speculative decoding's verification "
+                         f"rows here ({verify}): run with --enforce-eager or "
+                         "-cc.cudagraph_mode=NONE")
     sizes = sorted(compilation.cudagraph_capture_sizes or [])
     kept, reasons = sizes, []
     full, piecewise = mode.has_full_cudagraphs(), mode.has_piecewise_cudagraphs()

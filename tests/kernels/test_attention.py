@@ -253,6 +253,65 @@ def test_the_out_form_refuses_a_foreign_output_or_workspace():
 
 
 @settings(max_examples=30, deadline=None)
+@given(rows=st.integers(2, 16), context=st.lists(st.integers(0, 600), min_size=1, max_size=5),
+       window=st.none() | st.integers(1, 300), heads=head_layouts, dtype=half_dtypes, seed=seeds)
+def test_verification_rows_on_the_tnd_out_form(rows, context, window, heads, dtype, seed):
+    """Speculative verification rows (1 + k ≤ 16 queries per sequence, each behind its own cached
+    context) on the .out form FULL graphs capture: every row sees its context and the rows up to
+    its own (in a windowed layer, the last ``window`` of them: the band with pre_tokens
+    window - 1), against the oracle, and the same as the plain TND call."""
+    kv_heads, group, head_dim = heads
+    num_heads = kv_heads * group
+    generator = torch.Generator().manual_seed(seed)
+    q_lens, kv_lens = [rows] * len(context), [n + rows for n in context]
+    keys, values = random_sequences(kv_lens, kv_heads, head_dim, dtype, generator)
+    key_cache, value_cache, block_table = paged_cache(keys, values, 128, generator)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    paged = (key_cache.shape[0], 128, -1)
+    written = torch.full_like(query, float("nan"))
+    band = {"sparse_mode": 3} if window is None else {
+        "sparse_mode": 4, "pre_tokens": window - 1, "next_tokens": 0}
+    call = dict(atten_mask=CAUSAL_MASK, block_table=block_table,
+                actual_seq_lengths=cumulative(q_lens), actual_seq_lengths_kv=kv_lens,
+                num_heads=num_heads, num_key_value_heads=kv_heads, scale=scale, block_size=128,
+                **band)
+    workspace = kernels.fused_infer_attention_score_verify_workspace(
+        query, key_cache.view(paged), value_cache.view(paged), **call)
+    kernels.fused_infer_attention_score_verify(
+        query, key_cache.view(paged), value_cache.view(paged), **call, attention_out=written,
+        softmax_lse=torch.empty(0), workspace=workspace)
+
+    assert_per_sequence(written, query, q_lens, keys, values, dtype, lambda q, key, value: oracle(
+        q, key, value, scale, causal=True, pre_tokens=None if window is None else window - 1))
+    plain, _ = fused_paged_tnd(query, key_cache, value_cache, block_table, q_lens, kv_lens,
+                               kv_heads, scale, **band)
+    torch.testing.assert_close(written, plain, rtol=0, atol=0)
+
+
+def test_the_verification_form_refuses_rows_beyond_16_and_an_unmasked_mode():
+    cache = torch.zeros(4, 128, 2 * 64, dtype=torch.bfloat16)
+    call = dict(atten_mask=CAUSAL_MASK, block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                num_heads=4, num_key_value_heads=2, scale=0.125, block_size=128,
+                softmax_lse=torch.empty(0))
+    op = "npu_fused_infer_attention_score.out"
+    query = torch.zeros(34, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(kernels.KernelContractError, match=re.escape(
+            f"{op}: actual_seq_lengths must be 1 to 16 query rows per sequence (verification "
+            "rows), got [17, 17]")):
+        kernels.fused_infer_attention_score_verify(
+            query, cache, cache, **call, actual_seq_lengths=[17, 34],
+            actual_seq_lengths_kv=[40, 200], sparse_mode=3, attention_out=torch.zeros_like(query))
+    query = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(kernels.KernelContractError, match=re.escape(
+            f"{op}: sparse_mode must be 3 (rightDownCausal) or 4 (band) for verification rows, "
+            "got 0")):
+        kernels.fused_infer_attention_score_verify(
+            query, cache, cache, **call, actual_seq_lengths=[4, 8], actual_seq_lengths_kv=[40, 200],
+            sparse_mode=0, attention_out=torch.zeros_like(query))
+
+
+@settings(max_examples=30, deadline=None)
 @given(batch=mixed_batch(max_prefix=300), heads=head_layouts,
        window=st.none() | st.integers(1, 400), soft_cap=st.none() | st.floats(0.5, 60),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=seeds)

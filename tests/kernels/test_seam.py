@@ -450,6 +450,21 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     kernels.fused_infer_attention_score_decode_workspace(query, paged, paged, **gqa)
     assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
                      {"query": query, "key": paged, "value": paged, **gqa, "input_layout": "BSH"})
+    # Verification rows (TND, host query ends and KV lengths), in a windowed layer: the band.
+    rows = torch.zeros(8, 8, 64, dtype=bf16)
+    out = torch.zeros_like(rows)
+    verify = {"atten_mask": torch.zeros(2048, 2048, dtype=torch.int8), "block_table": table,
+              "actual_seq_lengths": [4, 8], "actual_seq_lengths_kv": [200, 140], "num_heads": 8,
+              "num_key_value_heads": 2, "scale": 0.125, "block_size": 128, "sparse_mode": 4,
+              "pre_tokens": 99, "next_tokens": 0}
+    kernels.fused_infer_attention_score_verify(rows, paged, paged, **verify, attention_out=out,
+                                               softmax_lse=lse, workspace=workspace)
+    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score.out"), {
+        "query": rows, "key": paged, "value": paged, **verify, "input_layout": "TND",
+        "workspace": workspace, "attention_out": out, "softmax_lse": lse})
+    kernels.fused_infer_attention_score_verify_workspace(rows, paged, paged, **verify)
+    assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
+                     {"query": rows, "key": paged, "value": paged, **verify, "input_layout": "TND"})
 
 
 def test_count_launches_counts_per_op_and_restores_the_originals():

@@ -44,12 +44,18 @@ single allocation.
 Graphs: FULL graphs hold uniform single-token decode batches of models whose every layer
 decodes on ``_npu_paged_attention`` or, in windowed layers, on the masked one-token FIA
 (launched in its ``.out`` form with a workspace sized at capture in engines with FULL graphs),
-their host KV lengths re-issued on every replay through :func:`acl_graph.launch`; composed
+their host KV lengths re-issued on every replay through :func:`acl_graph.launch`. With
+speculative decoding they also hold uniform verification batches (1 + k ≤ 16 query tokens per
+request, the builder reporting ``UNIFORM_BATCH``) at the TND head sizes: the TND FIA (causal,
+or the band in windowed layers) in its ``.out`` form, its host query ends and KV lengths re-issued on
+every replay (:func:`~ascend_patch.npu.attention.paths.verify_graph_refusal` says where not). The
+KV lengths are exact there: with speculative decoding the builder reads vLLM's device lengths
+(one copy per build), never the optimistic host upper bound. Composed
 attention (fp32, soft-capped logits) refuses to run inside a capture. Prefill and mixed batches (FIA, with host query and
 KV lengths) stay outside graphs: eager, or between PIECEWISE graphs. A FULL graph's batch
-is padded to its capture size; its padded requests get one token each over vLLM's null
-block (block 0), and every token without a slot (padding, dummy runs) writes its K/V into
-a slot of that block.
+is padded to its capture size; its padded requests get one token each (1 + k with
+speculative decoding) over vLLM's null block (block 0), and every token without a slot
+(padding, dummy runs) writes its K/V into a slot of that block.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ from ascend_patch.npu.attention.paths import (
     AttentionPaths,
     choose_paths,
     graph_decode_refusal,
+    verify_graph_refusal,
 )
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import composed, limits
@@ -160,6 +167,8 @@ class AscendMetadata:
     kernel_block_table: torch.Tensor | None = None
     """:attr:`block_table` in :func:`~ascend_patch.npu.kv_cache.kernel_caches`' block ids (built
     like :attr:`kv_slots`)."""
+    verification: bool = False
+    """Speculative verification rows: every request has 1 + k query tokens."""
     _window_masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -193,14 +202,21 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         # counts every draft as accepted, and the drafter lengthens queries on the device only
         # (spec_decode/utils.py extend_all_queries_by_N).
         self._host_lengths_exact = vllm_config.speculative_config is None
+        spec = vllm_config.speculative_config
+        self._verify_rows = 1 + spec.num_speculative_tokens if spec is not None else None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # FULL graphs for single-token decode batches on the decode kernels with a replay update
+        # and, with speculative decoding, for uniform verification rows on the TND FIA .out form
         # (see the module docstring); every other path bakes host data or refuses to run inside
         # a capture.
-        refusal = graph_decode_refusal(vllm_config.model_config, kv_cache_spec.head_size)
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if refusal is None else AttentionCGSupport.NEVER
+        if graph_decode_refusal(vllm_config.model_config, kv_cache_spec.head_size) is not None:
+            return AttentionCGSupport.NEVER
+        if (vllm_config.speculative_config is not None
+                and verify_graph_refusal(vllm_config, kv_cache_spec.head_size) is None):
+            return AttentionCGSupport.UNIFORM_BATCH
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def _positions(self, width: int) -> torch.Tensor:
         if self._key_positions.numel() != width:  # the block table's width is fixed: once
@@ -243,15 +259,21 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         num_tokens = meta.num_actual_tokens
         padding = num_seqs - 1 - query_ends.index(query_ends[-1]) if query_ends else 0
         if padding:
-            # A FULL graph's padded batch: its last requests have no token. Each gets one,
-            # attending to one null-block slot, so the batch has the captured shape.
+            # A FULL graph's padded batch: its last requests have no token. Each gets as many as
+            # the uniform batch's requests (one, or 1 + k verification rows), attending to that
+            # many null-block slots, so the batch has the captured shape.
             real = num_seqs - padding
-            query_ends[real:] = range(query_ends[real - 1] + 1, query_ends[real - 1] + padding + 1)
-            seq_lens[real:] = 1
+            last = query_ends[real - 1]
+            rows = max(1, (num_tokens - last) // padding)
+            query_ends[real:] = range(last + rows, last + rows * padding + 1, rows)
+            seq_lens[real:] = rows
         if query_ends and query_ends[-1] != num_tokens:
             raise NotImplementedError(
                 f"a padded batch of {num_tokens} tokens for {num_seqs} requests ending at "
-                f"{query_ends[-1]}: the Ascend backend pads single-token decode batches only")
+                f"{query_ends[-1]}: the Ascend backend pads uniform decode batches only")
+        starts = [0, *query_ends[:-1]]
+        verification = self._verify_rows is not None and bool(query_ends) and all(
+            end - start == self._verify_rows for start, end in zip(starts, query_ends))
         block_table = meta.block_table_tensor[:num_seqs]
         if block_table.dtype != torch.int32:
             block_table = block_table.to(torch.int32)
@@ -265,6 +287,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
             slot_mapping=meta.slot_mapping[:num_tokens],
             max_query_len=meta.max_query_len,
             key_positions=self._positions(block_table.shape[1] * KERNEL_BLOCK_SIZE),
+            verification=verification,
         )
 
 
@@ -357,6 +380,10 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
             self._windowed_decode(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                   meta, out)
             return output
+        if path == "fused" and meta.verification and self._graph_decode:
+            self._verification(layer.layer_name, query.contiguous(), key_cache, value_cache,
+                               meta, out)
+            return output
         if acl_graph.capturing():  # FULL graphs hold decode batches of the kernels above only
             raise RuntimeError(f"{path} attention inside a graph capture: its host query/KV lengths "
                                "would be replayed unchanged")
@@ -369,12 +396,10 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 atten_mask=meta.window_mask(self.sliding_window), input_layout="BSH",
             )
         else:
-            band = {"sparse_mode": 3} if self.sliding_window is None else {
-                "sparse_mode": 4, "pre_tokens": self._pre_tokens(), "next_tokens": 0}
             self._fused_attention(
                 query.contiguous(), key_cache, value_cache, meta, out,
                 atten_mask=self._causal_mask(query.device), actual_seq_lengths=meta.query_ends,
-                input_layout="TND", **band,
+                input_layout="TND", **self._band(),
             )
         return output
 
@@ -419,6 +444,40 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                 *args, actual_seq_lengths_kv=params.seq_lens, **call)
 
         acl_graph.launch(layer_name, meta, issue, workspace)
+
+    def _verification(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
+                      out) -> None:
+        """Speculative verification rows (1 + k per request) on the TND FIA .out form, causal or
+        in a windowed layer the band. Its host query ends and KV lengths are re-issued on every replay (the ends are fixed by
+        the captured shape, the KV lengths move); the block table is the builder's persistent
+        buffer."""
+        num_blocks, block_size = key_cache.shape[:2]
+        args = (query, key_cache.view(num_blocks, block_size, -1),
+                value_cache.view(num_blocks, block_size, -1))
+        call = dict(atten_mask=self._causal_mask(query.device), block_table=meta.kernel_block_table,
+                    num_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                    scale=self.scale, block_size=block_size, **self._band())
+        lse = torch.empty(0, dtype=torch.float32, device=query.device)  # no softmax_lse_flag
+
+        def lengths(params: AscendMetadata) -> dict:
+            return dict(actual_seq_lengths=params.query_ends, actual_seq_lengths_kv=params.seq_lens)
+
+        def issue(params: AscendMetadata, workspace) -> None:
+            kernels.fused_infer_attention_score_verify(
+                *args, **lengths(params), **call, attention_out=out, softmax_lse=lse,
+                workspace=workspace)
+
+        def workspace(params: AscendMetadata):
+            return kernels.fused_infer_attention_score_verify_workspace(*args, **lengths(params),
+                                                                        **call)
+
+        acl_graph.launch(layer_name, meta, issue, workspace)
+
+    def _band(self) -> dict:
+        """The TND mask mode: causal, or in a windowed layer the band of the window."""
+        if self.sliding_window is None:
+            return {"sparse_mode": 3}
+        return {"sparse_mode": 4, "pre_tokens": self._pre_tokens(), "next_tokens": 0}
 
     def _pre_tokens(self) -> int | None:
         """The band's reach before each query in a windowed layer: ``window - 1``.

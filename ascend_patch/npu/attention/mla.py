@@ -266,7 +266,8 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # FULL graphs for single-token decode batches on FIA's MLA form (its host KV lengths
-        # re-issued on every replay); prefills bake host lengths and stay outside graphs.
+        # re-issued on every replay); prefills bake host lengths and stay outside graphs, and so
+        # do MTP's verification rows (the platform says so: paths.verify_graph_refusal).
         model = vllm_config.model_config
         refusal = paths.mla_graph_decode_refusal(model.dtype, model.hf_text_config)
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if refusal is None else AttentionCGSupport.NEVER

@@ -49,6 +49,32 @@ def graph_decode_refusal(model_config, head_size: int) -> str | None:
     return None
 
 
+def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
+    """Why FULL graphs cannot hold this engine's speculative verification rows (1 + k queries per
+    request, uniform), or None: they run on the TND ``npu_fused_infer_attention_score`` with the
+    causal mask (the band in windowed layers) in its ``.out`` form, whose host query and KV
+    lengths every replay re-issues, at the head sizes and dtypes its paged TND form takes, for at
+    most 16 rows per request. None also without speculative decoding."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return None
+    model_config = vllm_config.model_config
+    if model_config.use_mla:
+        return ("MLA verification rows (1 + k queries on FIA's MLA form) are not captured "
+                "by ascend-patch yet")
+    rows = 1 + spec.num_speculative_tokens
+    if rows > limits.FIA_VERIFY_MAX_QUERY:
+        return (f"{rows} verification rows per request: the TND npu_fused_infer_attention_score "
+                f"takes at most {limits.FIA_VERIFY_MAX_QUERY} (1 + num_speculative_tokens)")
+    hf = model_config.hf_text_config
+    soft_cap = getattr(hf, "attn_logit_softcapping", None)  # not a seam: HF
+    kv_heads = getattr(hf, "num_key_value_heads", None) or 1  # not a seam: HF
+    paths = choose_paths(model_config.dtype, head_size, kv_heads, None, soft_cap or None)
+    if paths.prefill != "fused":
+        return f"{paths.why}: verification rows run composed attention"
+    return None
+
+
 def mla_graph_decode_refusal(dtype: torch.dtype, hf_config) -> str | None:
     """Why an MLA model's decode does not run on ``npu_fused_infer_attention_score``'s MLA form
     (the one MLA decode with a replay update), or None: it takes fp16/bf16, latent 512, rope 64,

@@ -71,6 +71,7 @@ HOST_TENSORS = {
 # ``*_get_max_workspace``) and launch nothing: inside a capture their buffer is an allocation of
 # the graph pool, and a replay does not run them again.
 WORKSPACE_OPS = frozenset({"paged_attention_workspace", "fused_infer_attention_score_decode_workspace",
+                           "fused_infer_attention_score_verify_workspace",
                            "fused_infer_attention_score_mla_decode_workspace"})
 
 

@@ -34,6 +34,8 @@ OPS = (
     "fused_infer_attention_score",
     "fused_infer_attention_score_decode",
     "fused_infer_attention_score_decode_workspace",
+    "fused_infer_attention_score_verify",
+    "fused_infer_attention_score_verify_workspace",
     "fusion_attention",
     "paged_attention",
     "paged_attention_workspace",

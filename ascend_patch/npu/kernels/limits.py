@@ -24,6 +24,9 @@ FIA_MAX_KV_HIDDEN = 65535
 FIA_PREFILL_BLOCK_ALIGN = 128
 FIA_DECODE_BLOCK_ALIGN = 16
 FIA_MAX_BLOCK_SIZE = 512
+# [VA-SPEC] verification rows on TND: 1 + num_speculative_tokens ≤ 16 query rows per sequence
+# (vllm-ascend's attention builders assert it, its speculative-decoding guide names the limit).
+FIA_VERIFY_MAX_QUERY = 16
 # [FIA] 各轴取值范围 (BSH, Q_S = 1): D ≤ 512, 16-byte aligned in fp16/bf16.
 FIA_DECODE_MAX_HEAD_SIZE = 512
 FIA_HEAD_ALIGN_BYTES = 16

@@ -107,6 +107,41 @@ def fused_infer_attention_score_decode_workspace(query, key, value, *, atten_mas
     )
 
 
+def fused_infer_attention_score_verify(query, key, value, *, atten_mask, block_table,
+                                       actual_seq_lengths, actual_seq_lengths_kv, num_heads,
+                                       num_key_value_heads, scale, block_size, sparse_mode,
+                                       attention_out, softmax_lse, pre_tokens=2147483647,
+                                       next_tokens=2147483647, workspace=None):
+    # Speculative verification rows (1 + k TND queries per sequence, causal or the band) over the
+    # paged cache, written into caller buffers with a workspace sized beforehand: the .out form a
+    # FULL graph captures and re-issues per step with new host query and KV lengths (vllm-ascend's
+    # full_graph_fia with TND, update_graph_params).
+    return _torch_npu().npu_fused_infer_attention_score.out(
+        query, key, value,
+        atten_mask=atten_mask, block_table=block_table, actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, input_layout="TND", block_size=block_size,
+        sparse_mode=sparse_mode, workspace=workspace, attention_out=attention_out,
+        softmax_lse=softmax_lse,
+    )
+
+
+def fused_infer_attention_score_verify_workspace(query, key, value, *, atten_mask, block_table,
+                                                 actual_seq_lengths, actual_seq_lengths_kv,
+                                                 num_heads, num_key_value_heads, scale,
+                                                 block_size, sparse_mode, pre_tokens=2147483647,
+                                                 next_tokens=2147483647):
+    return _torch_npu()._npu_fused_infer_attention_score_get_max_workspace(
+        query, key, value,
+        atten_mask=atten_mask, block_table=block_table, actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, scale=scale, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, input_layout="TND", block_size=block_size,
+        sparse_mode=sparse_mode,
+    )
+
+
 def fusion_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0,
                      pre_tockens=2147483647, next_tockens=2147483647, actual_seq_qlen=None,
                      actual_seq_kvlen=None, sparse_mode=0):

@@ -15,6 +15,8 @@ from .attention import (
     fused_infer_attention_score,
     fused_infer_attention_score_decode,
     fused_infer_attention_score_decode_workspace,
+    fused_infer_attention_score_verify,
+    fused_infer_attention_score_verify_workspace,
     paged_attention,
     paged_attention_workspace,
     scatter_pa_kv_cache,
@@ -45,6 +47,7 @@ from .sampling import top_k_top_p
 __all__ = [
     "add_rms_norm", "batch_gather_matmul_", "dynamic_quant", "fused_infer_attention_score",
     "fused_infer_attention_score_decode", "fused_infer_attention_score_decode_workspace",
+    "fused_infer_attention_score_verify", "fused_infer_attention_score_verify_workspace",
     "fused_infer_attention_score_mla", "fused_infer_attention_score_mla_decode",
     "fused_infer_attention_score_mla_decode_workspace", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_gating_top_k_softmax_v2",

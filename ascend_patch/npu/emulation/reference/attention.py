@@ -26,6 +26,8 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
   binding ``op_plugin/ops/atb/PagedAttentionAtb.cpp``.
 - [ATB-OUT] ``op_plugin/utils/custom_functions/atb/AtbCommon.cpp``: ``ParamSetter::Output``
   hands the tensor's storage to ATB as is, so every in-place ATB output must be contiguous.
+- [VA-SPEC] vllm-ascend's attention builders (``attention_v1.py``, ``mla_v1.py``: ``decode_threshold =
+  1 + num_speculative_tokens``, asserted ≤ 16) and its speculative-decoding guide's FIA TND note.
 - [SCATTER] ``torch_npu-npu_scatter_pa_kv_cache.md`` and the schema in
   ``op_plugin/config/op_plugin_functions.yaml``.
 """
@@ -215,6 +217,56 @@ def fused_infer_attention_score_decode(query, key, value, *, atten_mask, block_t
     check_out_form(op, query, attention_out, softmax_lse, workspace)
     attention_out.copy_(out)
     return attention_out, softmax_lse
+
+
+def fused_infer_attention_score_verify(query, key, value, *, atten_mask, block_table,
+                                       actual_seq_lengths, actual_seq_lengths_kv, num_heads,
+                                       num_key_value_heads, scale, block_size, sparse_mode,
+                                       attention_out, softmax_lse, pre_tokens=_INT_MAX,
+                                       next_tokens=_INT_MAX, workspace=None):
+    """``npu_fused_infer_attention_score.out`` for speculative verification rows: TND queries of
+    at most 16 rows per sequence over the paged cache, causal (``sparse_mode=3``) or in a
+    windowed layer the band (``sparse_mode=4``), written into ``attention_out``
+    (``softmax_lse`` is not computed: no flag)."""
+    op = "npu_fused_infer_attention_score.out"
+    _check_verify_rows(op, actual_seq_lengths, sparse_mode)
+    out, _ = fused_infer_attention_score(
+        query, key, value, atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout="TND",
+        block_size=block_size, sparse_mode=sparse_mode)
+    check_out_form(op, query, attention_out, softmax_lse, workspace)
+    attention_out.copy_(out)
+    return attention_out, softmax_lse
+
+
+def fused_infer_attention_score_verify_workspace(query, key, value, *, atten_mask, block_table,
+                                                 actual_seq_lengths, actual_seq_lengths_kv,
+                                                 num_heads, num_key_value_heads, scale,
+                                                 block_size, sparse_mode, pre_tokens=_INT_MAX,
+                                                 next_tokens=_INT_MAX):
+    """``_npu_fused_infer_attention_score_get_max_workspace`` for that call: a byte buffer, after
+    the call's contract checks."""
+    _check_verify_rows("_npu_fused_infer_attention_score_get_max_workspace", actual_seq_lengths,
+                       sparse_mode)
+    fused_infer_attention_score(
+        query, key, value, atten_mask=atten_mask, block_table=block_table,
+        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        num_heads=num_heads, num_key_value_heads=num_key_value_heads, scale=scale,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout="TND",
+        block_size=block_size, sparse_mode=sparse_mode)
+    return torch.empty(0, dtype=torch.uint8, device=query.device)
+
+
+def _check_verify_rows(op, actual_seq_lengths, sparse_mode) -> None:
+    # The masked verification form: [VA-SPEC] 1 + k ≤ 16 rows per sequence.
+    require(sparse_mode in (3, 4), op, "sparse_mode",
+            "3 (rightDownCausal) or 4 (band) for verification rows", sparse_mode)
+    ends = check_int_list(op, "actual_seq_lengths", actual_seq_lengths)
+    rows = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+    require(all(1 <= n <= limits.FIA_VERIFY_MAX_QUERY for n in rows), op, "actual_seq_lengths",
+            f"1 to {limits.FIA_VERIFY_MAX_QUERY} query rows per sequence (verification rows)", rows)
 
 
 def check_out_form(op, query, attention_out, softmax_lse, workspace) -> None:

@@ -1,0 +1,183 @@
+"""Speculative decoding in FULL graphs on the emulated NPU: verification rows replayed from graphs
+give the tokens the same engine gives eagerly.
+
+With speculative decoding a decode step verifies 1 + k query tokens per request. The Ascend
+builder reports ``UNIFORM_BATCH`` for them, so vLLM keeps FULL_DECODE_ONLY graphs for uniform
+verification batches (capture sizes rounded to multiples of 1 + k) and the attention runs the
+causal TND npu_fused_infer_attention_score in its ``.out`` form, whose host query ends and KV
+lengths every replay re-issues. One driver process runs every engine: the tiny Llama in bf16
+with itself as its draft (every draft accepted: every decode step is a uniform verification
+batch) and with n-gram drafts, each with graphs (on by default) and eagerly; and the self-drafting
+engine with the host-parameter updates left out, whose replays must part from eager mode's. The
+decode batches shrink from 3 requests to 1 (different max_tokens), so padded graphs replay too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_patch.kit import tiny_drafts
+from ascend_patch.kit.oracle import prompt_token_ids
+from tests.helpers.engine import MODELS_DIR, assert_tracks_hf_logits, run_engine
+
+SPEC_TOKENS = 3
+ROWS = 1 + SPEC_TOKENS
+LAYERS = 2  # attention layers of the tiny Llama (ascend_patch/kit/tiny_models.py)
+ENGINE = {"dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4,
+          "gpu_memory_utilization": 0.9, "disable_log_stats": False}
+GREEDY = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (24, 15, 9)]
+
+
+def _speculative(method: str, **config) -> dict:
+    return {"speculative_config": {"method": method, "num_speculative_tokens": SPEC_TOKENS,
+                                   **config}}
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models["tiny-llama"]
+
+
+@pytest.fixture(scope="module")
+def prompts(llama):
+    text, other, third = prompt_token_ids(llama, [14, 6, 9])
+    return [text, other * 3, third * 2]  # repeats, so the n-gram drafter proposes
+
+
+@pytest.fixture(scope="module")
+def mistral_prompts(tiny_models):
+    # Longer than its 100-token window by the end: the band cuts the verification rows.
+    return prompt_token_ids(tiny_models["tiny-mistral"], [120, 95, 30])
+
+
+@pytest.fixture(scope="module")
+def engines(llama, prompts, tiny_models, mistral_prompts, tmp_path_factory):
+    self_draft = _speculative("draft_model", model=str(llama))
+    ngram = _speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3)
+    eagle = _speculative("eagle", model=str(tiny_drafts.build(MODELS_DIR)["tiny-llama-eagle"]))
+    mistral = str(tiny_models["tiny-mistral"])
+    windowed = _speculative("draft_model", model=mistral)
+    configs = {
+        "self_draft graph": ({**ENGINE, **self_draft}, {}),
+        "self_draft eager": ({**ENGINE, **self_draft, "enforce_eager": True}, {}),
+        "ngram graph": ({**ENGINE, **ngram}, {}),
+        "ngram eager": ({**ENGINE, **ngram, "enforce_eager": True}, {}),
+        "eagle graph": ({**ENGINE, **eagle}, {}),
+        "eagle eager": ({**ENGINE, **eagle, "enforce_eager": True}, {}),
+        "self_draft stale host parameters": ({**ENGINE, **self_draft}, {"stale_host_params": True}),
+        "mistral self_draft graph": ({**ENGINE, **windowed}, {"model": mistral}),
+        "mistral self_draft eager": ({**ENGINE, **windowed, "enforce_eager": True},
+                                     {"model": mistral}),
+    }
+    result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, **extra,
+                                      "runs": [{"prompts": mistral_prompts if "model" in extra
+                                                else prompts, "sampling": GREEDY}]}
+                                     for kwargs, extra in configs.values()]},
+                        tmp_path_factory.mktemp("graph-spec"), timeout=2400)
+    engines = dict(zip(configs, result["engines"]))
+    for name, engine in engines.items():
+        assert "error" not in engine, f"{name}: {engine.get('error')}"
+    return engines
+
+
+@pytest.mark.parametrize("method", ["self_draft", "ngram", "eagle"])
+def test_verification_graphs_are_on_by_default_and_replay_eager_tokens(engines, llama, prompts,
+                                                                      method):
+    graph, eager = engines[f"{method} graph"], engines[f"{method} eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
+    # vLLM rounds the capture sizes to multiples of 1 + k (verification rows per request).
+    assert graph["capture_sizes"] and all(size % ROWS == 0 for size in graph["capture_sizes"])
+    run, eager_run = graph["runs"][0], eager["runs"][0]
+    assert run["tokens"] == eager_run["tokens"]
+    assert_tracks_hf_logits(llama, prompts, run["tokens"])
+    assert run["graph_replays"] > 0 and eager_run["graph_replays"] == 0
+    assert run["spec_decode"]["drafts"] > 0
+    assert run["spec_decode"] == eager_run["spec_decode"]  # the same drafts, accepted alike
+    # Replayed verification batches: 1 + k tokens per request, padded to a capture size.
+    assert {int(size) % ROWS for size in run["graph_replays_by_size"]} == {0}
+
+
+def test_a_padded_verification_batch_replays_the_next_graph(engines):
+    """Three requests (12 tokens; 12 is no capture size) replay the 16-token graph, whose fourth
+    request is padding over vLLM's null block; two and one hit their sizes."""
+    graph = engines["self_draft graph"]
+    assert 12 not in graph["capture_sizes"]
+    assert set(graph["runs"][0]["graph_replays_by_size"]) == {"4", "8", "16"}
+
+
+@pytest.mark.parametrize("name", ["self_draft", "mistral self_draft"])
+def test_the_target_as_its_own_draft_accepts_every_draft_in_graphs(engines, name):
+    counts = engines[f"{name} graph"]["runs"][0]["spec_decode"]
+    assert counts["drafts"] > 0 and counts["accepted_tokens"] == counts["draft_tokens"]
+
+
+def test_windowed_verification_rows_replay_eager_tokens(engines):
+    """Mistral (every layer windowed, head size 128): verification rows on the band
+    (sparse_mode 4, pre_tokens = window - 1) in graphs, past the window."""
+    graph, eager = engines["mistral self_draft graph"], engines["mistral self_draft eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    run = graph["runs"][0]
+    assert run["tokens"] == eager["runs"][0]["tokens"]
+    assert run["graph_replays"] > 0 and run["task_updates"] == LAYERS * run["graph_replays"]
+
+
+def test_each_replay_updates_every_layers_verification(engines):
+    """One task update per captured attention launch: layers × replays (a missed layer fails)."""
+    for name in ("self_draft graph", "ngram graph", "eagle graph"):
+        run = engines[name]["runs"][0]
+        assert run["task_updates"] == LAYERS * run["graph_replays"], name
+        # One FULL graph per capture size up to max_num_seqs requests of verification rows.
+        sizes = [size for size in engines[name]["capture_sizes"]
+                 if size <= ENGINE["max_num_seqs"] * ROWS]
+        assert engines[name]["graph_captures"] == len(sizes) == 3, name
+
+
+def test_lengths_are_exact_with_async_scheduling_off(engines):
+    """The verification rows' KV lengths are vLLM's device lengths (one copy per step), never the
+    optimistic host bound async scheduling would give: the platform keeps async scheduling off
+    with speculative decoding, graphs or not."""
+    for name in ("self_draft graph", "ngram graph", "eagle graph"):
+        assert engines[name]["async_scheduling"] is False, name
+
+
+def test_without_host_parameter_updates_verification_replays_diverge(engines):
+    """The control: replays keep the capture's query ends and KV lengths (a dummy batch's), so
+    verification attends to the wrong context and every request's tokens part from eager mode's."""
+    stale, eager = engines["self_draft stale host parameters"], engines["self_draft eager"]
+    assert stale["runs"][0]["graph_replays"] > 0
+    diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], eager["runs"][0]["tokens"])]
+    assert all(diverged), diverged
+
+
+def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, soft_cap=None):
+    import types
+
+    import torch
+
+    model = types.SimpleNamespace(
+        use_mla=mla, dtype=getattr(torch, dtype), disable_sliding_window=False,
+        get_sliding_window=lambda: window,
+        hf_text_config=types.SimpleNamespace(num_key_value_heads=2, attn_logit_softcapping=soft_cap))
+    spec = types.SimpleNamespace(num_speculative_tokens=spec_tokens)
+    return types.SimpleNamespace(model_config=model, speculative_config=spec)
+
+
+@pytest.mark.parametrize("config, head_size, reason", [
+    ({}, 64, None),
+    ({}, 128, None),
+    ({"mla": True}, 576, "MLA verification rows (1 + k queries on FIA's MLA form) are not captured "
+                        "by ascend-patch yet"),
+    ({"window": 32}, 128, None),
+    ({"spec_tokens": 16}, 64, "17 verification rows per request: the TND "
+                              "npu_fused_infer_attention_score takes at most 16 "
+                              "(1 + num_speculative_tokens)"),
+    ({}, 256, "head size 256: npu_fused_infer_attention_score over a paged cache (TND) takes 64 "
+              "and 128: verification rows run composed attention"),
+    ({"soft_cap": 50.0}, 64, "logits soft-cap 50: the fused attention kernels have no soft-cap "
+                             "input: verification rows run composed attention"),
+])
+def test_where_verification_rows_are_not_captured_says_why(config, head_size, reason):
+    """What the platform's refusal (FULL graphs asked for) and its graph default log name."""
+    from ascend_patch.npu.attention.paths import verify_graph_refusal
+
+    assert verify_graph_refusal(_config(**config), head_size) == reason
