@@ -44,6 +44,10 @@ engine spec with ``"stale_host_params": true`` runs with the graphs' host-parame
 out (the negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
 control of the recurrent tests).
+An engine whose workers run in processes of their own (``tensor_parallel_size`` > 1 with the "mp"
+executor) also reports, per run and rank, the graph replays and task updates of that rank's worker
+("ranks"), and per rank the kernel-seam ops its smallest FULL graph captured, by op
+("captured_ops", on the emulated graph).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -147,8 +151,12 @@ def _generate(spec: dict, report_errors: bool) -> dict:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+    workers = llm.llm_engine.vllm_config.parallel_config.world_size > 1
+    if workers:
+        result["captured_ops"] = [rank["captured_ops"] for rank in llm.collective_rpc(_worker_graphs)]
     result["runs"] = []
     for run in spec["runs"]:
+        ranks = llm.collective_rpc(_worker_graphs) if workers else None
         before = engine.spec_decode_counts(llm)
         counters = engine.counter_values(llm, run.get("counters", []))
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
@@ -168,9 +176,37 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         if counters:
             after = engine.counter_values(llm, counters)
             measured["counters"] = {name: after[name] - counters[name] for name in counters}
+        if workers:
+            measured["ranks"] = [_since(b, a) for b, a in zip(ranks, llm.collective_rpc(_worker_graphs))]
         result["runs"].append({**report, **measured})
     engine.shutdown(llm)
     return result
+
+
+def _worker_graphs(_worker) -> dict:
+    """In a worker process (through ``collective_rpc``): its graph counters so far, and the seam
+    ops its smallest FULL graph captured."""
+    from collections import Counter
+
+    from vllm.config import CUDAGraphMode
+
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    full = [entries for wrapper in NPUGraphWrapper._all_instances
+            if wrapper.runtime_mode == CUDAGraphMode.FULL
+            and (entries := wrapper.concrete_cudagraph_entries)]
+    smallest = min((entries[size] for entries in full for size in entries),
+                   key=lambda entry: entry.batch_descriptor.num_tokens, default=None)
+    launches = getattr(smallest and smallest.cudagraph, "_launches", [])  # the emulated graph's
+    return {"replays": dict(NPUGraphWrapper.replays), "task_updates": NPUGraphWrapper.task_updates,
+            "captured_ops": dict(Counter(launch[4] for launch in launches if launch[4]))}
+
+
+def _since(before: dict, after: dict) -> dict:
+    by_size = {size: n - before["replays"].get(size, 0) for size, n in after["replays"].items()}
+    return {"graph_replays": sum(by_size.values()),
+            "task_updates": after["task_updates"] - before["task_updates"],
+            "graph_replays_by_size": {str(size): n for size, n in sorted(by_size.items()) if n}}
 
 
 @contextlib.contextmanager
