@@ -41,13 +41,15 @@ accepted_per_position, vLLM's accepted drafts by draft position), and a run with
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
 engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
-out (the negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs
+out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
+those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
 control of the recurrent tests).
 An engine whose workers run in processes of their own (``tensor_parallel_size`` > 1 with the "mp"
 executor) also reports, per run and rank, the graph replays and task updates of that rank's worker
-("ranks"), and per rank the kernel-seam ops its smallest FULL graph captured, by op
-("captured_ops", on the emulated graph).
+("ranks"). Every engine reports, per rank, the kernel-seam launches its graphs of the smallest
+captured size hold, by runtime mode and op ("captured_ops": [{"FULL": {op: n}, "PIECEWISE": ...}],
+on the emulated graph; PIECEWISE counts every piece of that size).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -124,8 +126,13 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     from ascend_patch.npu.kernels import recurrence
 
     reissue, steps = acl_graph._reissue, (recurrence.ssm_step, recurrence.gated_delta_step)
-    if spec.get("stale_host_params"):
-        acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
+    stale = spec.get("stale_host_params")
+    if stale:
+        def _reissue(graphs, stream, update, params, buffer):
+            if stale is not True and stale not in update.key:  # another kernel's: kept
+                reissue(graphs, stream, update, params, buffer)
+
+        acl_graph._reissue = _reissue
     if spec.get("stale_recurrent_state"):  # each decode step's output, its state never advanced
         recurrence.ssm_step, recurrence.gated_delta_step = (
             lambda *args, step=step: (step(*args)[0], args[5]) for step in steps)
@@ -141,6 +148,9 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
 def _generate(spec: dict, report_errors: bool) -> dict:
     saved = {name: os.environ.get(name) for name in spec.get("env", {})}
     os.environ.update(spec.get("env", {}))
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    earlier = frozenset(map(id, NPUGraphWrapper._all_instances))
     try:
         llm, result = engine.start(spec["model"], **spec.get("kwargs", {}))
     except Exception as exc:  # reported, so tests can assert on configuration errors
@@ -152,8 +162,8 @@ def _generate(spec: dict, report_errors: bool) -> dict:
             else:
                 os.environ[name] = value
     workers = llm.llm_engine.vllm_config.parallel_config.world_size > 1
-    if workers:
-        result["captured_ops"] = [rank["captured_ops"] for rank in llm.collective_rpc(_worker_graphs)]
+    ranks = llm.collective_rpc(_worker_graphs) if workers else [_worker_graphs(None, earlier)]
+    result["captured_ops"] = [rank["captured_ops"] for rank in ranks]
     result["runs"] = []
     for run in spec["runs"]:
         ranks = llm.collective_rpc(_worker_graphs) if workers else None
@@ -183,23 +193,29 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     return result
 
 
-def _worker_graphs(_worker) -> dict:
-    """In a worker process (through ``collective_rpc``): its graph counters so far, and the seam
-    ops its smallest FULL graph captured."""
+def _worker_graphs(_worker=None, earlier: frozenset = frozenset()) -> dict:
+    """In a worker's process (through ``collective_rpc``, or this one): its graph counters so far,
+    and the seam ops its graphs of the smallest captured size hold, by runtime mode (PIECEWISE:
+    the pieces' together), on the emulated graph; wrappers whose ids are in ``earlier`` (those
+    of this process's earlier engines) left out."""
     from collections import Counter
-
-    from vllm.config import CUDAGraphMode
 
     from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 
-    full = [entries for wrapper in NPUGraphWrapper._all_instances
-            if wrapper.runtime_mode == CUDAGraphMode.FULL
-            and (entries := wrapper.concrete_cudagraph_entries)]
-    smallest = min((entries[size] for entries in full for size in entries),
-                   key=lambda entry: entry.batch_descriptor.num_tokens, default=None)
-    launches = getattr(smallest and smallest.cudagraph, "_launches", [])  # the emulated graph's
+    captured = {}
+    for wrapper in NPUGraphWrapper._all_instances:
+        if id(wrapper) in earlier:
+            continue
+        entries = [entry for entry in wrapper.concrete_cudagraph_entries.values() if entry.cudagraph]
+        if entries:
+            smallest = min(entry.batch_descriptor.num_tokens for entry in entries)
+            captured.setdefault(wrapper.runtime_mode.name, {}).setdefault(smallest, []).extend(
+                entry.cudagraph for entry in entries if entry.batch_descriptor.num_tokens == smallest)
+    ops = {mode: Counter(launch[4] for graph in by_size[min(by_size)]
+                         for launch in getattr(graph, "_launches", []) if launch[4])
+           for mode, by_size in captured.items()}
     return {"replays": dict(NPUGraphWrapper.replays), "task_updates": NPUGraphWrapper.task_updates,
-            "captured_ops": dict(Counter(launch[4] for launch in launches if launch[4]))}
+            "captured_ops": {mode: dict(counts) for mode, counts in ops.items()}}
 
 
 def _since(before: dict, after: dict) -> dict:

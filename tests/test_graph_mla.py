@@ -5,8 +5,8 @@ In an engine with FULL graphs the MLA decode runs on npu_fused_infer_attention_s
 whose host KV lengths (actual_seq_lengths_kv) every replay re-issues per layer; the eager engines
 decode on the ATB MLA op. The decode batches shrink as requests finish (sizes 5 and 3 are padded
 to 8 and 4), grow again in the second run, and the third run repeats the first from the prefix
-cache. The control engine replays with the host-parameter updates left out: its decodes attend
-over the capture's lengths, so its tokens must part from eager mode's.
+cache. The control engines (dense and MoE) replay with the host-parameter updates left out: their
+decodes attend over the capture's lengths, so their tokens must part from eager mode's.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ ENGINES = {
     "dense stale host parameters": ("tiny-deepseek-v3", ENGINE, RUNS[:1], {"stale_host_params": True}),
     "moe graph": ("tiny-deepseek-v3-moe", ENGINE, RUNS, {}),
     "moe eager": ("tiny-deepseek-v3-moe", EAGER, RUNS, {}),
+    "moe stale host parameters": ("tiny-deepseek-v3-moe", ENGINE, RUNS[:1], {"stale_host_params": True}),
 }
 
 
@@ -68,8 +69,9 @@ def test_each_replay_updates_every_layers_mla_decode(engines, model):
         assert run["task_updates"] == LAYERS * run["graph_replays"]
 
 
-def test_without_host_parameter_updates_mla_replays_diverge(engines):
-    stale, eager = engines["dense stale host parameters"], engines["dense eager"]
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_without_host_parameter_updates_mla_replays_diverge(engines, model):
+    stale, eager = engines[f"{model} stale host parameters"], engines[f"{model} eager"]
     assert stale["runs"][0]["graph_replays"] > 0
     diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], eager["runs"][0]["tokens"])]
     assert all(diverged), diverged

@@ -77,7 +77,8 @@ def test_each_ranks_decode_graph_holds_the_routing_and_its_experts(engines):
     """What each rank's FULL graph of one decode token captured, per MoE layer: the NPU gating op,
     dispatch, two grouped matmuls over the rank's 4 experts and the bf16 combine. The expert map
     (global id → local id) is gathered on the device, so the routing is inside the graph."""
-    for captured in engines["graph"]["captured_ops"]:
+    for ranks in engines["graph"]["captured_ops"]:
+        captured = ranks["FULL"]
         for op in ("moe_gating_top_k", "moe_init_routing_v2", "moe_token_unpermute"):
             assert captured.get(op) == LAYERS, (op, captured)
         assert captured["grouped_matmul"] == 2 * LAYERS
