@@ -166,7 +166,7 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     result["captured_ops"] = [rank["captured_ops"] for rank in ranks]
     result["runs"] = []
     for run in spec["runs"]:
-        ranks = llm.collective_rpc(_worker_graphs) if workers else None
+        ranks_before = llm.collective_rpc(_worker_graphs) if workers else None
         before = engine.spec_decode_counts(llm)
         counters = engine.counter_values(llm, run.get("counters", []))
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
@@ -187,7 +187,8 @@ def _generate(spec: dict, report_errors: bool) -> dict:
             after = engine.counter_values(llm, counters)
             measured["counters"] = {name: after[name] - counters[name] for name in counters}
         if workers:
-            measured["ranks"] = [_since(b, a) for b, a in zip(ranks, llm.collective_rpc(_worker_graphs))]
+            measured["ranks"] = [_since(b, a) for b, a in
+                                 zip(ranks_before, llm.collective_rpc(_worker_graphs))]
         result["runs"].append({**report, **measured})
     engine.shutdown(llm)
     return result

@@ -188,7 +188,9 @@ def _defaults(caplog, proven: bool, optimization_level: int = 2):
                             hf_text_config=SimpleNamespace(), pooler_config=None,
                             is_attention_free=False, is_hybrid=False)
     config = SimpleNamespace(
-        compilation_config=SimpleNamespace(mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None),
+        compilation_config=SimpleNamespace(
+            mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None,
+            pass_config=SimpleNamespace(fuse_norm_quant=None, fuse_act_quant=None, fuse_attn_quant=None)),
         optimization_level=optimization_level, model_config=model, speculative_config=None,
         lora_config=None)
     caplog.set_level("INFO", logger="vllm.ascend_patch")  # as vLLM's logging config sets it
