@@ -34,6 +34,8 @@ ENGINES = {
     "gemma3 stale windowed layer": ("tiny-gemma3", {**ENGINE, "stale": "layers.0."}, RUNS[:1]),
     "gemma3 stale global layer": ("tiny-gemma3", {**ENGINE, "stale": "layers.1."}, RUNS[:1]),
     "gemma2 default": ("tiny-gemma2", ENGINE, []),
+    "gemma3 full and piecewise": ("tiny-gemma3", {**ENGINE, "compilation_config": {
+        "mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}, RUNS[:1]),
 }
 
 
@@ -111,6 +113,20 @@ def test_gemma3_without_its_global_layers_updates_replays_diverge(engines):
     assert run["task_updates"] == LAYERS * run["graph_replays"]  # issued, each but layer 1's
     diverged = [s != e for s, e in zip(run["tokens"], eager["runs"][0]["tokens"])]
     assert all(diverged), diverged
+
+
+def test_gemma3_full_and_piecewise_graphs_give_eager_tokens(engines):
+    """torch.compile with windowed and global layers: the pieces hold the NPU rotary (npu_mrope,
+    query and key in one launch, per layer; Gemma's (1 + w) RMSNorm and GELU stay vLLM's), the
+    FULL decode graph the windowed FIA and paged attention. Tokens equal eager."""
+    compiled, eager = engines["gemma3 full and piecewise"], engines["gemma3 eager"]
+    assert compiled["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert compiled["runs"][0]["tokens"] == eager["runs"][0]["tokens"]
+    assert compiled["runs"][0]["graph_replays"] > 0
+    (captured,) = compiled["captured_ops"]
+    assert captured["PIECEWISE"] == {"mrope": LAYERS}
+    assert captured["FULL"] == {"mrope": LAYERS, "scatter_pa_kv_cache": LAYERS,
+                                "fused_infer_attention_score_decode": 1, "paged_attention": 1}
 
 
 def test_soft_capped_logits_keep_graph_mode_off_and_say_why_in_one_line(engines):
