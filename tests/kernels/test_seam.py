@@ -179,10 +179,8 @@ def assert_arguments(arguments, expected):
 def torch_npu(monkeypatch):
     fake = PublishedTorchNpu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    npu._torch_npu.cache_clear()
     kernels.use("npu")
     yield fake
-    npu._torch_npu.cache_clear()
 
 
 def test_schemas_parse_into_the_bindings_signatures():

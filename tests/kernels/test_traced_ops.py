@@ -78,3 +78,57 @@ def test_compiled_layers_check_each_ops_contract_when_they_run():
     compiled(*_inputs())
     with pytest.raises(KernelContractError, match="npu_rotary_mul: r1 must be within \\[-1, 1\\]"):
         compiled(*_inputs(cos_sin_scale=2.0))
+
+
+# torch_npu's layer ops as the dispatcher holds them (the schemas' argument names, which the
+# real path binds by keyword), with kernels that only shape their outputs: what tracing sees.
+_NPU_SCHEMAS = {
+    "npu_rms_norm": ("(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)", "rms_norm"),
+    "npu_add_rms_norm": ("(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
+                         "-> (Tensor, Tensor, Tensor)", "add_rms_norm"),
+    "npu_swiglu": ("(Tensor self, int dim=-1) -> Tensor", "swiglu"),
+    "npu_rotary_mul": ("(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
+                       "rotary_mul"),
+    "npu_mrope": ("(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, "
+                  "*, int[]? mrope_section=None, str? rotary_mode='half', str? cache_mode='default') "
+                  "-> (Tensor, Tensor)", "mrope"),
+}
+
+
+@pytest.fixture(scope="module")
+def npu_ops():
+    import types
+
+    from ascend_patch.npu import kernels
+
+    module = types.ModuleType("torch_npu")
+    for name, (schema, seam) in _NPU_SCHEMAS.items():
+        shape = kernels._TRACED[seam][1]
+        if seam == "mrope":  # the seam's fake kernel takes the reference's arguments only
+            shape = (lambda fake: lambda positions, query, key, cos_sin_cache, head_size, **_: fake(
+                positions, query, key, cos_sin_cache, head_size))(shape)
+        torch.library.define(f"npu_stand_in::{name}", schema)
+        torch.library.impl(f"npu_stand_in::{name}", "CompositeExplicitAutograd", shape)
+        torch.library.register_fake(f"npu_stand_in::{name}", shape)
+        setattr(module, name, getattr(torch.ops.npu_stand_in, name))
+    return module
+
+
+def test_the_real_paths_layer_ops_trace_as_torch_npus_ops(npu_ops, monkeypatch):
+    """On the NPU the seam's layer ops are the torch_npu ops themselves: a compiled piece calls
+    them, tracing reaches torch_npu without importing it again (an import cannot be traced)."""
+    import sys
+
+    from ascend_patch.npu import kernels
+
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_ops)
+    kernels.use("npu")
+    try:
+        compiled, graphs = _compiled()
+        compiled(*_inputs())
+    finally:
+        kernels.use("reference")
+    ((graph,),) = [graphs]
+    targets = sorted(str(node.target) for node in graph.graph.nodes if node.op == "call_function"
+                     and str(node.target).startswith("npu_stand_in."))
+    assert targets == [f"npu_stand_in.{name}" for name in sorted(_NPU_SCHEMAS)], targets
