@@ -17,7 +17,8 @@ _METHODS = {
     "_update_base_metadata": ("(self, mapping, lora_index_to_id, max_loras, vocab_size)",
                               "the step's slot indices, copied into the fixed buffers (no host read)"),
     "update_metadata": ("(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)",
-                        "overridden: the base's prefill metadata (compute_meta's host reads) is never built"),
+                        "overridden: the base's prefill metadata (compute_meta's host reads) is never "
+                        "built; the slot buffers a decode graph reads are rewritten in place"),
     "add_shrink": ("(self, y, x, lora_a_stacked, scale, **kwargs)", "implemented: plain torch"),
     "add_expand": ("(self, y, x, lora_b_stacked, output_slices, offset_start=..., add_inputs=..., "
                    "**kwargs)", "implemented: plain torch"),
@@ -31,9 +32,16 @@ _METHODS = {
 }
 
 LORA_CONTRACTS = [
-    contract(f"{_BASE}.{method}", signature, f"PunicaWrapperNPU: {reason}", implementation=_WRAPPER,
-             upstream=_UPSTREAM, remove_when=_KEEP)
-    for method, (signature, reason) in _METHODS.items()
+    *(contract(f"{_BASE}.{method}", signature, f"PunicaWrapperNPU: {reason}", implementation=_WRAPPER,
+               upstream=_UPSTREAM, remove_when=_KEEP)
+      for method, (signature, reason) in _METHODS.items()),
+    # The graphs vLLM captures per size with LoRA, which the capture-size stream budget counts.
+    contract("vllm.lora.utils:get_captured_lora_counts", "(max_loras, specialize)",
+             "called: the active-adapter counts vLLM's cudagraph dispatcher captures per size",
+             implementation="ascend_patch.npu.compilation.acl_graph:lora_cases",
+             upstream="vllm/v1/cudagraph_dispatcher.py _get_lora_cases: one graph per size without "
+                      "adapters (cudagraph_specialize_lora) and one per get_captured_lora_counts entry",
+             remove_when=_KEEP),
 ]
 
 # Abstract from 0.31 (added in 0.28-0.31: absent in 0.30): the classifier heads' full linear.

@@ -44,7 +44,9 @@ engine spec with ``"stale_host_params": true`` runs with the graphs' host-parame
 out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
 those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
-control of the recurrent tests).
+control of the recurrent tests); one with ``"stale_lora_slots": true`` has the LoRA wrapper put
+each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a
+replayed graph still the capture's: the negative control of the LoRA graph tests).
 An engine whose workers run in processes of their own (``tensor_parallel_size`` > 1 with the "mp"
 executor) also reports, per run and rank, the graph replays and task updates of that rank's worker
 ("ranks"). Every engine reports, per rank, the kernel-seam launches its graphs of the smallest
@@ -124,8 +126,12 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     from ascend_patch.npu.compilation import acl_graph
 
     from ascend_patch.npu.kernels import recurrence
+    from ascend_patch.npu.lora import punica
 
     reissue, steps = acl_graph._reissue, (recurrence.ssm_step, recurrence.gated_delta_step)
+    refresh_slots = punica.refresh_slots
+    if spec.get("stale_lora_slots"):
+        punica.refresh_slots = _fresh_lora_slots
     stale = spec.get("stale_host_params")
     if stale:
         def _reissue(graphs, stream, update, params, buffer):
@@ -142,7 +148,16 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     finally:
         acl_graph._reissue = reissue
         recurrence.ssm_step, recurrence.gated_delta_step = steps
+        punica.refresh_slots = refresh_slots
     return {**result, "log": log}
+
+
+def _fresh_lora_slots(wrapper) -> None:
+    from ascend_patch.npu.kernels.composed import slot_rows
+
+    wrapper._token_slots_int32 = wrapper._token_lora_indices.int()
+    wrapper._token_rows = slot_rows(wrapper._token_lora_indices)
+    wrapper._request_rows = slot_rows(wrapper._sampler_indices)
 
 
 def _generate(spec: dict, report_errors: bool) -> dict:

@@ -85,6 +85,54 @@ def test_moe_parallelism_equals_hf(tiny_models, prompts, parallel_runs, name):
     assert _tokens(parallel_runs[name]) == hf_greedy(model, prompts, GREEDY["max_tokens"])
 
 
+# Two adapters and the base model in one batch, per prompt the adapter's name or None.
+LORA_ADAPTERS = ("tiny-llama-lora-a", None, "tiny-llama-lora-b", "tiny-llama-lora-a")
+# fp16: the merged QKV and gate/up slices take npu_batch_gather_matmul_ at their per-rank widths
+# too (QKV 128/64/64 of 256 columns, gate/up 256 of 512), o_proj/down_proj the plain path.
+LORA = {**ENGINE, "dtype": "float16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(llama, prompts, tmp_path_factory):
+    """The same mixed LoRA batch on TP=2 (vLLM's column-parallel LoRA layers slice B by output
+    shard, QKV by head group, the row-parallel ones A by input shard: each rank's wrapper sees
+    only its slices) and on one device, one driver process."""
+    from ascend_patch.kit import tiny_adapters
+    from tests.helpers.engine import MODELS_DIR
+
+    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+    run = {"prompts": prompts, "sampling": [GREEDY],
+           "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}
+    spec = {"engines": [
+        {"model": str(llama), "kwargs": {**LORA, **MP, "tensor_parallel_size": 2}, "runs": [run]},
+        {"model": str(llama), "kwargs": LORA, "runs": [run]},
+    ]}
+    tp2, tp1 = run_engine(spec, tmp_path_factory.mktemp("lora"), env=clean_env(**EMULATED),
+                          timeout=1200)["engines"]
+    return adapters, _tokens(tp2), _tokens(tp1)
+
+
+def test_lora_tensor_parallelism_equals_one_device_and_tracks_hf_with_merged_weights(
+        lora_runs, llama, prompts, oracle, tmp_path):
+    """TP=2 with two adapters and the base model mixed in one fp16 batch: token for token the
+    single-device engine's output, and each row tracks HF transformers (fp32) on the checkpoint
+    with its adapter merged into the weights by hand; each adapter changes HF's greedy output, so
+    a dropped delta fails. (fp32 single-device equality with HF: tests/test_engine.py.)"""
+    from ascend_patch.kit import tiny_adapters
+    from tests.helpers.engine import assert_tracks_hf_logits
+
+    adapters, tp2, tp1 = lora_runs
+    assert tp2 == tp1
+    for name in dict.fromkeys(LORA_ADAPTERS):
+        rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter == name]
+        model = llama
+        if name is not None:
+            model = tiny_adapters.merged(adapters[name], tmp_path / name)
+            merged = hf_greedy(model, [prompts[row] for row in rows], GREEDY["max_tokens"])
+            assert merged != [oracle[row] for row in rows], f"{name} changes nothing"
+        assert_tracks_hf_logits(model, [prompts[row] for row in rows], [tp2[row] for row in rows])
+
+
 def test_a_worker_without_the_overlay_fails_clearly(llama, prompts, tmp_path):
     """Disable the overlay in the spawned workers only: multiprocessing children run the
     sitecustomize below, which undoes the .pth bootstrap and sets ASCEND_PATCH=off."""

@@ -60,8 +60,6 @@ SEEDED_PROMPTS = (1, 2, 3, 4, 5)
 KV_UTILISATION = (0.25, 0.5)
 REFUSED = [
     ({"block_size": 16}, "--block-size 16 is not supported on Ascend"),
-    ({"enable_lora": True, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
-     "FULL_DECODE_ONLY ACL graphs are not supported with LoRA yet"),
 ]
 # Two adapters and the base model mixed in one batch: per prompt, the adapter's name or None.
 LORA_PROMPTS = (0, 1, 2, 3, 4, 5)

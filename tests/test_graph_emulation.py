@@ -290,6 +290,7 @@ result = {{
     "default": sizes(compilation_config=compiled),
     "tp2": sizes(compilation_config=compiled, tensor_parallel_size=2),
     "full": sizes(),
+    "lora": sizes(compilation_config=compiled, enable_lora=True, max_loras=2),
 }}
 os.environ["HCCL_OP_EXPANSION_MODE"] = "AIV"
 result["tp2 aiv"] = sizes(compilation_config=compiled, tensor_parallel_size=2)
@@ -302,7 +303,8 @@ def test_capture_sizes_respect_the_stream_budget_for_a_36_layer_model(tiny_model
     PIECEWISE size takes num_hidden_layers + 1 graphs; in HCCL's default expansion each
     communication group costs 40 streams and a size takes 1 + 2 x groups times its graphs; with
     HCCL_OP_EXPANSION_MODE=AIV a dense model's size takes 1 + groups times, and its all-reduces
-    hold that many graphs' streams more. FULL decode graphs are one graph per size, bounded
+    hold that many graphs' streams more. With LoRA (max_loras 2) vLLM captures each size twice,
+    without adapters and with max_loras + 1 active. FULL decode graphs are one graph per size, bounded
     instead by the null block's 128 padding slots."""
     env = clean_env(ASCEND_PATCH="emulate", HCCL_OP_EXPANSION_MODE="")
     result = run_json(_STREAM_BUDGET.format(model=str(tiny_models["tiny-llama"])), env=env)
@@ -310,6 +312,7 @@ def test_capture_sizes_respect_the_stream_budget_for_a_36_layer_model(tiny_model
     assert len(result["candidates"][1]) == math.floor(1800 / graphs) == 48
     for name, budget in (("default", math.floor(1800 / graphs)),
                          ("tp2", math.floor((1800 - 40) / graphs / 3)),
+                         ("lora", math.floor(1800 / graphs / 2)),
                          ("tp2 aiv", math.floor((1800 - 2 * graphs) / graphs / 2))):
         mode, kept = result[name]
         assert mode == "PIECEWISE" and len(kept) == budget, (name, kept)

@@ -125,7 +125,8 @@ class NPUPlatform(Platform):
         model = vllm_config.model_config
         spec_decode.config.check(vllm_config)
         unsupported = {
-            # vLLM's fused-MoE LoRA layers launch Triton kernels (and want moe_backend='triton').
+            # vLLM's FusedMoEWithLoRA wants a non-monolithic modular-kernel MoE method whose
+            # experts take its LoRA context (Triton's fused_moe_lora); ours is monolithic.
             "LoRA on a mixture-of-experts model": vllm_config.lora_config is not None
             and model is not None and model.is_moe,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
@@ -171,6 +172,9 @@ class NPUPlatform(Platform):
             compilation.mode = CompilationMode.NONE
         if vllm_config.model_config is not None:
             settle_graph_mode(vllm_config)
+        if vllm_config.lora_config is not None:
+            logger.info("ascend-patch: LoRA adapters with ACL graph mode %s",
+                        compilation.cudagraph_mode.name)
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
@@ -400,8 +404,6 @@ def graphs_off_by_default(vllm_config) -> str | None:
     model_config = vllm_config.model_config
     if vllm_config.speculative_config is not None:
         return "FULL ACL graphs do not hold speculative decoding's verification rows yet"
-    if vllm_config.lora_config is not None:
-        return "FULL ACL graphs are not proven with LoRA adapters yet"
     if model_config is None:
         return "no model configuration to check"
     if model_config.pooler_config is not None:
@@ -452,10 +454,6 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs are not supported for models with recurrent "
                          "layers (their composed path reads sequence boundaries on the host): "
                          "run with --enforce-eager or -cc.cudagraph_mode=NONE")
-    if mode.has_full_cudagraphs() and vllm_config.lora_config is not None:
-        # Not yet replayed against eager in the emulated suite (vLLM captures per active-LoRA count).
-        raise ValueError(f"{mode.name} ACL graphs are not supported with LoRA yet: run with "
-                         "--enforce-eager or -cc.cudagraph_mode=NONE")
     if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None:
         # Verification rows are 1 + k tokens: the Ascend builder captures single-token decode
         # only, and vLLM would drop the graphs with no more than a warning.

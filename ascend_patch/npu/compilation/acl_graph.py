@@ -227,10 +227,11 @@ def capture_size_budget(vllm_config, piecewise: bool, full: bool) -> CaptureBudg
     """How many capture sizes fit in the NPU's stream budget (vllm-ascend ``update_aclgraph_sizes``,
     releases/v0.20.2rc): each size takes one graph per piece (``num_hidden_layers + 1`` pieces in a
     PIECEWISE split) plus one FULL graph; communication groups (TP > 1, DP > 1) take streams too,
-    more so in HCCL's default FFTS+/AICPU expansion than with ``HCCL_OP_EXPANSION_MODE=AIV``."""
+    more so in HCCL's default FFTS+/AICPU expansion than with ``HCCL_OP_EXPANSION_MODE=AIV``.
+    With LoRA vLLM captures every size once per LoRA case (:func:`lora_cases`)."""
     hf = vllm_config.model_config.hf_text_config
     layers = getattr(hf, "num_hidden_layers", 0)  # not a seam: an HF config field
-    graphs_per_size = (layers + 1 if piecewise else 0) + (1 if full else 0)
+    graphs_per_size = ((layers + 1 if piecewise else 0) + (1 if full else 0)) * lora_cases(vllm_config)
     parallel = vllm_config.parallel_config
     comm_groups = sum(size > 1 for size in (parallel.data_parallel_size, parallel.tensor_parallel_size))
     budget = STREAM_BUDGET
@@ -251,8 +252,23 @@ def capture_size_budget(vllm_config, piecewise: bool, full: bool) -> CaptureBudg
     reason = (f"ACL graphs may hold {STREAM_BUDGET} of the NPU's 2048 streams and each size takes "
               f"{graphs_per_size} graph(s) ({layers} layers, "
               f"{'PIECEWISE' if piecewise else ''}{' + ' if piecewise and full else ''}"
-              f"{'FULL' if full else ''}), {how}")
+              f"{'FULL' if full else ''}"
+              f"{f', × {lora_cases(vllm_config)} LoRA cases' if vllm_config.lora_config else ''}"
+              f"), {how}")
     return CaptureBudget(max(max_sizes, 1), graphs_per_size, reason)
+
+
+def lora_cases(vllm_config) -> int:
+    """How many graphs vLLM captures per size and mode for LoRA's sake
+    (``CudagraphDispatcher._get_lora_cases``, the same 0.20-0.33): with
+    ``cudagraph_specialize_lora`` one without adapters plus one per captured active-adapter count,
+    else one."""
+    lora = vllm_config.lora_config
+    if lora is None or not vllm_config.compilation_config.cudagraph_specialize_lora:
+        return 1
+    from vllm.lora.utils import get_captured_lora_counts
+
+    return 1 + len(get_captured_lora_counts(lora.max_loras, lora.specialize_active_lora))
 
 
 def sample_sizes(sizes: list[int], keep: int) -> list[int]:

@@ -164,10 +164,39 @@ class SlotRows(NamedTuple):
     def first(self, count: int) -> "SlotRows":
         return SlotRows(self.slot[:count], self.unassigned[:count])
 
+    def refresh_(self, indices: torch.Tensor) -> None:
+        """Rewrite in place from ``indices`` (as long as these rows): a captured graph reads
+        these tensors, so a new step's slots must land in them, not in new ones."""
+        self.slot.copy_(indices.clamp(min=0))
+        self.unassigned.copy_((indices < 0).unsqueeze(1))
+
 
 def slot_rows(indices: torch.Tensor) -> SlotRows:
     """vLLM's per-row LoRA indices (-1: no adapter) as :class:`SlotRows`."""
     return SlotRows(indices.long().clamp(min=0), (indices < 0).unsqueeze(1))
+
+
+def slot_weights_(out: torch.Tensor, indices: torch.Tensor, slots: torch.Tensor) -> None:
+    """``out`` [T, S, 1] float32 rewritten in place: 1 at each row's adapter slot (``slots`` is
+    ``arange(S)``), 0 elsewhere and for every slot of a row without an adapter (index -1)."""
+    out.copy_((indices.unsqueeze(1) == slots).unsqueeze(2))
+
+
+def lora_deltas(x, lora_as, lora_bs, weights) -> list:
+    """Each row's ``(x[t] @ A_i[s]ᵀ) @ B_i[s]ᵀ`` per slice ``i``, for the row's slot ``s``
+    (unscaled): ``x`` [T, K] float32, ``lora_as`` [S, R_i, K], ``lora_bs`` [S, N_i, R_i],
+    ``weights`` [T, S, 1] from :func:`slot_weights_` -> per slice [T, N_i] in B's dtype, 0 for rows
+    without an adapter. One shrink for all slices (their A's stacked along the rank) meets every
+    slot in one float32 einsum (as vLLM's own LoRA paths keep it), the weights keep each row's own
+    slot, and one expand per slice contracts slots and rank at once: no gather or mask."""
+    stacked = lora_as[0] if len(lora_as) == 1 else torch.cat(lora_as, dim=1)
+    shrunk = (torch.einsum("tk,srk->tsr", x, stacked.float()) * weights).to(lora_bs[0].dtype)
+    deltas, start = [], 0
+    for lora_b in lora_bs:
+        rank = lora_b.shape[2]
+        deltas.append(torch.einsum("tsr,snr->tn", shrunk[:, :, start: start + rank], lora_b))
+        start += rank
+    return deltas
 
 
 def gathered_matmul(x, weight, rows: SlotRows):

@@ -10,14 +10,16 @@ max_loras) and each token's slot in ``token_lora_indices`` (-1: the base model).
   16, rank 16-128, a slice narrower than the layer's output);
 - everything else (bf16 and fp32 models, a slice that is the whole output, the embedding, the
   logits, the classifier head, the separate shrink and expand of fully sharded layers) runs plain
-  torch (:func:`ascend_patch.npu.kernels.composed.gathered_matmul`), which runs on the NPU as
-  ordinary kernels: torch_npu has no other LoRA op (vllm-ascend compiles its own bgmv/sgmv).
+  torch (a linear layer's slices :func:`ascend_patch.npu.kernels.composed.lora_deltas`, the others
+  :func:`~ascend_patch.npu.kernels.composed.gathered_matmul`), which runs on the NPU as ordinary
+  kernels: torch_npu has no other LoRA op (vllm-ascend compiles its own bgmv/sgmv).
 
 Both read per-token slot indices only: vLLM's prefill metadata (``compute_meta``: a
 ``unique_consecutive`` and host reads of its result every prefill step, the step that crashed
 ``aclnnUniqueConsecutive`` in vllm-ascend#10626) is never built, so a step's metadata is host-to-device
 copies into fixed buffers and no host read, as on vLLM's CUDA path (its ``LoRAKernelMeta`` sorts on
-the device). The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
+the device). Those buffers, and the slots derived from them once per step, are rewritten in place
+(:func:`refresh_slots`): a FULL decode graph captured once reads each replay's adapters. The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
 is abstract from 0.31 and answered on every release. LoRA on MoE layers is refused
 (``NPUPlatform.check_and_update_config``).
 """
@@ -29,7 +31,15 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
-from ascend_patch.npu.kernels.composed import gathered_matmul, slot_rows
+from ascend_patch.npu.kernels.composed import gathered_matmul, lora_deltas, slot_rows, slot_weights_
+
+
+def refresh_slots(wrapper: "PunicaWrapperNPU") -> None:
+    """The step's slot buffers from vLLM's per-token and per-request indices, in place."""
+    wrapper._token_slots_int32.copy_(wrapper._token_lora_indices)
+    slot_weights_(wrapper._token_weights, wrapper._token_lora_indices, wrapper._slots)
+    wrapper._token_rows.refresh_(wrapper._token_lora_indices)
+    wrapper._request_rows.refresh_(wrapper._sampler_indices)
 
 
 class PunicaWrapperNPU(PunicaWrapperBase):
@@ -43,13 +53,20 @@ class PunicaWrapperNPU(PunicaWrapperBase):
                                              device=device)  # BGMV's indices are int32
         self._token_rows = slot_rows(self._token_lora_indices)
         self._request_rows = slot_rows(self._sampler_indices)
+        self._slots = self._token_weights = None  # sized by the first step's slots
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
-        # Once per step, for every layer's call: the slots as the NPU op and the plain path read them.
+        # Once per step, for every layer's call: the slots as the NPU op and the plain path read
+        # them, written into the same buffers every step (vLLM's base metadata is copied into
+        # fixed buffers too), so that a replayed decode graph reads this step's adapters.
         self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
-        self._token_slots_int32.copy_(self._token_lora_indices)
-        self._token_rows = slot_rows(self._token_lora_indices)
-        self._request_rows = slot_rows(self._sampler_indices)
+        if self._token_weights is None:  # the first step, before any capture
+            # One weight per slot of the stacked adapters (vLLM's max_loras here is slots + 1).
+            slots = len(lora_index_to_id)
+            self._slots = torch.arange(slots, device=self.device)
+            self._token_weights = torch.zeros(self._token_lora_indices.shape[0], slots, 1,
+                                              device=self.device)
+        refresh_slots(self)
 
     def _token_slots(self, rows: int):
         return self._token_rows.first(rows)
@@ -90,17 +107,20 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         the op takes, plain torch for the others."""
         x = x.view(-1, x.shape[-1])
         flat = y.view(-1, y.shape[-1])
-        slots = self._token_slots(x.shape[0])
-        offset = 0
+        plain, offset = [], 0
         for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
             if limits.bgmv_takes(x.dtype, x.shape[1], lora_a.shape[2], size, flat.shape[1]):
                 kernels.batch_gather_matmul_(flat, x, lora_b, self._token_slots_int32[: x.shape[0]],
                                              lora_a, scale=scale, y_offset=offset,
                                              y_slice_size=size)
             else:
-                shrunk = scale * gathered_matmul(x.float(), lora_a[:, 0].float(), slots)
-                self._expand_into(flat[:, offset: offset + size], shrunk, lora_b, True, slots)
+                plain.append((lora_a[:, 0], lora_b[:, 0], flat[:, offset: offset + size]))
             offset += size
+        if plain:  # one shrink for the layer's plain slices, one expand each
+            lora_as, lora_bs, columns = zip(*plain)
+            deltas = lora_deltas(x.float(), lora_as, lora_bs, self._token_weights[: x.shape[0]])
+            for out, delta in zip(columns, deltas):
+                out.add_(delta, alpha=scale)  # scaled in the add
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
                         **kwargs):
