@@ -41,11 +41,17 @@ accepted_per_position, vLLM's accepted drafts by draft position), and a run with
 Each run also reports the graph replays ("graph_replays", and by padded size); each engine
 its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
 engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
-out (the negative control of the graph tests); one with ``"stale_recurrent_state": true`` runs
+out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
+those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
 control of the recurrent tests); one with ``"stale_lora_slots": true`` has the LoRA wrapper put
 each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a
 replayed graph still the capture's: the negative control of the LoRA graph tests).
+An engine whose workers run in processes of their own (``tensor_parallel_size`` > 1 with the "mp"
+executor) also reports, per run and rank, the graph replays and task updates of that rank's worker
+("ranks"). Every engine reports, per rank, the kernel-seam launches its graphs of the smallest
+captured size hold, by runtime mode and op ("captured_ops": [{"FULL": {op: n}, "PIECEWISE": ...}],
+on the emulated graph; PIECEWISE counts every piece of that size).
 Each engine also reports what ascend-patch logged while it started and ran ("log").
 An engine spec's "env" holds environment variables set while that engine starts (e.g. the DP
 rank variables of vLLM's offline data-parallel example); vLLM caches its environment once an
@@ -126,8 +132,13 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
     refresh_slots = punica.refresh_slots
     if spec.get("stale_lora_slots"):
         punica.refresh_slots = _fresh_lora_slots
-    if spec.get("stale_host_params"):
-        acl_graph._reissue = lambda graphs, stream, update, params, buffer: None
+    stale = spec.get("stale_host_params")
+    if stale:
+        def _reissue(graphs, stream, update, params, buffer):
+            if stale is not True and stale not in update.key:  # another kernel's: kept
+                reissue(graphs, stream, update, params, buffer)
+
+        acl_graph._reissue = _reissue
     if spec.get("stale_recurrent_state"):  # each decode step's output, its state never advanced
         recurrence.ssm_step, recurrence.gated_delta_step = (
             lambda *args, step=step: (step(*args)[0], args[5]) for step in steps)
@@ -152,6 +163,9 @@ def _fresh_lora_slots(wrapper) -> None:
 def _generate(spec: dict, report_errors: bool) -> dict:
     saved = {name: os.environ.get(name) for name in spec.get("env", {})}
     os.environ.update(spec.get("env", {}))
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    earlier = frozenset(map(id, NPUGraphWrapper._all_instances))
     try:
         llm, result = engine.start(spec["model"], **spec.get("kwargs", {}))
     except Exception as exc:  # reported, so tests can assert on configuration errors
@@ -162,8 +176,12 @@ def _generate(spec: dict, report_errors: bool) -> dict:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+    workers = llm.llm_engine.vllm_config.parallel_config.world_size > 1
+    ranks = llm.collective_rpc(_worker_graphs) if workers else [_worker_graphs(None, earlier)]
+    result["captured_ops"] = [rank["captured_ops"] for rank in ranks]
     result["runs"] = []
     for run in spec["runs"]:
+        ranks_before = llm.collective_rpc(_worker_graphs) if workers else None
         before = engine.spec_decode_counts(llm)
         counters = engine.counter_values(llm, run.get("counters", []))
         with engine.measured() as measured, _layer_launches(llm, run) as layer_launches:
@@ -183,9 +201,44 @@ def _generate(spec: dict, report_errors: bool) -> dict:
         if counters:
             after = engine.counter_values(llm, counters)
             measured["counters"] = {name: after[name] - counters[name] for name in counters}
+        if workers:
+            measured["ranks"] = [_since(b, a) for b, a in
+                                 zip(ranks_before, llm.collective_rpc(_worker_graphs))]
         result["runs"].append({**report, **measured})
     engine.shutdown(llm)
     return result
+
+
+def _worker_graphs(_worker=None, earlier: frozenset = frozenset()) -> dict:
+    """In a worker's process (through ``collective_rpc``, or this one): its graph counters so far,
+    and the seam ops its graphs of the smallest captured size hold, by runtime mode (PIECEWISE:
+    the pieces' together), on the emulated graph; wrappers whose ids are in ``earlier`` (those
+    of this process's earlier engines) left out."""
+    from collections import Counter
+
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    captured = {}
+    for wrapper in NPUGraphWrapper._all_instances:
+        if id(wrapper) in earlier:
+            continue
+        entries = [entry for entry in wrapper.concrete_cudagraph_entries.values() if entry.cudagraph]
+        if entries:
+            smallest = min(entry.batch_descriptor.num_tokens for entry in entries)
+            captured.setdefault(wrapper.runtime_mode.name, {}).setdefault(smallest, []).extend(
+                entry.cudagraph for entry in entries if entry.batch_descriptor.num_tokens == smallest)
+    ops = {mode: Counter(launch[4] for graph in by_size[min(by_size)]
+                         for launch in getattr(graph, "_launches", []) if launch[4])
+           for mode, by_size in captured.items()}
+    return {"replays": dict(NPUGraphWrapper.replays), "task_updates": NPUGraphWrapper.task_updates,
+            "captured_ops": {mode: dict(counts) for mode, counts in ops.items()}}
+
+
+def _since(before: dict, after: dict) -> dict:
+    by_size = {size: n - before["replays"].get(size, 0) for size, n in after["replays"].items()}
+    return {"graph_replays": sum(by_size.values()),
+            "task_updates": after["task_updates"] - before["task_updates"],
+            "graph_replays_by_size": {str(size): n for size, n in sorted(by_size.items()) if n}}
 
 
 @contextlib.contextmanager

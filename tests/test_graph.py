@@ -44,7 +44,8 @@ ENGINES = {
     "qwen2 graph": ("tiny-qwen2", {**ENGINE, "enable_sleep_mode": True}, RUNS[:1] + SLEEP_CYCLES, {}),
     "qwen2 eager": ("tiny-qwen2", EAGER, RUNS[:1], {}),
     "llama stale host parameters": ("tiny-llama", ENGINE, RUNS[:1], {"stale_host_params": True}),
-    # torch.compile: PIECEWISE graphs for mixed batches, FULL graphs for decode.
+    # torch.compile: PIECEWISE graphs for mixed batches, FULL graphs for decode, the NPU layer
+    # ops inside both.
     "llama full and piecewise": ("tiny-llama", {**ENGINE, "compilation_config": {
         "mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}, RUNS[:1], {}),
     "llama tp2 graph": ("tiny-llama", {**ENGINE, **TP2}, RUNS[:1], {}),
@@ -145,6 +146,24 @@ def test_full_and_piecewise_graphs_under_torch_compile_give_eager_tokens(engines
     assert compiled["runs"][0]["graph_replays"] > 0
 
 
+def test_compiled_pieces_run_the_npu_layer_ops(engines):
+    """torch.compile traces the NPU RMSNorm/SiluAndMul/rotary as the seam's torch ops, not
+    vLLM's native torch: the pieces' graphs of one token hold, for 2 layers, the first norm
+    (npu_rms_norm), four residual norms (npu_add_rms_norm: 2 per layer, the last the final norm),
+    one npu_mrope (query and key) and one npu_swiglu per layer, and the FULL graph the same
+    around the attention kernels. The steps outside graphs (the 64-token prefill chunks, above
+    the largest capture size) launch them from the compiled pieces: one npu_rms_norm each."""
+    compiled = engines["llama full and piecewise"]
+    layer_ops = {"rms_norm": 1, "add_rms_norm": 4, "mrope": 2, "swiglu": 2}
+    (captured,) = compiled["captured_ops"]
+    assert captured["PIECEWISE"] == layer_ops
+    assert captured["FULL"] == {**layer_ops, "scatter_pa_kv_cache": 2, "paged_attention": 2}
+    launches = compiled["runs"][0]["launches"]
+    steps = launches["rms_norm"]
+    assert steps > 0
+    assert {op: launches[op] for op in layer_ops} == {op: n * steps for op, n in layer_ops.items()}
+
+
 def test_tensor_parallel_graphs_give_eager_tokens(engines, tiny_models):
     """TP=2 over two spawned workers: the all-reduces are captured in each rank's graph. The
     bf16 TP=2 tokens themselves (fused kernels on each rank's heads) track HF's fp32 logits."""
@@ -173,7 +192,9 @@ def _defaults(caplog, proven: bool, optimization_level: int = 2):
                             hf_text_config=SimpleNamespace(), pooler_config=None,
                             is_attention_free=False, is_hybrid=False)
     config = SimpleNamespace(
-        compilation_config=SimpleNamespace(mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None),
+        compilation_config=SimpleNamespace(
+            mode=CompilationMode.NONE, custom_ops=[], cudagraph_mode=None,
+            pass_config=SimpleNamespace(fuse_norm_quant=None, fuse_act_quant=None, fuse_attn_quant=None)),
         optimization_level=optimization_level, model_config=model, speculative_config=None,
         lora_config=None)
     caplog.set_level("INFO", logger="vllm.ascend_patch")  # as vLLM's logging config sets it

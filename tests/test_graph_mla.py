@@ -5,8 +5,8 @@ In an engine with FULL graphs the MLA decode runs on npu_fused_infer_attention_s
 whose host KV lengths (actual_seq_lengths_kv) every replay re-issues per layer; the eager engines
 decode on the ATB MLA op. The decode batches shrink as requests finish (sizes 5 and 3 are padded
 to 8 and 4), grow again in the second run, and the third run repeats the first from the prefix
-cache. The control engine replays with the host-parameter updates left out: its decodes attend
-over the capture's lengths, so its tokens must part from eager mode's.
+cache. The control engines (dense and MoE) replay with the host-parameter updates left out: their
+decodes attend over the capture's lengths, so their tokens must part from eager mode's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tests.helpers.engine import run_engine
 from tests.test_graph import ENGINE, PROMPT_LENGTHS, RUNS
 
 EAGER = {**ENGINE, "enforce_eager": True}
+COMPILED = {**ENGINE, "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}
 LAYERS = 2  # attention layers of the tiny DeepSeek-V3 checkpoints (ascend_patch/kit/tiny_models.py)
 ENGINES = {
     "dense graph": ("tiny-deepseek-v3", ENGINE, RUNS, {}),
@@ -25,6 +26,9 @@ ENGINES = {
     "dense stale host parameters": ("tiny-deepseek-v3", ENGINE, RUNS[:1], {"stale_host_params": True}),
     "moe graph": ("tiny-deepseek-v3-moe", ENGINE, RUNS, {}),
     "moe eager": ("tiny-deepseek-v3-moe", EAGER, RUNS, {}),
+    "moe stale host parameters": ("tiny-deepseek-v3-moe", ENGINE, RUNS[:1], {"stale_host_params": True}),
+    "dense full and piecewise": ("tiny-deepseek-v3", COMPILED, RUNS[:1], {}),
+    "moe full and piecewise": ("tiny-deepseek-v3-moe", COMPILED, RUNS[:1], {}),
 }
 
 
@@ -68,8 +72,36 @@ def test_each_replay_updates_every_layers_mla_decode(engines, model):
         assert run["task_updates"] == LAYERS * run["graph_replays"]
 
 
-def test_without_host_parameter_updates_mla_replays_diverge(engines):
-    stale, eager = engines["dense stale host parameters"], engines["dense eager"]
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_without_host_parameter_updates_mla_replays_diverge(engines, model):
+    stale, eager = engines[f"{model} stale host parameters"], engines[f"{model} eager"]
     assert stale["runs"][0]["graph_replays"] > 0
     diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], eager["runs"][0]["tokens"])]
     assert all(diverged), diverged
+
+
+# What the graphs of one token hold outside attention, per model (2 layers): each layer's kv_a
+# norm (and q_a norm: the MoE model has a q LoRA rank) and the first input norm (npu_rms_norm),
+# the residual norms (npu_add_rms_norm); dense: one npu_swiglu per layer and npu_rotary_mul for
+# the query's and the key's rope slices of each layer; MoE: the dense first layer's and the
+# shared expert's npu_swiglu plus the experts' own, and the second layer's routing and experts.
+# (The MoE model's rotary is YaRN-scaled, DeepSeek's own scaling class, which stays vLLM's.)
+PIECES = {
+    "dense": {"rms_norm": 3, "add_rms_norm": 4, "swiglu": 2, "rotary_mul": 4},
+    "moe": {"rms_norm": 5, "add_rms_norm": 4, "swiglu": 3, "moe_gating_top_k": 1,
+            "moe_init_routing_v2": 1, "grouped_matmul": 2, "moe_token_unpermute": 1},
+}
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_full_and_piecewise_graphs_run_the_npu_ops_in_the_compiled_pieces(engines, model):
+    """torch.compile over MLA (and MoE) layers: the pieces' graphs of one token hold the NPU layer
+    ops, the FULL graph the same around the MLA decode; the tokens equal eager mode's."""
+    compiled, eager = engines[f"{model} full and piecewise"], engines[f"{model} eager"]
+    assert compiled["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert compiled["runs"][0]["tokens"] == eager["runs"][0]["tokens"]
+    assert compiled["runs"][0]["graph_replays"] > 0
+    (captured,) = compiled["captured_ops"]
+    assert captured["PIECEWISE"] == PIECES[model]
+    assert captured["FULL"] == {**PIECES[model], "scatter_pa_kv_cache": LAYERS,
+                                "fused_infer_attention_score_mla_decode": LAYERS}

@@ -8,7 +8,9 @@ a (batch, KV) mask (the op ignores sparse_mode and pre/next_tokens for one-token
 engine with FULL graphs its .out form, whose host KV lengths every replay re-issues and whose mask
 is computed on the device from vLLM's sequence lengths inside the graph. The prompts are longer
 than the windows (100 tokens), so the windows cut. The control engine replays with the
-host-parameter updates left out, and its replays break the kernel's contract.
+host-parameter updates left out, and its replays break the kernel's contract; Gemma 3's controls
+leave out one kernel's updates each: its windowed layer's break the same contract, its global
+layer's (paged attention) give tokens that part from eager mode's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ ENGINES = {
     "mistral stale host parameters": ("tiny-mistral", {**ENGINE, "stale": True}, RUNS[:1]),
     "gemma3 graph": ("tiny-gemma3", ENGINE, RUNS),
     "gemma3 eager": ("tiny-gemma3", EAGER, RUNS),
+    # Gemma 3's controls, one per kernel: its windowed layer 0 (FIA), its global layer 1 (paged
+    # attention) left with the capture's host parameters, the other layer's updates kept.
+    "gemma3 stale windowed layer": ("tiny-gemma3", {**ENGINE, "stale": "layers.0."}, RUNS[:1]),
+    "gemma3 stale global layer": ("tiny-gemma3", {**ENGINE, "stale": "layers.1."}, RUNS[:1]),
     "gemma2 default": ("tiny-gemma2", ENGINE, []),
+    "gemma3 full and piecewise": ("tiny-gemma3", {**ENGINE, "compilation_config": {
+        "mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}, RUNS[:1]),
 }
 
 
@@ -39,7 +47,7 @@ def engines(tiny_models, tmp_path_factory):
         kwargs = dict(kwargs)
         stale = kwargs.pop("stale", False)
         specs.append({"model": str(tiny_models[model]), "kwargs": kwargs,
-                      **({"stale_host_params": True} if stale else {}),
+                      **({"stale_host_params": stale} if stale else {}),
                       "runs": [{"prompts": prompts[:n], "sampling": s} for n, s in runs]})
     result = run_engine({"engines": specs, "report_errors": True},
                         tmp_path_factory.mktemp("graph-windowed"), timeout=2400)
@@ -84,6 +92,41 @@ def test_without_host_parameter_updates_windowed_replays_break(engines):
     assert stale["runs"][0]["error"].startswith(
         "KernelContractError: npu_fused_infer_attention_score: atten_mask must be to leave each "
         "sequence at least one of its keys, got row")
+
+
+def test_gemma3_without_its_windowed_layers_updates_replays_break(engines):
+    """Gemma 3's windowed layer alone left with the capture's KV lengths (its global layer's
+    updates kept): the same broken contract as Mistral's."""
+    stale = engines["gemma3 stale windowed layer"]
+    assert stale["runs"][0]["error"].startswith(
+        "KernelContractError: npu_fused_infer_attention_score: atten_mask must be to leave each "
+        "sequence at least one of its keys, got row")
+
+
+def test_gemma3_without_its_global_layers_updates_replays_diverge(engines):
+    """Gemma 3's global layer alone (paged attention) left with the capture's context lengths (its
+    windowed layer's updates kept): it attends to the wrong context, so every request's tokens
+    part from eager mode's."""
+    stale, eager = engines["gemma3 stale global layer"], engines["gemma3 eager"]
+    run = stale["runs"][0]
+    assert "error" not in run and run["graph_replays"] > 0
+    assert run["task_updates"] == LAYERS * run["graph_replays"]  # issued, each but layer 1's
+    diverged = [s != e for s, e in zip(run["tokens"], eager["runs"][0]["tokens"])]
+    assert all(diverged), diverged
+
+
+def test_gemma3_full_and_piecewise_graphs_give_eager_tokens(engines):
+    """torch.compile with windowed and global layers: the pieces hold the NPU rotary (npu_mrope,
+    query and key in one launch, per layer; Gemma's (1 + w) RMSNorm and GELU stay vLLM's), the
+    FULL decode graph the windowed FIA and paged attention. Tokens equal eager."""
+    compiled, eager = engines["gemma3 full and piecewise"], engines["gemma3 eager"]
+    assert compiled["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert compiled["runs"][0]["tokens"] == eager["runs"][0]["tokens"]
+    assert compiled["runs"][0]["graph_replays"] > 0
+    (captured,) = compiled["captured_ops"]
+    assert captured["PIECEWISE"] == {"mrope": LAYERS}
+    assert captured["FULL"] == {"mrope": LAYERS, "scatter_pa_kv_cache": LAYERS,
+                                "fused_infer_attention_score_decode": 1, "paged_attention": 1}
 
 
 def test_soft_capped_logits_keep_graph_mode_off_and_say_why_in_one_line(engines):

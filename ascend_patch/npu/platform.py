@@ -93,17 +93,19 @@ class NPUPlatform(Platform):
     def apply_config_platform_defaults(cls, vllm_config) -> None:
         # Runs before vLLM settles the compilation mode, the custom-op default and the graph
         # mode from the optimization level: eager torch (every custom op dispatches to
-        # forward_oot), and FULL_DECODE_ONLY ACL graphs where they are proven.
+        # forward_oot, under torch.compile too: the seam's layer ops trace as torch ops), and
+        # FULL_DECODE_ONLY ACL graphs where they are proven.
         from vllm.config import CompilationMode, CUDAGraphMode
 
         compilation = vllm_config.compilation_config
         if compilation.mode is None:
             compilation.mode = CompilationMode.NONE
-        if (compilation.mode == CompilationMode.VLLM_COMPILE
-                and not {"all", "none"} & set(compilation.custom_ops)):
-            # torch.compile traces vLLM's native RMSNorm/SiluAndMul/rotary: the NPU custom ops
-            # run their kernel-seam contract checks in Python, which dynamo cannot trace.
-            compilation.custom_ops.append("none")
+        passes = compilation.pass_config
+        for name in ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant"):
+            # vLLM turns these on with the RMSNorm/SiluAndMul custom ops (or a quantized model)
+            # under torch.compile, but its pass manager imports them on CUDA/ROCm/XPU only.
+            if getattr(passes, name) is None:
+                setattr(passes, name, False)
         if compilation.cudagraph_mode is None:
             off = vllm_config.optimization_level == 0 or graphs_off_by_default(vllm_config)
             compilation.cudagraph_mode = CUDAGraphMode.NONE if off else CUDAGraphMode.FULL_DECODE_ONLY

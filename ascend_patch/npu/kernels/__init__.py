@@ -86,8 +86,70 @@ def _as_device_op(kernel):
     return op
 
 
+# The seam ops of the layers torch.compile traces (the pieces of a PIECEWISE model between
+# attention layers), as torch ops the way torch_npu's are: their schemas (the kernels.npu twins')
+# and a fake kernel of each op's documented output shapes, which is all tracing runs. The contract
+# checks read tensor values (cos/sin within [-1, 1], positions within the cache), which dynamo
+# cannot trace; they run when the compiled piece calls the op.
+_TRACED = {
+    "rms_norm": ("(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+                 lambda self, gamma, epsilon=1e-6: (torch.empty_like(self), _rstd(self, gamma))),
+    "add_rms_norm": ("(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
+                     lambda x1, x2, gamma, epsilon=1e-6: (torch.empty_like(x1), _rstd(x1, gamma),
+                                                          torch.empty_like(x1))),
+    "swiglu": ("(Tensor self, int dim=-1) -> Tensor",
+               lambda self, dim=-1: self.new_empty(self.shape[:dim % self.dim()]
+                                                   + (self.shape[dim] // 2,)
+                                                   + self.shape[dim % self.dim() + 1:])),
+    "rotary_mul": ("(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
+                   lambda self, r1, r2, rotary_mode="half": self.new_empty(self.shape)),
+    "mrope": ("(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, "
+              "str rotary_mode='half') -> (Tensor, Tensor)",
+              lambda positions, query, key, cos_sin_cache, head_size, rotary_mode="half": (
+                  query.new_empty(query.shape), key.new_empty(key.shape))),
+}
+_LIBRARY = "ascend_patch_emulated"
+
+
+def _rstd(x, gamma):
+    """npu_rms_norm's fp32 rstd: x's shape with gamma's (normalised) dims kept as 1s."""
+    return x.new_empty(x.shape[: x.dim() - gamma.dim()] + (1,) * gamma.dim(), dtype=torch.float32)
+
+
+def _define_traced() -> dict:
+    """The :data:`_TRACED` ops as torch ops whose kernel is the seam op bound when it runs (so
+    counting, recording and graph capture see the launches a compiled piece makes)."""
+    ops = {}
+    for name, (schema, fake) in _TRACED.items():
+        torch.library.define(f"{_LIBRARY}::{name}", schema)
+        torch.library.impl(f"{_LIBRARY}::{name}", "CompositeExplicitAutograd",
+                           functools.partial(_call_bound, name))
+        torch.library.register_fake(f"{_LIBRARY}::{name}", fake)
+        ops[name] = getattr(getattr(torch.ops, _LIBRARY), name)
+    return ops
+
+
+def _call_bound(name, *args, **kwargs):
+    return globals()[name](*args, **kwargs)
+
+
+def _traceable(name, kernel):
+    """``kernel``, which under torch.compile's tracing is its torch op instead (see :data:`_TRACED`)."""
+    if name not in _TRACED:
+        return kernel
+
+    @functools.wraps(kernel)
+    def op(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _TRACED_OPS[name](*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return op
+
+
+_TRACED_OPS = _define_traced()
 _BACKENDS = {
-    "reference": {name: _as_device_op(getattr(reference, name)) for name in OPS},
+    "reference": {name: _traceable(name, _as_device_op(getattr(reference, name))) for name in OPS},
     "npu": {name: getattr(npu, name) for name in OPS},
 }
 

@@ -20,11 +20,13 @@ them.
 import functools
 import importlib
 import importlib.util
+import sys
 
 
-@functools.cache
 def _torch_npu():
-    return importlib.import_module("torch_npu")
+    # torch.compile traces the layer ops through here: a lookup it can trace, an import it cannot.
+    module = sys.modules.get("torch_npu")
+    return module if module is not None else importlib.import_module("torch_npu")
 
 
 def recurrent_gated_delta_rule(query, key, value, state, *, beta=None, scale=None,

@@ -46,10 +46,9 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         if not limits.mrope_takes(query.dtype, self.head_size, self.rotary_dim):
             return None
         tokens = positions.numel()
-        try:
-            return query.view(tokens, -1), key.view(tokens, -1)
-        except RuntimeError:  # no 2-D view spans the heads (they are not evenly strided)
-            return None
+        if not all(_rows(x, tokens) for x in (query, key)):
+            return None  # no 2-D view spans the heads (they are not evenly strided)
+        return query.view(tokens, -1), key.view(tokens, -1)
 
     def _step_cos_sin(self, positions: torch.Tensor, query: torch.Tensor):
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -82,3 +81,12 @@ class AscendRotaryEmbedding(RotaryEmbedding):
             return kernels.rotary_mul(x, cos, sin, mode).view(shape)
         rotated = kernels.rotary_mul(x[..., : self.rotary_dim].contiguous(), cos, sin, mode)
         return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1).view(shape)
+
+
+def _rows(x: torch.Tensor, tokens: int) -> bool:
+    """Whether ``x`` (tokens first) has a ``[tokens, -1]`` view: each later dim's stride spans the
+    next one (dims of size 1 aside). Decided from the shape, not by trying the view, which
+    torch.compile's tracing cannot catch when it fails."""
+    dims = [(size, stride) for size, stride in zip(x.shape[1:], x.stride()[1:]) if size != 1]
+    return x.shape[0] == tokens and all(
+        outer == inner * size for (_, outer), (size, inner) in zip(dims, dims[1:]))
