@@ -109,15 +109,9 @@ def test_consumer_decodes_from_the_producers_kv(disaggregated):
     ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
     ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
     ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
+    *([("offload", "KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend "
+                   "by ascend-patch with this vLLM")] if OFFLOAD_REFUSED else []),
 ])
 def test_unsupported_serving_is_refused_in_one_line(disaggregated, case, message):
     error = disaggregated["refused"][case]["error"]
     assert message in error and "\n" not in error, error
-
-
-
-@pytest.mark.skipif(not OFFLOAD_REFUSED, reason="vLLM 0.30+ offloads: tests/test_kv_offload.py")
-def test_kv_offload_before_vllm_0_30_is_refused_in_one_line(disaggregated):
-    error = disaggregated["refused"]["offload"]["error"]
-    assert ("KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend by "
-            "ascend-patch with this vLLM") in error and "\n" not in error, error
