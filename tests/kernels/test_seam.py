@@ -428,41 +428,38 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     mla = {"query_rope": q_pe, "key_rope": rope, "block_table": table,
            "actual_seq_lengths_kv": [200, 140], "num_heads": 32, "num_key_value_heads": 1,
            "scale": 0.04, "input_layout": "BNSD", "block_size": 128}
-    kernels.fused_infer_attention_score_mla_decode(q, latent, latent, **mla, attention_out=out,
-                                                   softmax_lse=lse, workspace=workspace)
-    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score.out"), {
-        "query": q, "key": latent, "value": latent, **mla, "workspace": workspace,
-        "attention_out": out, "softmax_lse": lse})
-    kernels.fused_infer_attention_score_mla_decode_workspace(q, latent, latent, **mla)
-    assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
-                     {"query": q, "key": latent, "value": latent, **mla})
+    _assert_out_form_and_workspace(torch_npu, "fused_infer_attention_score_mla_decode", q, latent,
+                                   mla, out, lse, workspace)
     query, window = torch.zeros(2, 1, 512, dtype=bf16), torch.zeros(2, 256, dtype=torch.bool)
-    out = torch.zeros_like(query)
     gqa = {"atten_mask": window, "block_table": table, "actual_seq_lengths_kv": [200, 140],
            "num_heads": 8, "num_key_value_heads": 2, "scale": 0.125, "block_size": 128}
-    kernels.fused_infer_attention_score_decode(query, paged, paged, **gqa, attention_out=out,
-                                               softmax_lse=lse, workspace=workspace)
-    assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score.out"), {
-        "query": query, "key": paged, "value": paged, **gqa, "input_layout": "BSH",
-        "workspace": workspace, "attention_out": out, "softmax_lse": lse})
-    kernels.fused_infer_attention_score_decode_workspace(query, paged, paged, **gqa)
-    assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
-                     {"query": query, "key": paged, "value": paged, **gqa, "input_layout": "BSH"})
+    _assert_out_form_and_workspace(torch_npu, "fused_infer_attention_score_decode", query, paged,
+                                   gqa, torch.zeros_like(query), lse, workspace,
+                                   input_layout="BSH")
     # Verification rows (TND, host query ends and KV lengths), in a windowed layer: the band.
     rows = torch.zeros(8, 8, 64, dtype=bf16)
-    out = torch.zeros_like(rows)
     verify = {"atten_mask": torch.zeros(2048, 2048, dtype=torch.int8), "block_table": table,
               "actual_seq_lengths": [4, 8], "actual_seq_lengths_kv": [200, 140], "num_heads": 8,
               "num_key_value_heads": 2, "scale": 0.125, "block_size": 128, "sparse_mode": 4,
               "pre_tokens": 99, "next_tokens": 0}
-    kernels.fused_infer_attention_score_verify(rows, paged, paged, **verify, attention_out=out,
-                                               softmax_lse=lse, workspace=workspace)
+    _assert_out_form_and_workspace(torch_npu, "fused_infer_attention_score_verify", rows, paged,
+                                   verify, torch.zeros_like(rows), lse, workspace,
+                                   input_layout="TND")
+
+
+def _assert_out_form_and_workspace(torch_npu, op, query, cache, call, out, lse, workspace,
+                                   **fixed):
+    """The seam's ``op`` reaches ``npu_fused_infer_attention_score.out`` and its ``op +
+    "_workspace"`` twin the workspace query, each with ``call``, the seam's ``fixed`` arguments and
+    (the .out form) its outputs by the schema's names."""
+    getattr(kernels, op)(query, cache, cache, **call, attention_out=out, softmax_lse=lse,
+                         workspace=workspace)
     assert_arguments(torch_npu.only_call("npu_fused_infer_attention_score.out"), {
-        "query": rows, "key": paged, "value": paged, **verify, "input_layout": "TND",
-        "workspace": workspace, "attention_out": out, "softmax_lse": lse})
-    kernels.fused_infer_attention_score_verify_workspace(rows, paged, paged, **verify)
+        "query": query, "key": cache, "value": cache, **call, **fixed, "workspace": workspace,
+        "attention_out": out, "softmax_lse": lse})
+    getattr(kernels, f"{op}_workspace")(query, cache, cache, **call)
     assert_arguments(torch_npu.only_call("_npu_fused_infer_attention_score_get_max_workspace"),
-                     {"query": rows, "key": paged, "value": paged, **verify, "input_layout": "TND"})
+                     {"query": query, "key": cache, "value": cache, **call, **fixed})
 
 
 def test_count_launches_counts_per_op_and_restores_the_originals():

@@ -421,55 +421,44 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
 
     def _windowed_decode(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                          out) -> None:
-        """The masked one-token BSH FIA written into ``out``. Its host KV lengths are re-issued
-        on every replay; the mask is computed on the device from vLLM's device sequence lengths
-        (captured with the step), the block table is the builder's persistent buffer."""
+        """The masked one-token BSH FIA. Its mask is computed on the device from vLLM's device
+        sequence lengths (captured with the step); the host KV lengths move every replay."""
         n = query.shape[0]
-        num_blocks, block_size = key_cache.shape[:2]
-        args = (query.view(n, 1, -1), key_cache.view(num_blocks, block_size, -1),
-                value_cache.view(num_blocks, block_size, -1))
-        call = dict(atten_mask=meta.window_mask(self.sliding_window),
-                    block_table=meta.kernel_block_table, num_heads=self.num_heads,
-                    num_key_value_heads=self.num_kv_heads, scale=self.scale, block_size=block_size)
-        attention_out = out.view(n, 1, -1)
-        lse = torch.empty(0, dtype=torch.float32, device=query.device)  # no softmax_lse_flag
-
-        def issue(params: AscendMetadata, workspace) -> None:
-            kernels.fused_infer_attention_score_decode(
-                *args, actual_seq_lengths_kv=params.seq_lens, **call,
-                attention_out=attention_out, softmax_lse=lse, workspace=workspace)
-
-        def workspace(params: AscendMetadata):
-            return kernels.fused_infer_attention_score_decode_workspace(
-                *args, actual_seq_lengths_kv=params.seq_lens, **call)
-
-        acl_graph.launch(layer_name, meta, issue, workspace)
+        self._fia_out(layer_name, "fused_infer_attention_score_decode", query.view(n, 1, -1),
+                      key_cache, value_cache, meta, out.view(n, 1, -1),
+                      lambda params: dict(actual_seq_lengths_kv=params.seq_lens),
+                      atten_mask=meta.window_mask(self.sliding_window))
 
     def _verification(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                       out) -> None:
-        """Speculative verification rows (1 + k per request) on the TND FIA .out form, causal or
-        in a windowed layer the band. Its host query ends and KV lengths are re-issued on every replay (the ends are fixed by
-        the captured shape, the KV lengths move); the block table is the builder's persistent
+        """Speculative verification rows (1 + k per request) on the TND FIA, causal or in a
+        windowed layer the band. Its host query ends are fixed by the captured shape, its host KV
+        lengths move every replay."""
+        self._fia_out(layer_name, "fused_infer_attention_score_verify", query, key_cache,
+                      value_cache, meta, out,
+                      lambda params: dict(actual_seq_lengths=params.query_ends,
+                                          actual_seq_lengths_kv=params.seq_lens),
+                      atten_mask=self._causal_mask(query.device), **self._band())
+
+    def _fia_out(self, layer_name, op: str, query, key_cache, value_cache, meta: AscendMetadata,
+                 out, lengths, **call) -> None:
+        """The seam's FIA ``.out`` form ``op`` written into ``out``, launched through
+        :func:`acl_graph.launch` with its ``op + "_workspace"`` twin: ``lengths(params)``, the
+        host lengths, are re-issued on every replay; the block table is the builder's persistent
         buffer."""
         num_blocks, block_size = key_cache.shape[:2]
         args = (query, key_cache.view(num_blocks, block_size, -1),
                 value_cache.view(num_blocks, block_size, -1))
-        call = dict(atten_mask=self._causal_mask(query.device), block_table=meta.kernel_block_table,
-                    num_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                    scale=self.scale, block_size=block_size, **self._band())
+        call.update(block_table=meta.kernel_block_table, num_heads=self.num_heads,
+                    num_key_value_heads=self.num_kv_heads, scale=self.scale, block_size=block_size)
         lse = torch.empty(0, dtype=torch.float32, device=query.device)  # no softmax_lse_flag
 
-        def lengths(params: AscendMetadata) -> dict:
-            return dict(actual_seq_lengths=params.query_ends, actual_seq_lengths_kv=params.seq_lens)
-
         def issue(params: AscendMetadata, workspace) -> None:
-            kernels.fused_infer_attention_score_verify(
-                *args, **lengths(params), **call, attention_out=out, softmax_lse=lse,
-                workspace=workspace)
+            getattr(kernels, op)(*args, **lengths(params), **call, attention_out=out,
+                                 softmax_lse=lse, workspace=workspace)
 
         def workspace(params: AscendMetadata):
-            return kernels.fused_infer_attention_score_verify_workspace(*args, **lengths(params),
-                                                                        **call)
+            return getattr(kernels, f"{op}_workspace")(*args, **lengths(params), **call)
 
         acl_graph.launch(layer_name, meta, issue, workspace)
 
