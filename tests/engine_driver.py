@@ -153,9 +153,14 @@ def _run_engine(spec: dict, report_errors: bool) -> dict:
 
 
 def _fresh_lora_slots(wrapper) -> None:
-    from ascend_patch.npu.kernels.composed import slot_rows
+    import torch
+
+    from ascend_patch.npu.kernels.composed import slot_rows, slot_weights_
 
     wrapper._token_slots_int32 = wrapper._token_lora_indices.int()
+    weights = torch.empty_like(wrapper._token_weights)
+    slot_weights_(weights, wrapper._token_lora_indices, wrapper._slots)
+    wrapper._token_weights = weights
     wrapper._token_rows = slot_rows(wrapper._token_lora_indices)
     wrapper._request_rows = slot_rows(wrapper._sampler_indices)
 
