@@ -14,7 +14,7 @@ up-projection of their output. It calls this backend's impl for three things per
   launched through :func:`acl_graph.launch` so every replay re-issues it with the step's host KV
   lengths (``actual_seq_lengths_kv``), heads zero-padded to the 32, 64 or 128 it takes. There,
   with speculative decoding (MTP), uniform verification rows (1 + k ≤ 16 queries per request)
-  are decodes too: the same form with S = 1 + k and the causal mask (``sparse_mode=3``), in
+  are decodes too (in eager engines as well): the same form with S = 1 + k and the causal mask (``sparse_mode=3``), in
   BNSD, the layouts the wheels document for the rope branch (vllm-ascend runs it in TND);
 - ``forward_mha`` (the prefill tokens, fresh or behind cached context: chunked prefill,
   prefix-cache hits): up-projected attention, as vLLM's own MLA prefill runs it. Each prefill's
@@ -261,10 +261,10 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
     prefill launch plan (shared by every layer)."""
 
     # The runner orders each batch decode-first: single-token requests, then the rest. The ATB
-    # decode takes one query per sequence, so eager engines run speculative verification rows
-    # (1 + k tokens) on the prefill path, causal over their context (vLLM's MLA builders say this
-    # with QueryLenSupport.SINGLE_ONLY). In an engine with FULL graphs they are decodes of FIA's
-    # MLA form, causal (QueryLenSupport.UNIFORM): see __init__.
+    # decode takes one query per sequence, so speculative verification rows (1 + k tokens) would
+    # run on the prefill path, causal over their context (vLLM's MLA builders say this with
+    # QueryLenSupport.SINGLE_ONLY); where FIA's MLA form takes them they are decodes on it
+    # instead, causal (QueryLenSupport.UNIFORM): see __init__.
     reorder_batch_threshold: int = 1
 
     @classmethod
@@ -282,9 +282,9 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Verification rows are decodes where the impl decodes on FIA's MLA form (FULL graphs
-        # configured) and that form takes them: uniform 1 + k ≤ 16 rows per request.
-        if (self._verify_rows is not None and acl_graph.full_graphs_configured()
+        # Verification rows are decodes where FIA's MLA form takes them (QueryLenSupport.UNIFORM):
+        # uniform 1 + k ≤ 16 rows per request, at the dimensions and dtypes it takes.
+        if (self._verify_rows is not None
                 and paths.verify_graph_refusal(vllm_config, kv_cache_spec.head_size) is None):
             self.reorder_batch_threshold = self._verify_rows
         self.prefill_budget = prefill_workspace_rows(vllm_config.model_config.max_model_len,
@@ -397,10 +397,13 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                            "npu_fused_infer_attention_score's TND form takes query/key 192 with "
                            "value 128 or 192 and at most 128 heads")
         # In an engine with FULL graphs the decode runs on FIA's MLA form, the one with a replay
-        # update; eager engines keep the ATB op (no padding of fewer than 32 heads up to 32).
+        # update; eager engines keep the ATB op (no padding of fewer than 32 heads up to 32) for
+        # one-token decodes, and run verification rows (1 + k tokens) on FIA's MLA form, the one
+        # that takes them (causal).
         self.graph_heads = None
-        if self.decode_heads and acl_graph.full_graphs_configured():
+        if self.decode_heads:
             self.graph_heads = next(n for n in limits.FIA_ROPE_HEADS if n >= num_heads)
+        self._graph_decode = acl_graph.full_graphs_configured()
         self._owner = None
 
     # -- vLLM's MLAAttention layer this impl belongs to --------------------------------------
@@ -444,7 +447,9 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :]
         meta = attn_metadata.decode
         kv_c, k_pe = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        if self.graph_heads and q_nope.dtype in FUSED_DTYPES:
+        verification = q_nope.shape[0] > meta.block_table.shape[0]  # 1 + k rows per request
+        if (self.graph_heads and q_nope.dtype in FUSED_DTYPES
+                and (self._graph_decode or verification)):
             out = self._fia_decode(q_nope, q_pe, kv_c, k_pe, attn_metadata, layer.layer_name)
         elif self.decode_heads and q_nope.dtype in FUSED_DTYPES:
             out = self._atb_decode(q_nope, q_pe, kv_c, k_pe, meta)
