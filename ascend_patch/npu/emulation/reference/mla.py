@@ -16,6 +16,11 @@ Call order in the backend (``ascend_patch.npu.attention.mla``), per layer and st
     # decodes (one query token each), absorbed:
     torch_npu.atb.npu_multi_head_latent_attention(q_nope [B, N, 512], q_rope [B, N, 64],
         kv_c_cache, k_pe_cache, block_table, context_lens, N, scale, 1)
+    # decodes in engines with FULL graphs, and speculative verification rows (S = 1 + k each,
+    # causal), absorbed, in the .out form a graph replay re-issues:
+    npu_fused_infer_attention_score.out(q_nope [B, N, S, 512], kv_c_cache, kv_c_cache,
+        query_rope=q_rope [B, N, S, 64], key_rope=k_pe_cache, input_layout="BNSD",
+        sparse_mode=0 (S = 1) or 3 (S > 1, with the 2048 mask), ...)
     # prefills, fresh or behind cached context, up-projected from the latent rows gathered out
     # of the cache (vLLM's own MLA prefill layout: q_nope ++ q_pe against k_nope ++ k_pe):
     npu_fused_infer_attention_score(q [T, N, 192], k [T_kv, N, 192], v [T_kv, N, 128],
