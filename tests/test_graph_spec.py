@@ -10,6 +10,9 @@ with itself as its draft (every draft accepted: every decode step is a uniform v
 batch) and with n-gram drafts, each with graphs (on by default) and eagerly; and the self-drafting
 engine with the host-parameter updates left out, whose replays must part from eager mode's. The
 decode batches shrink from 3 requests to 1 (different max_tokens), so padded graphs replay too.
+DeepSeek MTP on a tiny DeepSeek-V3 at DeepSeek's MLA dimensions: its verification rows run FIA's
+MLA form (1 + k absorbed queries per request, causal), in graphs against the same model without
+speculation and against the same graphs without their host-parameter updates.
 """
 
 from __future__ import annotations
@@ -51,12 +54,24 @@ def mistral_prompts(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def engines(llama, prompts, tiny_models, mistral_prompts, tmp_path_factory):
+def mtp_model():
+    return tiny_drafts.build(MODELS_DIR)["tiny-deepseek-v3-mtp"]
+
+
+@pytest.fixture(scope="module")
+def mtp_prompts(mtp_model):
+    return prompt_token_ids(mtp_model, [14, 6, 9])
+
+
+@pytest.fixture(scope="module")
+def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts,
+            tmp_path_factory):
     self_draft = _speculative("draft_model", model=str(llama))
     ngram = _speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3)
     eagle = _speculative("eagle", model=str(tiny_drafts.build(MODELS_DIR)["tiny-llama-eagle"]))
     mistral = str(tiny_models["tiny-mistral"])
     windowed = _speculative("draft_model", model=mistral)
+    mtp, deepseek = _speculative("mtp"), {"model": str(mtp_model)}
     configs = {
         "self_draft graph": ({**ENGINE, **self_draft}, {}),
         "self_draft eager": ({**ENGINE, **self_draft, "enforce_eager": True}, {}),
@@ -68,10 +83,15 @@ def engines(llama, prompts, tiny_models, mistral_prompts, tmp_path_factory):
         "mistral self_draft graph": ({**ENGINE, **windowed}, {"model": mistral}),
         "mistral self_draft eager": ({**ENGINE, **windowed, "enforce_eager": True},
                                      {"model": mistral}),
+        "mtp graph": ({**ENGINE, **mtp}, deepseek),
+        "deepseek eager without speculation": ({**ENGINE, "enforce_eager": True}, deepseek),
+        "mtp stale host parameters": ({**ENGINE, **mtp}, {**deepseek, "stale_host_params": True}),
     }
+    prompts_of = {mistral: mistral_prompts, str(mtp_model): mtp_prompts}
     result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, **extra,
-                                      "runs": [{"prompts": mistral_prompts if "model" in extra
-                                                else prompts, "sampling": GREEDY}]}
+                                      "runs": [{"prompts": prompts_of.get(extra.get("model"),
+                                                                          prompts),
+                                                "sampling": GREEDY}]}
                                      for kwargs, extra in configs.values()]},
                         tmp_path_factory.mktemp("graph-spec"), timeout=2400)
     engines = dict(zip(configs, result["engines"]))
@@ -149,6 +169,40 @@ def test_without_host_parameter_updates_verification_replays_diverge(engines):
     assert all(diverged), diverged
 
 
+def test_mtp_verification_rows_replay_the_tokens_of_plain_decoding(engines, mtp_model,
+                                                                    mtp_prompts):
+    """DeepSeek MTP (MLA at DeepSeek's dimensions, MoE): its verification rows on FIA's MLA form,
+    causal over 1 + k absorbed queries per request, in FULL graphs. The random MTP layer's drafts
+    are rejected, so each step's token is its first row's: the tokens the same model gives
+    without speculation, eagerly, decoding one token at a time on the ATB MLA op."""
+    graph, plain = engines["mtp graph"], engines["deepseek eager without speculation"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert graph["capture_sizes"] and all(size % ROWS == 0 for size in graph["capture_sizes"])
+    run = graph["runs"][0]
+    assert run["tokens"] == plain["runs"][0]["tokens"]
+    assert_tracks_hf_logits(mtp_model, mtp_prompts, run["tokens"], routed=True)
+    assert run["spec_decode"]["drafts"] > 0 and run["graph_replays"] > 0
+    # Three requests, then two, then one: padded to 16 and replayed at 8 and 4 (1 + k each).
+    assert set(run["graph_replays_by_size"]) == {"4", "8", "16"}
+    # Verification rows decode on FIA's MLA form only, the plain engine's single tokens on ATB.
+    assert run["launches"].get("multi_head_latent_attention", 0) == 0
+    assert plain["runs"][0]["launches"].get("fused_infer_attention_score_mla_decode", 0) == 0
+
+
+def test_each_replay_updates_every_mla_layers_verification(engines):
+    """One task update per captured MLA attention launch: the target's layers × replays (its MTP
+    layer drafts eagerly under FULL_DECODE_ONLY); a missed layer fails."""
+    run = engines["mtp graph"]["runs"][0]
+    assert run["task_updates"] == LAYERS * run["graph_replays"] > 0
+
+
+def test_without_host_parameter_updates_mtp_replays_diverge(engines):
+    stale, plain = engines["mtp stale host parameters"], engines["deepseek eager without speculation"]
+    assert stale["runs"][0]["graph_replays"] > 0
+    diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], plain["runs"][0]["tokens"])]
+    assert all(diverged), diverged
+
+
 def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, soft_cap=None):
     import types
 
@@ -157,7 +211,9 @@ def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, s
     model = types.SimpleNamespace(
         use_mla=mla, dtype=getattr(torch, dtype), disable_sliding_window=False,
         get_sliding_window=lambda: window,
-        hf_text_config=types.SimpleNamespace(num_key_value_heads=2, attn_logit_softcapping=soft_cap))
+        hf_text_config=types.SimpleNamespace(num_key_value_heads=2, attn_logit_softcapping=soft_cap,
+                                             kv_lora_rank=512, qk_rope_head_dim=64,
+                                             num_attention_heads=16))
     spec = types.SimpleNamespace(num_speculative_tokens=spec_tokens)
     return types.SimpleNamespace(model_config=model, speculative_config=spec)
 
@@ -165,8 +221,12 @@ def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, s
 @pytest.mark.parametrize("config, head_size, reason", [
     ({}, 64, None),
     ({}, 128, None),
-    ({"mla": True}, 576, "MLA verification rows (1 + k queries on FIA's MLA form) are not captured "
-                        "by ascend-patch yet"),
+    ({"mla": True}, 576, None),
+    ({"mla": True, "spec_tokens": 16}, 576, "17 verification rows per request: "
+                                            "npu_fused_infer_attention_score's MLA form takes at "
+                                            "most 16 query tokens per sequence "
+                                            "(1 + num_speculative_tokens)"),
+    ({"mla": True, "dtype": "float32"}, 576, "float32 MLA decodes on composed attention"),
     ({"window": 32}, 128, None),
     ({"spec_tokens": 16}, 64, "17 verification rows per request: the TND "
                               "npu_fused_infer_attention_score takes at most 16 "

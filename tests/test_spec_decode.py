@@ -114,7 +114,7 @@ def drafts(tiny_models):
 
 
 TARGETS = {"shifted_eagle_async": "tiny-llama-shifted", "deepseek_plain": "tiny-deepseek-v3-mtp",
-           "mtp": "tiny-deepseek-v3-mtp", "mtp_full_graphs": "tiny-deepseek-v3-mtp"}
+           "mtp": "tiny-deepseek-v3-mtp"}
 """The engines on another target than the tiny Llama (the MTP layer is in its target's
 checkpoint)."""
 
@@ -151,9 +151,6 @@ def engines(llama, tiny_models, drafts, tmp_path_factory, request):
         "full_graphs": {**_speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3),
                         "enforce_eager": False,
                         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
-        "mtp_full_graphs": {**_speculative("mtp", num_speculative_tokens=2), "dtype": "bfloat16",
-                            "enforce_eager": False,
-                            "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
     }
     subset = only_marked_tests(request)
     if subset:
@@ -273,18 +270,12 @@ def test_mtp_of_other_models_is_refused_in_one_line_naming_the_model_type():
 
 
 def test_full_graphs_that_cannot_hold_verification_rows_are_refused_in_one_line(engines):
-    """fp32 verification rows run composed attention, MTP's are on FIA's MLA form, which graphs
-    do not hold yet (bf16 dense ones replay: tests/test_graph_spec.py)."""
+    """fp32 verification rows run composed attention (bf16 ones replay, dense and MTP's on MLA:
+    tests/test_graph_spec.py)."""
     error = engines["full_graphs"]["error"]  # vLLM's config validation wraps the platform's
     assert ("Value error, FULL_DECODE_ONLY ACL graphs cannot hold speculative decoding's "
             "verification rows here (float32: the fused attention kernels take fp16/bf16 only: "
             "verification rows run composed attention): run with --enforce-eager or "
-            "-cc.cudagraph_mode=NONE [") in error, error
-    # MTP's verification rows would need FIA's MLA form over 1 + k queries, which is not captured.
-    error = engines["mtp_full_graphs"]["error"]
-    assert ("Value error, FULL_DECODE_ONLY ACL graphs cannot hold speculative decoding's "
-            "verification rows here (MLA verification rows (1 + k queries on FIA's MLA form) are "
-            "not captured by ascend-patch yet): run with --enforce-eager or "
             "-cc.cudagraph_mode=NONE [") in error, error
 
 

@@ -279,6 +279,35 @@ def test_fia_mla_decode_form(context, heads, block_size, dtype, seed):
                                                    rope, scale, True), dtype)
 
 
+@settings(max_examples=10, deadline=None)
+@given(context=st.lists(st.integers(0, 280), min_size=1, max_size=4), rows=st.integers(2, 16),
+       block_size=st.sampled_from([16, 128]), dtype=half_dtypes, seed=seeds)
+def test_fia_mla_verification_rows_form(context, rows, block_size, dtype, seed):
+    """MTP's verification rows in graphs: the same form with S = 1 + k queries per sequence, the
+    sequence's last S tokens, causal (sparse_mode=3, the 2048 mask)."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_lens = [n + rows for n in context]
+    latents, ropes = latent_sequences(kv_lens, dtype, generator)
+    latent_cache, rope_cache, block_table = paged_cache(latents, ropes, block_size, generator)
+    blocks, heads = latent_cache.shape[0], 32
+    q_nope = torch.randn(len(kv_lens), heads, rows, LATENT, generator=generator).to(dtype)
+    q_rope = torch.randn(len(kv_lens), heads, rows, ROPE, generator=generator).to(dtype)
+    scale = 0.7 * (LATENT + ROPE) ** -0.5
+    key = latent_cache.view(blocks, block_size, LATENT)
+    out = torch.full_like(q_nope, float("nan"))
+
+    kernels.fused_infer_attention_score_mla_decode(
+        q_nope, key, key, query_rope=q_rope, key_rope=rope_cache.view(blocks, block_size, ROPE),
+        block_table=block_table, actual_seq_lengths_kv=kv_lens, num_heads=heads,
+        num_key_value_heads=1, scale=scale, input_layout="BNSD", block_size=block_size,
+        atten_mask=CAUSAL_MASK, sparse_mode=3, attention_out=out, softmax_lse=torch.empty(0))
+
+    for b, (latent, rope) in enumerate(zip(latents, ropes)):
+        queries = q_nope[b].transpose(0, 1), q_rope[b].transpose(0, 1)  # [S, N, D]
+        assert_close(out[b].transpose(0, 1), latent_oracle(*queries, latent, rope, scale, True),
+                     dtype)
+
+
 # --- contracts ------------------------------------------------------------------------------------
 
 FIA = "npu_fused_infer_attention_score"
@@ -358,9 +387,30 @@ VIOLATIONS = {
         lambda: graph_decode(block_size=64, block_table=torch.tensor([[0, 1, 2, 3]] * 3,
                                                                      dtype=torch.int32)),
         f"{FIA}.out: block_size must be key.shape[1] = 64, 16 or 128 with query_rope, got 64"),
-    "fia graph decode two query tokens": (
+    # Verification rows (S > 1): causal with the mask, each sequence at least S keys.
+    "fia graph verification rows without the causal mask": (
         lambda: graph_decode(tokens=2),
-        f"{FIA}.out: query must be one token per sequence (S = 1) in the decode form, got 2"),
+        f"{FIA}.out: sparse_mode must be 3 (rightDownCausal) with the mask for 2 query tokens "
+        "(S > 1), got 0"),
+    "fia graph verification rows with the band": (
+        lambda: graph_decode(tokens=4, atten_mask=CAUSAL_MASK, sparse_mode=4),
+        f"{FIA}.out: sparse_mode must be 3 (rightDownCausal) with the mask for 4 query tokens "
+        "(S > 1), got 4"),
+    "fia graph verification rows, sparse 3 without a mask": (
+        lambda: graph_decode(tokens=4, sparse_mode=3),
+        f"{FIA}.out: atten_mask must be the 2048×2048 causal mask with sparse_mode=3, got None"),
+    "fia graph verification rows, 17 per sequence": (
+        lambda: graph_decode(tokens=17, atten_mask=CAUSAL_MASK, sparse_mode=3),
+        f"{FIA}.out: query must be at most 16 tokens per sequence (S) with query_rope, got 17"),
+    "fia graph verification rows beyond their sequence": (
+        lambda: graph_decode(tokens=8, atten_mask=CAUSAL_MASK, sparse_mode=3,
+                             actual_seq_lengths_kv=[5, 140, 256]),
+        f"{FIA}.out: actual_seq_lengths_kv must be at least the 8 query tokens of each sequence "
+        "under sparse_mode=3, got 5"),
+    "fia graph decode of one token with the causal mask": (
+        lambda: graph_decode(atten_mask=CAUSAL_MASK, sparse_mode=3),
+        f"{FIA}.out: sparse_mode must be 0 without atten_mask for one query token (S = 1), got "
+        "(3, 'a mask')"),
     "fia graph decode two kv heads": (
         lambda: graph_decode(num_key_value_heads=2),
         f"{FIA}.out: num_key_value_heads must be 1 with query_rope, got 2"),

@@ -429,7 +429,13 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
            "actual_seq_lengths_kv": [200, 140], "num_heads": 32, "num_key_value_heads": 1,
            "scale": 0.04, "input_layout": "BNSD", "block_size": 128}
     _assert_out_form_and_workspace(torch_npu, "fused_infer_attention_score_mla_decode", q, latent,
-                                   mla, out, lse, workspace)
+                                   mla, out, lse, workspace, atten_mask=None, sparse_mode=0)
+    # MTP's verification rows on the same form: S = 1 + k queries, causal.
+    q, q_pe = torch.zeros(2, 32, 3, 512, dtype=bf16), torch.zeros(2, 32, 3, 64, dtype=bf16)
+    causal = {**mla, "query_rope": q_pe, "atten_mask": torch.zeros(2048, 2048, dtype=torch.int8),
+              "sparse_mode": 3}
+    _assert_out_form_and_workspace(torch_npu, "fused_infer_attention_score_mla_decode", q, latent,
+                                   causal, torch.zeros_like(q), lse, workspace)
     query, window = torch.zeros(2, 1, 512, dtype=bf16), torch.zeros(2, 256, dtype=torch.bool)
     gqa = {"atten_mask": window, "block_table": table, "actual_seq_lengths_kv": [200, 140],
            "num_heads": 8, "num_key_value_heads": 2, "scale": 0.125, "block_size": 128}

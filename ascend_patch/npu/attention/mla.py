@@ -12,7 +12,10 @@ up-projection of their output. It calls this backend's impl for three things per
   an engine with FULL graphs, ``npu_fused_infer_attention_score``'s MLA (rope) form instead, the
   one vllm-ascend captures (``mla_v1``): its ``.out`` call with a workspace sized at capture,
   launched through :func:`acl_graph.launch` so every replay re-issues it with the step's host KV
-  lengths (``actual_seq_lengths_kv``), heads zero-padded to the 32, 64 or 128 it takes;
+  lengths (``actual_seq_lengths_kv``), heads zero-padded to the 32, 64 or 128 it takes. There,
+  with speculative decoding (MTP), uniform verification rows (1 + k ≤ 16 queries per request)
+  are decodes too (in eager engines as well): the same form with S = 1 + k and the causal mask (``sparse_mode=3``), in
+  BNSD, the layouts the wheels document for the rope branch (vllm-ascend runs it in TND);
 - ``forward_mha`` (the prefill tokens, fresh or behind cached context: chunked prefill,
   prefix-cache hits): up-projected attention, as vLLM's own MLA prefill runs it. Each prefill's
   latent rows (its cached context and its new tokens, which the cache write has just stored) are
@@ -257,23 +260,33 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
     """The standard backend's host-side batch description, split decode-first, and the step's
     prefill launch plan (shared by every layer)."""
 
-    # The runner orders each batch decode-first: single-token requests, then the rest. The
-    # decode kernel takes one query per sequence, so speculative verification rows (1 + k
-    # tokens) run on the prefill path, causal over their context (vLLM's own MLA builders say
-    # this with QueryLenSupport.SINGLE_ONLY).
+    # The runner orders each batch decode-first: single-token requests, then the rest. The ATB
+    # decode takes one query per sequence, so speculative verification rows (1 + k tokens) would
+    # run on the prefill path, causal over their context (vLLM's MLA builders say this with
+    # QueryLenSupport.SINGLE_ONLY); where FIA's MLA form takes them they are decodes on it
+    # instead, causal (QueryLenSupport.UNIFORM): see __init__.
     reorder_batch_threshold: int = 1
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # FULL graphs for single-token decode batches on FIA's MLA form (its host KV lengths
-        # re-issued on every replay); prefills bake host lengths and stay outside graphs, and so
-        # do MTP's verification rows (the platform says so: paths.verify_graph_refusal).
+        # FULL graphs for decode batches on FIA's MLA form (its host KV lengths re-issued on
+        # every replay): single-token ones and, with speculative decoding, uniform verification
+        # rows (paths.verify_graph_refusal); prefills bake host lengths and stay outside graphs.
         model = vllm_config.model_config
-        refusal = paths.mla_graph_decode_refusal(model.dtype, model.hf_text_config)
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if refusal is None else AttentionCGSupport.NEVER
+        if paths.mla_graph_decode_refusal(model.dtype, model.hf_text_config) is not None:
+            return AttentionCGSupport.NEVER
+        if (vllm_config.speculative_config is not None
+                and paths.verify_graph_refusal(vllm_config, kv_cache_spec.head_size) is None):
+            return AttentionCGSupport.UNIFORM_BATCH
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Verification rows are decodes where FIA's MLA form takes them (QueryLenSupport.UNIFORM):
+        # uniform 1 + k ≤ 16 rows per request, at the dimensions and dtypes it takes.
+        if (self._verify_rows is not None
+                and paths.verify_graph_refusal(vllm_config, kv_cache_spec.head_size) is None):
+            self.reorder_batch_threshold = self._verify_rows
         self.prefill_budget = prefill_workspace_rows(vllm_config.model_config.max_model_len,
                                                      vllm_config.scheduler_config.max_num_seqs,
                                                      KERNEL_BLOCK_SIZE)
@@ -288,7 +301,10 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         query_ends, seq_lens, block_table = batch.query_ends, batch.seq_lens, batch.block_table
         q_lens = [end - start for start, end in zip([0, *query_ends[:-1]], query_ends)]
         num_reqs = len(q_lens)
-        num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), num_reqs)
+        # The decodes: the leading requests of one query length up to the threshold (uniform, as
+        # the decode form takes them); the rest run the prefill path.
+        rows = q_lens[0] if q_lens and q_lens[0] <= self.reorder_batch_threshold else 0
+        num_decodes = next((i for i, n in enumerate(q_lens) if n != rows), num_reqs) if rows else 0
         n = batch.num_tokens
         # In the builder's persistent buffer (a FULL graph's captured cache write reads it there);
         # the tokens without a slot (padding, dummy runs) write into slots of the null block.
@@ -303,7 +319,7 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         return AscendMLAMetadata(
             num_actual_tokens=batch.num_tokens,
             num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=num_decodes * rows,
             num_prefills=num_reqs - num_decodes,
             slot_mapping=slots,
             decode=decode,
@@ -381,10 +397,13 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                            "npu_fused_infer_attention_score's TND form takes query/key 192 with "
                            "value 128 or 192 and at most 128 heads")
         # In an engine with FULL graphs the decode runs on FIA's MLA form, the one with a replay
-        # update; eager engines keep the ATB op (no padding of fewer than 32 heads up to 32).
+        # update; eager engines keep the ATB op (no padding of fewer than 32 heads up to 32) for
+        # one-token decodes, and run verification rows (1 + k tokens) on FIA's MLA form, the one
+        # that takes them (causal).
         self.graph_heads = None
-        if self.decode_heads and acl_graph.full_graphs_configured():
+        if self.decode_heads:
             self.graph_heads = next(n for n in limits.FIA_ROPE_HEADS if n >= num_heads)
+        self._graph_decode = acl_graph.full_graphs_configured()
         self._owner = None
 
     # -- vLLM's MLAAttention layer this impl belongs to --------------------------------------
@@ -428,7 +447,9 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :]
         meta = attn_metadata.decode
         kv_c, k_pe = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        if self.graph_heads and q_nope.dtype in FUSED_DTYPES:
+        verification = q_nope.shape[0] > meta.block_table.shape[0]  # 1 + k rows per request
+        if (self.graph_heads and q_nope.dtype in FUSED_DTYPES
+                and (self._graph_decode or verification)):
             out = self._fia_decode(q_nope, q_pe, kv_c, k_pe, attn_metadata, layer.layer_name)
         elif self.decode_heads and q_nope.dtype in FUSED_DTYPES:
             out = self._atb_decode(q_nope, q_pe, kv_c, k_pe, meta)
@@ -446,12 +467,18 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         return out[:, : self.num_heads]
 
     def _fia_decode(self, q_nope, q_pe, kv_c, k_pe, metadata: AscendMLAMetadata, layer_name):
-        """FIA's MLA form: BNSD queries over the BnBsH latent planes, written into buffers of
-        this step (of the graph's pool in a capture), its host KV lengths those of the metadata
-        each launch or task update is handed."""
+        """FIA's MLA form: BNSD queries (S of them per sequence: one, or 1 + k verification
+        rows, causal) over the BnBsH latent planes, written into buffers of this step (of the
+        graph's pool in a capture), its host KV lengths those of the metadata each launch or
+        task update is handed."""
         heads = self.graph_heads
-        query = _pad_heads(q_nope, heads).unsqueeze(2).contiguous()  # [B, N, 1, 512]
-        query_rope = _pad_heads(q_pe, heads).unsqueeze(2).contiguous()
+        batch = metadata.decode.block_table.shape[0]
+        rows = q_nope.shape[0] // batch
+
+        def bnsd(x):  # [B·S, N, D] → [B, heads, S, D]
+            return _pad_heads(x, heads).view(batch, rows, heads, -1).transpose(1, 2).contiguous()
+
+        query, query_rope = bnsd(q_nope), bnsd(q_pe)
         blocks, block_size = kv_c.shape[:2]
         key, key_rope = kv_c.view(blocks, block_size, -1), k_pe.view(blocks, block_size, -1)
         out = torch.empty_like(query)
@@ -460,6 +487,8 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                     block_table=metadata.decode.block_table, num_heads=heads,
                     num_key_value_heads=1, scale=self.scale, input_layout="BNSD",
                     block_size=block_size)
+        if rows > 1:  # each row sees the keys up to its own token (rightDownCausal)
+            call.update(atten_mask=_causal_mask(query.device), sparse_mode=3)
 
         def issue(params: AscendMLAMetadata, workspace) -> None:
             kernels.fused_infer_attention_score_mla_decode(
@@ -471,7 +500,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                 query, key, key, actual_seq_lengths_kv=params.decode.seq_lens, **call)
 
         acl_graph.launch(layer_name, metadata, issue, workspace)
-        return out[:, : self.num_heads, 0]
+        return out.transpose(1, 2).reshape(batch * rows, heads, -1)[:, : self.num_heads]
 
     # -- prefill: up-projected from the cached latent rows -------------------------------------
 

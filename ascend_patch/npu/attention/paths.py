@@ -54,15 +54,21 @@ def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
     request, uniform), or None: they run on the TND ``npu_fused_infer_attention_score`` with the
     causal mask (the band in windowed layers) in its ``.out`` form, whose host query and KV
     lengths every replay re-issues, at the head sizes and dtypes its paged TND form takes, for at
-    most 16 rows per request. None also without speculative decoding."""
+    most 16 rows per request; in MLA models on the op's MLA form (BNSD, causal), where its
+    decode runs (:func:`mla_graph_decode_refusal`), for at most 16 rows per request. None also
+    without speculative decoding."""
     spec = vllm_config.speculative_config
     if spec is None:
         return None
     model_config = vllm_config.model_config
-    if model_config.use_mla:
-        return ("MLA verification rows (1 + k queries on FIA's MLA form) are not captured "
-                "by ascend-patch yet")
     rows = 1 + spec.num_speculative_tokens
+    if model_config.use_mla:  # FIA's MLA form, causal over 1 + k absorbed queries (BNSD)
+        refusal = mla_graph_decode_refusal(model_config.dtype, model_config.hf_text_config)
+        if refusal is None and rows > limits.FIA_ROPE_MAX_QUERY:
+            refusal = (f"{rows} verification rows per request: npu_fused_infer_attention_score's "
+                       f"MLA form takes at most {limits.FIA_ROPE_MAX_QUERY} query tokens per "
+                       "sequence (1 + num_speculative_tokens)")
+        return refusal
     if rows > limits.FIA_VERIFY_MAX_QUERY:
         return (f"{rows} verification rows per request: the TND npu_fused_infer_attention_score "
                 f"takes at most {limits.FIA_VERIFY_MAX_QUERY} (1 + num_speculative_tokens)")

@@ -354,33 +354,36 @@ def fused_infer_attention_score_mla(query, key, value, *, query_rope=None, key_r
 def fused_infer_attention_score_mla_decode(query, key, value, *, query_rope, key_rope,
                                            block_table, actual_seq_lengths_kv, num_heads,
                                            num_key_value_heads, scale, input_layout, block_size,
-                                           attention_out, softmax_lse, workspace=None):
+                                           attention_out, softmax_lse, atten_mask=None,
+                                           sparse_mode=0, workspace=None):
     # The op's rope (MLA) branch over the paged latent cache, written into caller buffers with a
     # workspace sized beforehand: the .out form vllm-ascend captures in ACL graphs and re-issues
-    # per step with new actual_seq_lengths_kv (mla_v1 / acl_graph.update_mla_attn_params).
-    # The outputs by the schema's names (attention_out, softmax_lse).
+    # per step with new actual_seq_lengths_kv (mla_v1 / acl_graph.update_mla_attn_params). With
+    # 1 + k query tokens per sequence (MTP verification rows) it takes the causal mask
+    # (sparse_mode=3). The outputs by the schema's names (attention_out, softmax_lse).
     return _torch_npu().npu_fused_infer_attention_score.out(
         query, key, value,
-        query_rope=query_rope, key_rope=key_rope, block_table=block_table,
+        query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask, block_table=block_table,
         actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
         num_key_value_heads=num_key_value_heads, scale=scale, input_layout=input_layout,
-        block_size=block_size, workspace=workspace, attention_out=attention_out,
-        softmax_lse=softmax_lse,
+        block_size=block_size, sparse_mode=sparse_mode, workspace=workspace,
+        attention_out=attention_out, softmax_lse=softmax_lse,
     )
 
 
 def fused_infer_attention_score_mla_decode_workspace(query, key, value, *, query_rope, key_rope,
                                                      block_table, actual_seq_lengths_kv,
                                                      num_heads, num_key_value_heads, scale,
-                                                     input_layout, block_size):
+                                                     input_layout, block_size, atten_mask=None,
+                                                     sparse_mode=0):
     # The workspace of the largest call of this shape, so a captured launch (and each task update
     # of it) uses the graph's buffer instead of allocating its own.
     return _torch_npu()._npu_fused_infer_attention_score_get_max_workspace(
         query, key, value,
-        query_rope=query_rope, key_rope=key_rope, block_table=block_table,
+        query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask, block_table=block_table,
         actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
         num_key_value_heads=num_key_value_heads, scale=scale, input_layout=input_layout,
-        block_size=block_size,
+        block_size=block_size, sparse_mode=sparse_mode,
     )
 
 

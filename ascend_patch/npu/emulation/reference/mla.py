@@ -16,6 +16,11 @@ Call order in the backend (``ascend_patch.npu.attention.mla``), per layer and st
     # decodes (one query token each), absorbed:
     torch_npu.atb.npu_multi_head_latent_attention(q_nope [B, N, 512], q_rope [B, N, 64],
         kv_c_cache, k_pe_cache, block_table, context_lens, N, scale, 1)
+    # decodes in engines with FULL graphs, and speculative verification rows (S = 1 + k each,
+    # causal), absorbed, in the .out form a graph replay re-issues:
+    npu_fused_infer_attention_score.out(q_nope [B, N, S, 512], kv_c_cache, kv_c_cache,
+        query_rope=q_rope [B, N, S, 64], key_rope=k_pe_cache, input_layout="BNSD",
+        sparse_mode=0 (S = 1) or 3 (S > 1, with the 2048 mask), ...)
     # prefills, fresh or behind cached context, up-projected from the latent rows gathered out
     # of the cache (vLLM's own MLA prefill layout: q_nope ++ q_pe against k_nope ++ k_pe):
     npu_fused_infer_attention_score(q [T, N, 192], k [T_kv, N, 192], v [T_kv, N, 128],
@@ -182,42 +187,52 @@ def _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads)
 def fused_infer_attention_score_mla_decode(query, key, value, *, query_rope, key_rope, block_table,
                                            actual_seq_lengths_kv, num_heads, num_key_value_heads,
                                            scale, input_layout, block_size, attention_out,
-                                           softmax_lse, workspace=None):
-    """``npu_fused_infer_attention_score.out`` in its rope (MLA) branch, one absorbed query token
-    per sequence over the paged latent cache: query ``[B, N, 1, 512]`` and query_rope
-    ``[B, N, 1, 64]`` (BNSD), key = value the latent cache ``[num_blocks, block_size, 512]`` and
-    key_rope ``[num_blocks, block_size, 64]`` (BnBsH, one KV head), host KV lengths. Writes
-    ``attention_out`` ``[B, N, 1, 512]``; ``softmax_lse`` is not computed (no flag)."""
+                                           softmax_lse, atten_mask=None, sparse_mode=0,
+                                           workspace=None):
+    """``npu_fused_infer_attention_score.out`` in its rope (MLA) branch, S absorbed query tokens
+    per sequence over the paged latent cache: query ``[B, N, S, 512]`` and query_rope
+    ``[B, N, S, 64]`` (BNSD), key = value the latent cache ``[num_blocks, block_size, 512]`` and
+    key_rope ``[num_blocks, block_size, 64]`` (BnBsH, one KV head), host KV lengths. One token
+    (a decode) without a mask; 2-16 (speculative verification rows, the sequence's last S)
+    causal, ``sparse_mode=3`` (rightDownCausal: row i sees the first ``kv_len - S + 1 + i``
+    keys). Writes ``attention_out`` ``[B, N, S, 512]``; ``softmax_lse`` is not computed."""
     op = "npu_fused_infer_attention_score.out"
     lengths = _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
                                 actual_seq_lengths_kv, num_heads, num_key_value_heads, scale,
-                                input_layout, block_size)
+                                input_layout, block_size, atten_mask, sparse_mode)
     check_out_form(op, query, attention_out, softmax_lse, workspace)  # value D 512 = query D
-    batch, heads = query.shape[:2]
+    batch, heads, rows = query.shape[:3]
     blocks, size = key.shape[:2]
-    out = latent_decode(query.view(batch, heads, -1), query_rope.view(batch, heads, -1),
+    # Each query row on its own: the causal row i of a sequence is a decode over its first
+    # kv_len - S + 1 + i keys.
+    row_lengths = [length - rows + 1 + i for length in lengths for i in range(rows)]
+    out = latent_decode(query.transpose(1, 2).reshape(batch * rows, heads, -1),
+                        query_rope.transpose(1, 2).reshape(batch * rows, heads, -1),
                         key.view(blocks, size, 1, -1), key_rope.view(blocks, size, 1, -1),
-                        block_table, lengths, scale)
-    attention_out.copy_(out.view(attention_out.shape))
+                        block_table.repeat_interleave(rows, 0), row_lengths, scale)
+    attention_out.copy_(out.view(batch, rows, heads, -1).transpose(1, 2))
     return attention_out, softmax_lse
 
 
 def fused_infer_attention_score_mla_decode_workspace(query, key, value, *, query_rope, key_rope,
                                                      block_table, actual_seq_lengths_kv,
                                                      num_heads, num_key_value_heads, scale,
-                                                     input_layout, block_size):
+                                                     input_layout, block_size, atten_mask=None,
+                                                     sparse_mode=0):
     """``_npu_fused_infer_attention_score_get_max_workspace`` for the MLA decode call: a byte
     buffer (its size is the op's business, none here), after the same contract checks."""
     _check_mla_decode("_npu_fused_infer_attention_score_get_max_workspace", query, key, value,
                       query_rope, key_rope, block_table, actual_seq_lengths_kv, num_heads,
-                      num_key_value_heads, scale, input_layout, block_size)
+                      num_key_value_heads, scale, input_layout, block_size, atten_mask,
+                      sparse_mode)
     return torch.empty(0, dtype=torch.uint8, device=query.device)
 
 
 def _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
                       actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, input_layout,
-                      block_size) -> list[int]:
-    """[FIA-WHEEL] query_rope约束 for Q_S = 1 (sparse 0, no mask), the layouts the seam uses, and
+                      block_size, atten_mask, sparse_mode) -> list[int]:
+    """[FIA-WHEEL] query_rope约束 (sparse ≠ 4) and its sparse rule for the rope branch ("Q_S等于1时
+    支持sparse=0且不传mask…, Q_S大于1时支持sparse=3…且传入mask"), the layout the seam uses, and
     [FIA] PageAttention约束; returns the KV lengths."""
     for name, tensor in (("query", query), ("key", key), ("value", value),
                          ("query_rope", query_rope), ("key_rope", key_rope)):
@@ -231,10 +246,17 @@ def _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
     check_dims(op, "query", query, 4)  # BNSD (B, N, S, D)
     batch, heads, q_s, head_dim = query.shape
     _check_rope_branch(op, query, query_rope, key_rope, input_layout, num_heads)
-    require(q_s == 1, op, "query", "one token per sequence (S = 1) in the decode form", q_s)
+    if q_s == 1:
+        require(sparse_mode == 0 and atten_mask is None, op, "sparse_mode",
+                "0 without atten_mask for one query token (S = 1)",
+                (sparse_mode, "a mask" if atten_mask is not None else None))
+    else:  # the seam takes the causal rows only (not the band, sparse 4: BSND with 128 heads)
+        require(sparse_mode == 3, op, "sparse_mode",
+                f"3 (rightDownCausal) with the mask for {q_s} query tokens (S > 1)", sparse_mode)
+        _check_causal_mask(op, atten_mask, sparse_mode)
     require(num_heads == heads, op, "num_heads", f"query.shape[1] = {heads}", num_heads)
-    require(query_rope.shape == (batch, heads, 1, limits.ROPE_DIM), op, "query_rope",
-            f"shape {(batch, heads, 1, limits.ROPE_DIM)} (B, N, S as query, D 64)",
+    require(query_rope.shape == (batch, heads, q_s, limits.ROPE_DIM), op, "query_rope",
+            f"shape {(batch, heads, q_s, limits.ROPE_DIM)} (B, N, S as query, D 64)",
             tuple(query_rope.shape))
     require(isinstance(scale, (int, float)), op, "scale", "a float", type(scale).__name__)
     # [FIA-WHEEL] key N 1, D 512, key_rope D 64; [FIA] PageAttention: BnBsH (blocknum, block_size, H).
@@ -263,6 +285,9 @@ def _check_mla_decode(op, query, key, value, query_rope, key_rope, block_table,
     for length in lengths:
         require(1 <= length <= capacity, op, "actual_seq_lengths_kv",
                 f"in [1, {capacity}] (block_table columns × block_size)", length)
+        # Causal rows are the sequence's last S: fewer keys would leave whole rows masked.
+        require(length >= q_s, op, "actual_seq_lengths_kv",
+                f"at least the {q_s} query tokens of each sequence under sparse_mode=3", length)
     _check_block_ids(op, block_table, lengths, block_size, num_blocks)
     return lengths
 
