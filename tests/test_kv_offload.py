@@ -1,5 +1,6 @@
 """KV offload to host memory through vLLM's own OffloadingConnector and the NPU offloading spec,
-on the emulated NPU.
+on the emulated NPU (vLLM 0.26+; a v0_20 release's CI run reads the engines without and with offload,
+the refusals and the engine-free tests, marked v0_20_features).
 
 One driver run (one fresh interpreter, in-process engines one after another). The device cache
 is 8 blocks of 128 tokens (``num_gpu_blocks_override``); a set of four 300-token prompts needs 12
@@ -33,7 +34,7 @@ import torch
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kv_cache import kernel_caches, kernel_slots
-from tests.helpers.engine import assert_tracks_hf_logits, run_engine
+from tests.helpers.engine import assert_tracks_hf_logits, only_marked_tests, run_engine
 
 PROMPTS, PROMPT_LENGTH, BLOCK = 4, 300, 128
 MAX_TOKENS = 12
@@ -47,8 +48,14 @@ COUNTERS = ["vllm:external_prefix_cache_hits", "vllm:kv_offload_load_bytes",
 LAYERS, BLOCK_BYTES = 2, 2 * BLOCK * 2 * 64 * 4
 
 
+V0_20_FEATURES = pytest.mark.v0_20_features
+V0_20 = ("plain", "offloaded")
+"""The engines the tests marked v0_20_features read (a v0_20-set release in CI): without offload
+and with it, besides the refusals."""
+
+
 @pytest.fixture(scope="module")
-def offload(tiny_models, tmp_path_factory):
+def offload(request, tiny_models, tmp_path_factory):
     llama = tiny_models["tiny-llama"]
     tmp = tmp_path_factory.mktemp("kv_offload")
     ids = prompt_token_ids(llama, [PROMPT_LENGTH] * 2 * PROMPTS)
@@ -66,24 +73,27 @@ def offload(tiny_models, tmp_path_factory):
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 24}}}, {}),
     }
-    # Refused while its worker registers the KV caches, so after the engines that run: the engine
-    # stops half-started.
-    hybrid = (tiny_models["tiny-gemma3-5to1"], {**OFFLOAD, "num_gpu_blocks_override": None})
+    engines = {
+        "plain": (llama, ENGINE, [ask(first), ask(second), ask(first)]),
+        "offloaded": (llama, OFFLOAD, [
+            ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]),
+        "graphed": (llama, {**OFFLOAD, "dtype": "bfloat16"}, [ask(first), ask(second), ask(first)]),
+        "tp2": (llama, {**OFFLOAD, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                [ask(first), ask(second), ask(first)]),
+        # Refused while its worker registers the KV caches, so after the engines that run: the
+        # engine stops half-started.
+        "hybrid": (tiny_models["tiny-gemma3-5to1"], {**OFFLOAD, "num_gpu_blocks_override": None}, []),
+    }
+    if only_marked_tests(request):
+        engines = {key: engines[key] for key in (*V0_20, "hybrid")}
     spec = {"engines": [
         *({"model": str(model), "kwargs": kwargs, "env": env, "runs": []} for model, kwargs, env in refused.values()),
-        {"model": str(llama), "kwargs": ENGINE, "runs": [ask(first), ask(second), ask(first)]},
-        {"model": str(llama), "kwargs": OFFLOAD, "runs": [
-            ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]},
-        {"model": str(llama), "kwargs": {**OFFLOAD, "dtype": "bfloat16"},
-         "runs": [ask(first), ask(second), ask(first)]},
-        {"model": str(llama), "kwargs": {**OFFLOAD, "tensor_parallel_size": 2,
-                                         "distributed_executor_backend": "mp"},
-         "runs": [ask(first), ask(second), ask(first)]},
-        {"model": str(hybrid[0]), "kwargs": hybrid[1], "runs": []},
+        *({"model": str(model), "kwargs": kwargs, "runs": runs} for model, kwargs, runs in engines.values()),
     ]}
-    *refusals, plain, offloaded, graphed, tp2, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
-    return {"llama": llama, "prompts": first, "plain": plain, "offloaded": offloaded, "graphed": graphed,
-            "tp2": tp2, "refused": {**dict(zip(refused, refusals)), "hybrid": hybrid_refusal}}
+    reports = run_engine(spec, tmp, timeout=1200)["engines"]
+    ran = dict(zip(engines, reports[len(refused):]))
+    hybrid = ran.pop("hybrid")
+    return {"llama": llama, "prompts": first, **ran, "refused": {**dict(zip(refused, reports)), "hybrid": hybrid}}
 
 
 def test_without_offload_the_evicted_prompts_are_recomputed(offload):
