@@ -96,6 +96,7 @@ def offload(request, tiny_models, tmp_path_factory):
     return {"llama": llama, "prompts": first, **ran, "refused": {**dict(zip(refused, reports)), "hybrid": hybrid}}
 
 
+@V0_20_FEATURES
 def test_without_offload_the_evicted_prompts_are_recomputed(offload):
     assert "error" not in offload["plain"], offload["plain"]["error"]
     *_, again = offload["plain"]["runs"]
@@ -103,6 +104,7 @@ def test_without_offload_the_evicted_prompts_are_recomputed(offload):
     assert again["counters"]["vllm:external_prefix_cache_hits"] == 0
 
 
+@V0_20_FEATURES
 def test_offloaded_blocks_are_served_from_host_memory(offload):
     engine = offload["offloaded"]
     assert "error" not in engine, engine["error"]
@@ -118,6 +120,7 @@ def test_offloaded_blocks_are_served_from_host_memory(offload):
     assert again["tokens"] == offload["plain"]["runs"][2]["tokens"] == oracle
 
 
+@V0_20_FEATURES
 def test_zeroed_host_blocks_change_the_tokens(offload):
     """The negative control: the same host hits, from zeroed host memory, give other tokens."""
     *_, zeroed = offload["offloaded"]["runs"]
@@ -152,6 +155,7 @@ def test_each_tensor_parallel_rank_offloads_its_heads(offload):
     assert again["tokens"] == hf_greedy(offload["llama"], offload["prompts"], MAX_TOKENS)
 
 
+@V0_20_FEATURES
 @pytest.mark.parametrize(("case", "message"), [
     ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
     ("lmcache", "KV offload with --kv-offloading-backend lmcache is not supported on Ascend"),
@@ -186,6 +190,7 @@ def _write(cache, block: int, key, value):
     kernels.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
 
 
+@V0_20_FEATURES
 def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
     """Device block 2, written through the attention kernels' views, is stored to host chunk 1 and
     loaded into device block 3: block 3 then reads, through the same views, block 2's keys and
@@ -210,6 +215,7 @@ def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
     assert not torch.equal(cache[3, 0], key)
 
 
+@V0_20_FEATURES
 def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     """With two blocks per host chunk, a store starting at a request's second block fills the
     second half of its first chunk, as vLLM's CPU worker lays chunks out."""
@@ -225,6 +231,7 @@ def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     assert [int(as_blocks[row].flatten()[0]) for row in range(6)] == [1, 3, 0, 0, 0, 4]
 
 
+@V0_20_FEATURES
 def test_an_offloading_connector_named_without_a_spec_gets_the_npu_spec_from_vllms_factory():
     """The platform names the NPU spec in the extra config of an OffloadingConnector (also inside a
     MultiConnector) that names none, and vLLM's own spec factory loads it from there."""
