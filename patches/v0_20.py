@@ -86,6 +86,11 @@ MANIFEST = [
          "refuse ExampleConnector where it reads every cache but Triton's as [2, blocks, ...]; from "
          "0.23 it indexes blocks first, as the Ascend cache is laid out",
          until="0.23", implementation="ascend_patch.npu.distributed.kv_transfer:check_config"),
+    Seam("vllm.v1.kv_offload.config:OffloadingConfig",
+         "the NPU offloading spec implements the offloading interface specs built from an "
+         "OffloadingConfig have (workers that store and load host chunks); KV offload is refused "
+         "before, where specs hand out transfer handlers", since="0.26",
+         implementation="ascend_patch.npu.distributed.kv_transfer:check_config"),
 ]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

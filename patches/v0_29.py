@@ -77,9 +77,9 @@ MANIFEST = [
          until="0.29", implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend",
          pr="vllm-project/vllm#51718"),
     Seam("vllm.v1.kv_offload.cpu.common:CPULoadStoreSpec.chunk_ids",
-         "the NPU offloading spec extends CPUOffloadingSpec as it counts host chunks (num_chunks, "
-         "num_blocks until 0.29); KV offload is refused before", since="0.30",
-         implementation="ascend_patch.npu.distributed.kv_transfer:check_config"),
+         "the NPU offloading spec reads the host chunk count CPUOffloadingSpec sized under its name "
+         "of the release (num_chunks from 0.30, num_blocks before)", since="0.30",
+         implementation="ascend_patch.npu.distributed.kv_transfer.offload:NPUOffloadingSpec"),
 ]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

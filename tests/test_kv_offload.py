@@ -1,5 +1,6 @@
 """KV offload to host memory through vLLM's own OffloadingConnector and the NPU offloading spec,
-on the emulated NPU.
+on the emulated NPU (vLLM 0.26+; a v0_20 release's CI run reads the engines without and with offload,
+the refusals and the engine-free tests, marked v0_20_features).
 
 One driver run (one fresh interpreter, in-process engines one after another). The device cache
 is 8 blocks of 128 tokens (``num_gpu_blocks_override``); a set of four 300-token prompts needs 12
@@ -33,7 +34,7 @@ import torch
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kv_cache import kernel_caches, kernel_slots
-from tests.helpers.engine import assert_tracks_hf_logits, run_engine
+from tests.helpers.engine import assert_tracks_hf_logits, only_marked_tests, run_engine
 
 PROMPTS, PROMPT_LENGTH, BLOCK = 4, 300, 128
 MAX_TOKENS = 12
@@ -47,8 +48,14 @@ COUNTERS = ["vllm:external_prefix_cache_hits", "vllm:kv_offload_load_bytes",
 LAYERS, BLOCK_BYTES = 2, 2 * BLOCK * 2 * 64 * 4
 
 
+V0_20_FEATURES = pytest.mark.v0_20_features
+V0_20 = ("plain", "offloaded")
+"""The engines the tests marked v0_20_features read (a v0_20-set release in CI): without offload
+and with it, besides the refusals."""
+
+
 @pytest.fixture(scope="module")
-def offload(tiny_models, tmp_path_factory):
+def offload(request, tiny_models, tmp_path_factory):
     llama = tiny_models["tiny-llama"]
     tmp = tmp_path_factory.mktemp("kv_offload")
     ids = prompt_token_ids(llama, [PROMPT_LENGTH] * 2 * PROMPTS)
@@ -66,26 +73,30 @@ def offload(tiny_models, tmp_path_factory):
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 24}}}, {}),
     }
-    # Refused while its worker registers the KV caches, so after the engines that run: the engine
-    # stops half-started.
-    hybrid = (tiny_models["tiny-gemma3-5to1"], {**OFFLOAD, "num_gpu_blocks_override": None})
+    engines = {
+        "plain": (llama, ENGINE, [ask(first), ask(second), ask(first)]),
+        "offloaded": (llama, OFFLOAD, [
+            ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]),
+        "graphed": (llama, {**OFFLOAD, "dtype": "bfloat16"}, [ask(first), ask(second), ask(first)]),
+        "tp2": (llama, {**OFFLOAD, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                [ask(first), ask(second), ask(first)]),
+        # Refused while its worker registers the KV caches, so after the engines that run: the
+        # engine stops half-started.
+        "hybrid": (tiny_models["tiny-gemma3-5to1"], {**OFFLOAD, "num_gpu_blocks_override": None}, []),
+    }
+    if only_marked_tests(request):
+        engines = {key: engines[key] for key in (*V0_20, "hybrid")}
     spec = {"engines": [
         *({"model": str(model), "kwargs": kwargs, "env": env, "runs": []} for model, kwargs, env in refused.values()),
-        {"model": str(llama), "kwargs": ENGINE, "runs": [ask(first), ask(second), ask(first)]},
-        {"model": str(llama), "kwargs": OFFLOAD, "runs": [
-            ask(first), ask(second), ask(first), ask(second), {"kind": "zero_offloaded_kv"}, ask(first)]},
-        {"model": str(llama), "kwargs": {**OFFLOAD, "dtype": "bfloat16"},
-         "runs": [ask(first), ask(second), ask(first)]},
-        {"model": str(llama), "kwargs": {**OFFLOAD, "tensor_parallel_size": 2,
-                                         "distributed_executor_backend": "mp"},
-         "runs": [ask(first), ask(second), ask(first)]},
-        {"model": str(hybrid[0]), "kwargs": hybrid[1], "runs": []},
+        *({"model": str(model), "kwargs": kwargs, "runs": runs} for model, kwargs, runs in engines.values()),
     ]}
-    *refusals, plain, offloaded, graphed, tp2, hybrid_refusal = run_engine(spec, tmp, timeout=1200)["engines"]
-    return {"llama": llama, "prompts": first, "plain": plain, "offloaded": offloaded, "graphed": graphed,
-            "tp2": tp2, "refused": {**dict(zip(refused, refusals)), "hybrid": hybrid_refusal}}
+    reports = run_engine(spec, tmp, timeout=1200)["engines"]
+    ran = dict(zip(engines, reports[len(refused):]))
+    hybrid = ran.pop("hybrid")
+    return {"llama": llama, "prompts": first, **ran, "refused": {**dict(zip(refused, reports)), "hybrid": hybrid}}
 
 
+@V0_20_FEATURES
 def test_without_offload_the_evicted_prompts_are_recomputed(offload):
     assert "error" not in offload["plain"], offload["plain"]["error"]
     *_, again = offload["plain"]["runs"]
@@ -93,6 +104,7 @@ def test_without_offload_the_evicted_prompts_are_recomputed(offload):
     assert again["counters"]["vllm:external_prefix_cache_hits"] == 0
 
 
+@V0_20_FEATURES
 def test_offloaded_blocks_are_served_from_host_memory(offload):
     engine = offload["offloaded"]
     assert "error" not in engine, engine["error"]
@@ -108,6 +120,7 @@ def test_offloaded_blocks_are_served_from_host_memory(offload):
     assert again["tokens"] == offload["plain"]["runs"][2]["tokens"] == oracle
 
 
+@V0_20_FEATURES
 def test_zeroed_host_blocks_change_the_tokens(offload):
     """The negative control: the same host hits, from zeroed host memory, give other tokens."""
     *_, zeroed = offload["offloaded"]["runs"]
@@ -142,6 +155,7 @@ def test_each_tensor_parallel_rank_offloads_its_heads(offload):
     assert again["tokens"] == hf_greedy(offload["llama"], offload["prompts"], MAX_TOKENS)
 
 
+@V0_20_FEATURES
 @pytest.mark.parametrize(("case", "message"), [
     ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
     ("lmcache", "KV offload with --kv-offloading-backend lmcache is not supported on Ascend"),
@@ -176,6 +190,7 @@ def _write(cache, block: int, key, value):
     kernels.scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
 
 
+@V0_20_FEATURES
 def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
     """Device block 2, written through the attention kernels' views, is stored to host chunk 1 and
     loaded into device block 3: block 3 then reads, through the same views, block 2's keys and
@@ -200,6 +215,7 @@ def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
     assert not torch.equal(cache[3, 0], key)
 
 
+@V0_20_FEATURES
 def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     """With two blocks per host chunk, a store starting at a request's second block fills the
     second half of its first chunk, as vLLM's CPU worker lays chunks out."""
@@ -215,6 +231,7 @@ def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     assert [int(as_blocks[row].flatten()[0]) for row in range(6)] == [1, 3, 0, 0, 0, 4]
 
 
+@V0_20_FEATURES
 def test_an_offloading_connector_named_without_a_spec_gets_the_npu_spec_from_vllms_factory():
     """The platform names the NPU spec in the extra config of an OffloadingConnector (also inside a
     MultiConnector) that names none, and vLLM's own spec factory loads it from there."""

@@ -8,9 +8,9 @@ HF's cache (post-rotary keys, values) token for token, so the connector read the
 attention wrote, not another plane or block; the consumer's tokens equal HF greedy and it served
 the prompts' full blocks from the connector (prefix caching is off). The refusals start engines
 that stop at configuration, in one line each: rank 0 of vLLM's offline data-parallel example on
-an MoE model stops there instead of asserting in vLLM's get_ep_all2all_manager; before vLLM 0.30,
+an MoE model stops there instead of asserting in vLLM's get_ep_all2all_manager; before vLLM 0.26,
 whose offloading interface the NPU spec does not implement, so does KV offload
-(tests/test_kv_offload.py runs it on 0.30+).
+(tests/test_kv_offload.py runs it on 0.26+).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from tests.helpers.engine import run_engine
 PROMPT_LENGTHS = [420, 300, 200]
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": False}
-# KV offload is declared for vLLM 0.30-0.33 (patches/v0_29.py); earlier releases refuse it.
-OFFLOAD_REFUSED = Version(Version(version("vllm")).base_version) < Version("0.30")
+# KV offload is declared for vLLM 0.26-0.33 (patches/v0_20.py); earlier releases refuse it.
+OFFLOAD_REFUSED = Version(Version(version("vllm")).base_version) < Version("0.26")
 
 pytestmark = pytest.mark.v0_20_features
 

@@ -10,12 +10,12 @@ Served:
 - ``ExampleConnector`` (vLLM 0.23 and later), and ``MultiConnector`` of served connectors;
 - ``OffloadingConnector`` (KV offload to host memory, also as ``--kv-offloading-size``) with the
   NPU offloading spec (:mod:`.offload`), which the platform names in its extra config, on a vLLM
-  with 0.33's offloading worker interface;
+  with the offloading worker interface of 0.26-0.33;
 - any connector vLLM does not ship (``kv_connector_module_path``, or registered by a plugin through
   ``KVConnectorFactory``): the deployment's own, such as an NPU transfer connector, which reads the
   layout above.
 
-Refused in one line, each with its reason: KV offload before vLLM 0.30, through any other spec,
+Refused in one line, each with its reason: KV offload before vLLM 0.26, through any other spec,
 backend (``--kv-offloading-backend lmcache``) or connector (``VLLM_USE_SIMPLE_KV_OFFLOAD``), or
 with more than one KV cache group (the hybrid KV-cache manager; refused when the worker
 registers); MLA models with any connector or KV offload (the NPU MLA kernels read a layer's
@@ -137,8 +137,8 @@ def _use_npu_offloading_spec(extra: dict) -> None:
         raise NotImplementedError(
             "KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend by "
             "ascend-patch with this vLLM: the NPU offloading spec implements the offloading "
-            "interface of vLLM 0.30-0.33 (CPUOffloadingSpec in host chunks, "
-            "OffloadingWorker.submit_store/submit_load)")
+            "interface of vLLM 0.26-0.33 (CPUOffloadingSpec in host chunks, "
+            "OffloadingWorker.submit_store/submit_load; earlier releases hand out transfer handlers)")
     spec = extra.setdefault("spec_name", "NPUOffloadingSpec")
     module = extra.setdefault("spec_module_path", _OFFLOAD_MODULE)
     if (spec, module) != ("NPUOffloadingSpec", _OFFLOAD_MODULE):
@@ -149,10 +149,11 @@ def _use_npu_offloading_spec(extra: dict) -> None:
 
 
 def _offloading_interface() -> bool:
-    """Whether this vLLM's CPU offloading spec is the one the NPU spec extends: in host chunks
-    (``num_chunks``; ``num_blocks`` until 0.29), with a worker that stores and loads."""
+    """Whether this vLLM's offloading interface is the one the NPU spec implements: specs built
+    from an ``OffloadingConfig`` with workers that store and load host chunks (0.26 and later;
+    until 0.25 specs hand out per-direction transfer handlers)."""
     try:
-        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-    except ImportError:  # vLLM 0.20 has no cpu/common.py
+        from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401  seam: 0.26+
+    except ImportError:
         return False
-    return hasattr(CPULoadStoreSpec, "chunk_ids")  # seam: CPULoadStoreSpec.chunk_ids
+    return True

@@ -6,7 +6,9 @@ refuses every other platform in ``get_worker``. :class:`NPUOffloadingSpec` keeps
 the books (the same host sizing and manager) and brings its own worker, which copies blocks through
 the kernel seam (``kernels.swap_blocks``). vLLM loads it from the connector's extra config
 (``spec_name``/``spec_module_path``, ``vllm/v1/kv_offload/factory.py``), which the platform fills
-in (:func:`ascend_patch.npu.distributed.kv_transfer.check_config`).
+in (:func:`ascend_patch.npu.distributed.kv_transfer.check_config`). The interface it implements
+(``OffloadingWorker.submit_store/submit_load``, host chunks of ``blocks_per_chunk`` blocks) is
+vLLM's from 0.26 on; 0.30 renamed the host chunk count (``num_blocks`` to ``num_chunks``).
 
 What the worker copies: vLLM hands it each layer's cache as ``[num_blocks, page_bytes]`` int8
 rows (``OffloadingConnectorWorker.register_kv_caches`` over ``group_kernel_blocks``). The Ascend
@@ -43,9 +45,18 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
         if self._worker is None:
             from vllm.utils.torch_utils import PIN_MEMORY
 
-            self._worker = NPUOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks,
+            self._worker = NPUOffloadingWorker(kv_caches, self.blocks_per_chunk, self._host_chunks(),
                                                PIN_MEMORY)
         return self._worker
+
+    def _host_chunks(self) -> int:
+        """How many host chunks vLLM sized: ``num_chunks`` from 0.30, when its CPU load/store spec
+        took ``chunk_ids``; ``num_blocks`` (counting the same chunks) in 0.26-0.29."""
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        if hasattr(CPULoadStoreSpec, "chunk_ids"):  # seam
+            return self.num_chunks
+        return self.num_blocks
 
 
 class NPUOffloadingWorker(OffloadingWorker):
