@@ -95,21 +95,51 @@ def prompt_ids(model_dir: Path, text: str) -> list[int]:
     return AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False).input_ids
 
 
+def _hf(model_dir: Path):
+    """HF's image processor and fp32 model."""
+    import torch
+    import transformers
+
+    processor = transformers.BlipImageProcessorPil.from_pretrained(model_dir)
+    model = transformers.Blip2ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    return processor, model
+
+
+def with_image_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts as vLLM and HF's processor feed them: the image's ``<image>`` tokens first."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    return [[config.image_token_index] * config.num_query_tokens + ids for ids in prompts]
+
+
+def hf_logits(model_dir: Path, prompts: list[list[int]], seeds: list[int],
+              generated: list[list[int]]) -> list:
+    """HF transformers' fp32 next-token logits at every position of each (image, prompt +
+    generated) sequence, the image tokens first: [sequence length, vocab] per prompt."""
+    import torch
+
+    processor, model = _hf(model_dir)
+    rows = []
+    with torch.no_grad():
+        for ids, seed, tokens in zip(with_image_tokens(model_dir, prompts), seeds, generated):
+            pixels = processor(images=[image(seed)], return_tensors="pt").pixel_values
+            rows.append(model(input_ids=torch.tensor([ids + tokens]), pixel_values=pixels).logits[0])
+    return rows
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[list[int]]:
     """HF transformers' fp32 greedy continuation of each (image, prompt) pair (the image's
     ``<image>`` tokens, then the prompt), ``max_tokens`` tokens whatever they are."""
     import torch
-    import transformers
 
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    processor = transformers.BlipImageProcessorPil.from_pretrained(model_dir)
-    model = transformers.Blip2ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    processor, model = _hf(model_dir)
     model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: every token compared
     out = []
     with torch.no_grad():
-        for ids, seed in zip(prompts, seeds):
+        for ids, seed in zip(with_image_tokens(model_dir, prompts), seeds):
             pixels = processor(images=[image(seed)], return_tensors="pt").pixel_values
-            input_ids = torch.tensor([[config.image_token_index] * config.num_query_tokens + ids])
+            input_ids = torch.tensor([ids])
             generated = model.generate(input_ids=input_ids, pixel_values=pixels,
                                        attention_mask=torch.ones_like(input_ids),
                                        max_new_tokens=max_tokens, do_sample=False)
