@@ -96,6 +96,18 @@ ENGINE_CONTRACTS = [
              "(self, positions, query, key=...)", "AscendRotaryEmbedding.forward_oot takes the same arguments",
              implementation="ascend_patch.npu.ops.rotary_embedding:AscendRotaryEmbedding",
              upstream="vllm/model_executor/layers/rotary_embedding/base.py"),
+    contract("vllm.model_executor.layers.attention.mm_encoder_attention:MMEncoderAttention.forward_native",
+             "(self, query, key, value, cu_seqlens=..., max_seqlen=..., sequence_lengths=...)",
+             "AscendMMEncoderAttention.forward_oot takes the same arguments and falls back to it "
+             "for cross-attention",
+             implementation="ascend_patch.npu.ops.mm_encoder_attention:AscendMMEncoderAttention",
+             upstream="vllm/model_executor/layers/attention/mm_encoder_attention.py: the "
+                      "multimodal encoders' attention (CustomOp mm_encoder_attn)"),
+    contract("vllm.model_executor.layers.attention.mm_encoder_attention:MMEncoderAttention.__init__",
+             "(self, num_heads, head_size, scale=..., num_kv_heads=..., prefix=...)",
+             "AscendMMEncoderAttention is built with the same arguments",
+             implementation="ascend_patch.npu.ops.mm_encoder_attention:AscendMMEncoderAttention",
+             upstream="vllm/model_executor/layers/attention/mm_encoder_attention.py"),
     contract("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
              "(self, logits, generators, k, p)", "forward_npu finishes sampling through it",
              implementation="ascend_patch.npu.sample.sampler:forward_npu",

@@ -9,8 +9,9 @@ For each VERSION:
    emulated end-to-end suite (tests/test_engine.py: greedy equal to HF, prefix caching,
    chunked prefill, bf16 fused kernels, sampling, emulated HBM, LoRA) inside it, and, on a release
    of a set in FEATURES, the feature tests carrying that set's marker (speculative decoding,
-   disaggregated prefill, data parallelism, encoder-only pooling, sleep mode: what issues 19, 21
-   and 22 ask to see on 0.33.0, the main environment, and one v0_20 release);
+   disaggregated prefill, data parallelism, encoder-only pooling, sleep mode, a vision-language
+   model: what issues 19, 21 and 22 ask to see on 0.33.0, the main environment, and one v0_20
+   release);
 3. writes the outcome into the matrix: ``emulated-e2e`` when the suites passed,
    ``static-probe`` when only the probe ran and every target verified,
    ``unsupported`` when the probe found mismatches — with the date and the evidence.
@@ -52,7 +53,7 @@ E2E_SUITE = "tests/test_engine.py"
 FEATURES = {"v0_20": "v0_20_features"}
 """Patch set -> the pytest marker of the feature tests its pinned releases also run."""
 FEATURE_SUITES = ["tests/test_spec_decode.py", "tests/test_kv_transfer.py", "tests/test_kv_offload.py",
-                  "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py"]
+                  "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py", "tests/test_vl.py"]
 
 
 def requirements_for(version: str) -> Path:

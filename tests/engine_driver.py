@@ -11,6 +11,8 @@ SPEC: {"engines": [{"model": DIR, "kwargs": {...LLM kwargs}, "runs": [RUN, ...]}
 RUN, by "kind":
   "generate" (default)  {"prompts": [[token ids], ...], "sampling": [{...SamplingParams}, ...]}
                         and optionally "adapters": [LoRA adapter directory or null, ...] per prompt
+                        and "images": [synthetic image seed or null, ...] per prompt (a
+                        vision-language model's image, ascend_patch.kit.tiny_vl.image)
   "chat"                {"conversations": [[message, ...], ...], "sampling": [...], "chat": {...}}
                         (``chat`` holds extra ``LLM.chat`` keyword arguments)
   "beam_search"         {"prompts": [[token ids], ...], "beam": {...BeamSearchParams}}
@@ -118,7 +120,8 @@ def _run(llm, run: dict) -> dict:
         params = engine.paired_params(run["sampling"], len(run["conversations"]))
         outputs = llm.chat(run["conversations"], params, use_tqdm=False, **run.get("chat", {}))
     else:
-        outputs = engine.generate(llm, run["prompts"], run["sampling"], run.get("adapters"))
+        outputs = engine.generate(llm, run["prompts"], run["sampling"], run.get("adapters"),
+                                  run.get("images"))
     return engine.request_outputs(outputs)
 
 

@@ -143,14 +143,21 @@ def kv_cache_plan(llm) -> dict | None:
     }
 
 
-def generate(llm, prompts: list[list[int]], sampling: list[dict], adapters: list | None = None):
+def generate(llm, prompts: list[list[int]], sampling: list[dict], adapters: list | None = None,
+             images: list | None = None):
     """``llm.generate`` of token-id prompts; one sampling dict applies to every prompt, a list
     pairs them one by one. ``adapters`` pairs each prompt with a LoRA adapter directory, or None
-    for the base model."""
+    for the base model; ``images`` with the seed of a synthetic image
+    (:func:`ascend_patch.kit.tiny_vl.image`), or None for a text-only prompt."""
     from vllm.inputs import TokensPrompt
 
-    return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
-                        paired_params(sampling, len(prompts)), use_tqdm=False,
+    from ascend_patch.kit import tiny_vl
+
+    requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    for request, seed in zip(requests, images or []):
+        if seed is not None:
+            request["multi_modal_data"] = {"image": tiny_vl.image(seed)}
+    return llm.generate(requests, paired_params(sampling, len(prompts)), use_tqdm=False,
                         lora_request=None if adapters is None else lora_requests(adapters))
 
 

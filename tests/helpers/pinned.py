@@ -24,10 +24,10 @@ from tests.helpers.process import ROOT
 def build_checkpoints() -> None:
     """Every tiny checkpoint family the runs' suites read, built here first: the runs then only
     read them, and so do the session's own tests (each family skips what its stamp says is built)."""
-    from ascend_patch.kit import tiny_adapters, tiny_drafts, tiny_encoders, tiny_models
+    from ascend_patch.kit import tiny_adapters, tiny_drafts, tiny_encoders, tiny_models, tiny_vl
     from tests.helpers.engine import MODELS_DIR
 
-    for family in (tiny_models, tiny_adapters, tiny_drafts, tiny_encoders):
+    for family in (tiny_models, tiny_adapters, tiny_drafts, tiny_encoders, tiny_vl):
         family.build(MODELS_DIR)
 
 

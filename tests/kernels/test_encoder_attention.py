@@ -193,3 +193,66 @@ def test_alibi_and_other_attention_types_are_refused_by_name():
         _impl(alibi_slopes=[1.0, 0.5, 0.25, 0.125])
     with pytest.raises(NotImplementedError, match="does not support attention type decoder"):
         AscendEncoderOnlyImpl(4, 64, 0.125, attn_type="decoder")
+
+
+# --- multimodal encoder attention (vLLM's MMEncoderAttention) -----------------------------------
+
+
+def _mm_layers(heads, kv_heads, head_dim):
+    """vLLM's MMEncoderAttention and the NPU one, built as models build them."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    from ascend_patch.npu.ops.mm_encoder_attention import AscendMMEncoderAttention
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        return (MMEncoderAttention(heads, head_dim, num_kv_heads=kv_heads),
+                AscendMMEncoderAttention(heads, head_dim, num_kv_heads=kv_heads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+def test_mm_encoder_attention_of_an_image_batch_is_vllms_in_one_launch(dtype, heads, kv_heads):
+    """BLIP/CLIP style: [images, tokens, heads * head size], each image its own sequence."""
+    native, npu = _mm_layers(heads, kv_heads, 64)
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(3, 17, n * 64, generator=generator).to(dtype)
+                         for n in (heads, kv_heads, kv_heads))
+    with kernels.count_launches() as launches:
+        out = npu.forward_oot(query, key, value)
+    assert dict(launches) == {"fusion_attention": 1}
+    expected = native.forward_native(query, key, value)
+    assert out.shape == expected.shape == query.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mm_encoder_attention_of_packed_sequences_is_vllms_in_one_launch(dtype):
+    """Qwen VL style: one batch row [1, T, heads, head size] packing the sequences of cu_seqlens
+    (images, or their attention windows), each attending only to itself."""
+    native, npu = _mm_layers(2, 2, 80)
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(1, 40, 2, 80, generator=generator).to(dtype) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 16, 20, 40], dtype=torch.int32)
+    with kernels.count_launches() as launches:
+        out = npu.forward_oot(query, key, value, cu_seqlens=cu_seqlens)
+    assert dict(launches) == {"fusion_attention": 1}
+    expected = native.forward_native(query, key, value, cu_seqlens=cu_seqlens)
+    assert out.shape == expected.shape == query.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    # The negative control: one sequence over all 40 tokens is another attention.
+    whole = npu.forward_oot(query, key, value)
+    assert not torch.allclose(whole.float(), expected.float(), atol=1e-2)
+
+
+def test_mm_encoder_cross_attention_is_left_to_vllm():
+    native, npu = _mm_layers(2, 2, 64)
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 5, 128, generator=generator)
+    key, value = (torch.randn(2, 9, 128, generator=generator) for _ in range(2))
+    with kernels.count_launches() as launches:
+        out = npu.forward_oot(query, key, value)
+    assert not launches
+    torch.testing.assert_close(out, native.forward_native(query, key, value))

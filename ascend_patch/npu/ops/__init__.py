@@ -1,10 +1,10 @@
-"""The NPU custom ops: RMSNorm, SiluAndMul, rotary embedding and the unquantized MoE
-method on the kernel seam.
+"""The NPU custom ops: RMSNorm, SiluAndMul, rotary embedding, multimodal encoder attention and
+the unquantized MoE method on the kernel seam.
 
 Registered two ways, both sanctioned by vLLM:
 
 - ``CustomOp.register_oot``: vLLM instantiates our subclass wherever a model builds
-  ``RMSNorm``, ``SiluAndMul`` or ``RotaryEmbedding``, and an out-of-tree platform
+  ``RMSNorm``, ``SiluAndMul``, ``RotaryEmbedding`` or ``MMEncoderAttention``, and an out-of-tree platform
   dispatches enabled custom ops to ``forward_oot``;
 - vLLM IR (:mod:`.ir`): ``rms_norm`` and ``fused_add_rms_norm`` get an ``ascend``
   implementation.
@@ -19,6 +19,7 @@ from ascend_patch.npu.ops import ir
 from ascend_patch.npu.ops.activation import AscendSiluAndMul
 from ascend_patch.npu.ops.fused_moe import AscendUnquantizedFusedMoEMethod
 from ascend_patch.npu.ops.layernorm import AscendRMSNorm
+from ascend_patch.npu.ops.mm_encoder_attention import AscendMMEncoderAttention
 from ascend_patch.npu.ops.rotary_embedding import AscendRotaryEmbedding
 
 _registered = False
@@ -32,6 +33,7 @@ def register() -> None:
     _registered = True
     for cls, name in ((AscendRMSNorm, "RMSNorm"), (AscendSiluAndMul, "SiluAndMul"),
                       (AscendRotaryEmbedding, "RotaryEmbedding"),
+                      (AscendMMEncoderAttention, "MMEncoderAttention"),
                       (AscendUnquantizedFusedMoEMethod, "UnquantizedFusedMoEMethod")):
         CustomOp.register_oot(_decorated_op_cls=cls, name=name)
     ir.register()
