@@ -57,6 +57,7 @@ and rope caches separately and refuse strided tensors, so interleaving them per 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -294,7 +295,7 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._ropes = {}
         for name in layer_names:
-            rope = getattr(getattr(layers[name], "impl", None), "rope", None)
+            rope = layers[name].impl.rope
             if rope is not None and rope not in self._ropes:
                 cos, sin = rope.cos_sin_cache.to(device, vllm_config.model_config.dtype).chunk(2, dim=-1)
                 tables = (torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
@@ -421,15 +422,15 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         # k_pe un-rotated, and this impl applies both with the cache write.
         self.kv_norm = self.rope = None
 
-    def fuses_kv_rope(self, layer) -> bool:
+    def fuses_kv_rope(self, layer, fuse_qkv_rmsnorm: bool) -> bool:
         """Whether ``layer`` (vLLM's MultiHeadLatentAttentionWrapper holding this impl) can hand
         its kv_a_layernorm and rotary to the fused ops: the decode kernels' dimensions
         (latent 512, rope 64), a half dtype (the ops take bf16/fp16; fp32 engines keep vLLM's
         path), vLLM's interleaved rope over its cos|sin cache, an RMSNorm with a weight, and
         none of the layer's other paths that read kv_c_normed or the rotated q (sparse
-        indexer, fused q/kv norms, replicated DCP queries). Not with speculative decoding: the
-        cos/sin are gathered by the runner's positions, which the drafter's metadata does not
-        carry."""
+        indexer, fused q/kv norms; DCP, which replicates queries, is refused). Not with
+        speculative decoding: the cos/sin are gathered by the runner's positions, which the
+        drafter's metadata does not carry."""
         from vllm.config import get_current_vllm_config
         from vllm.model_executor.layers.layernorm import RMSNorm
         from vllm.model_executor.layers.rotary_embedding import (
@@ -442,8 +443,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         return (self.decode_heads is not None and config.model_config.dtype in FUSED_DTYPES
                 and config.speculative_config is None
                 and self.qk_nope_head_dim % limits.ROPE_DIM == 0
-                and not layer.is_sparse and not getattr(layer, "fuse_qkv_rmsnorm", False)
-                and not getattr(layer, "dcp_q_replicate", False)
+                and not layer.is_sparse and not fuse_qkv_rmsnorm
                 and rope is not None and not rope.is_neox_style
                 and rope.rotary_dim == rope.head_size == limits.ROPE_DIM
                 and type(rope).forward_native in (RotaryEmbedding.forward_native,
@@ -651,8 +651,11 @@ def fuse_kv_rope(wrapped, instance, args, kwargs) -> None:
     norm's weight stays registered under the model's own attention module, so checkpoints
     load as before."""
     wrapped(*args, **kwargs)
-    impl = getattr(instance.mla_attn, "impl", None)
-    if isinstance(impl, AscendMLAImpl) and impl.fuses_kv_rope(instance):
+    impl = instance.mla_attn.impl
+    # fuse_qkv_rmsnorm (0.30+, a declared signature) reads kv_a_layernorm's weight itself.
+    fused_norms = inspect.signature(wrapped).bind(*args, **kwargs).arguments.get(
+        "fuse_qkv_rmsnorm", False)
+    if isinstance(impl, AscendMLAImpl) and impl.fuses_kv_rope(instance, fused_norms):
         impl.kv_norm, impl.rope = instance.kv_a_layernorm, instance.rotary_emb
         instance.kv_a_layernorm = torch.nn.Identity()
         instance.rotary_emb = None
