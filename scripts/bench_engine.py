@@ -16,8 +16,8 @@
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
    columns use ascend-patch's MLA backend, kv_a_layernorm and the rotary included (the
    backend takes them over in bf16; their cos/sin, gathered once per step by its metadata
-   builder, are two launches per step outside the layers, not counted here); and the tiny Mistral, whose every layer has a
-   sliding window (decode through the masked one-token npu_fused_infer_attention_score;
+   builder, are two launches per step outside the layers, not counted here); and the tiny
+   Mistral, whose every layer has a sliding window (decode through the masked one-token npu_fused_infer_attention_score;
    the window mask is built once per step and shared by the layers, so it shows up as a
    fraction of a launch per layer). Then the same count over one prefill step behind cached
    context (a prefix-cache hit): for the MLA model, its prefill gathers and up-projects the
