@@ -112,6 +112,36 @@ MLA_CONTRACTS = [
              "(attn_metadata) there: forward_mha and do_kv_cache_update are not given them",
              implementation=_MLA_IMPL, upstream="vllm/forward_context.py"),
     Patch(
+        "vllm.model_executor.layers.mla:MultiHeadLatentAttentionWrapper.__init__",
+        reason="bf16/fp16 MLA layers hand kv_a_layernorm and the rotary to the Ascend MLA impl, "
+               "which norms, rotates and caches kv in one npu_kv_rmsnorm_rope_cache_v2 launch "
+               "and rotates q_pe in one npu_interleave_rope launch (3 launches fewer per layer "
+               "and decode step)",
+        signature=(
+            "(self, hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, "
+            "q_lora_rank, kv_lora_rank, mla_modules, cache_config=..., quant_config=..., prefix=...)",
+            "(self, hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, "
+            "q_lora_rank, kv_lora_rank, mla_modules, cache_config=..., quant_config=..., prefix=..., "
+            "skip_topk=...)",  # 0.21
+            "(self, hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, "
+            "q_lora_rank, kv_lora_rank, mla_modules, cache_config=..., quant_config=..., prefix=..., "
+            "skip_topk=..., non_causal_multi_token_decode=..., "
+            "allow_short_prefill_indexer_scoring_skip=...)",  # 0.27
+            "(self, hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, "
+            "q_lora_rank, kv_lora_rank, mla_modules, cache_config=..., quant_config=..., prefix=..., "
+            "skip_topk=..., non_causal_multi_token_decode=..., "
+            "allow_short_prefill_indexer_scoring_skip=..., fuse_qkv_rmsnorm=...)",  # 0.30
+        ),
+        wrapper="ascend_patch.npu.attention.mla:fuse_kv_rope",
+        upstream="vllm/model_executor/layers/mla.py: forward always calls "
+                 "self.kv_a_layernorm(kv_c) and rotates q_pe and k_pe (writing q_pe back into q) "
+                 "only under `if self.rotary_emb is not None`, so a backend cannot fuse them with "
+                 "the cache write; vllm-project/vllm#23332 made the layer replaceable for this very "
+                 "fusion, which would take a copy of its forward",
+        remove_when="vLLM's MLA layer lets the attention backend take the kv norm and the rope "
+                    "(or the overlay replaces the layer through PluggableLayer)",
+    ),
+    Patch(
         "vllm.v1.attention.backends.mla.prefill.selector:get_mla_prefill_backend",
         reason="MLAAttention gets a prefill backend that constructs on Ascend (and is never run: "
                "AscendMLAImpl runs prefills)",

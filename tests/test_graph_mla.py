@@ -80,15 +80,16 @@ def test_without_host_parameter_updates_mla_replays_diverge(engines, model):
     assert all(diverged), diverged
 
 
-# What the graphs of one token hold outside attention, per model (2 layers): each layer's kv_a
-# norm (and q_a norm: the MoE model has a q LoRA rank) and the first input norm (npu_rms_norm),
-# the residual norms (npu_add_rms_norm); dense: one npu_swiglu per layer and npu_rotary_mul for
-# the query's and the key's rope slices of each layer; MoE: the dense first layer's and the
-# shared expert's npu_swiglu plus the experts' own, and the second layer's routing and experts.
-# (The MoE model's rotary is YaRN-scaled, DeepSeek's own scaling class, which stays vLLM's.)
+# What the graphs of one token hold outside attention, per model (2 layers): the first input norm
+# (and each layer's q_a norm: the MoE model has a q LoRA rank) (npu_rms_norm), the residual norms
+# (npu_add_rms_norm); dense: one npu_swiglu per layer; MoE: the dense first layer's and the shared
+# expert's npu_swiglu plus the experts' own, and the second layer's routing and experts. The kv_a
+# norm and the rotary (plain or YaRN-scaled) are the MLA impl's, inside the attention op: one
+# npu_kv_rmsnorm_rope_cache_v2 (norm, key rope, cache write) and one npu_interleave_rope (query
+# rope) per layer, over cos/sin the metadata builder gathers once per step outside the graphs.
 PIECES = {
-    "dense": {"rms_norm": 3, "add_rms_norm": 4, "swiglu": 2, "rotary_mul": 4},
-    "moe": {"rms_norm": 5, "add_rms_norm": 4, "swiglu": 3, "moe_gating_top_k": 1,
+    "dense": {"rms_norm": 1, "add_rms_norm": 4, "swiglu": 2},
+    "moe": {"rms_norm": 3, "add_rms_norm": 4, "swiglu": 3, "moe_gating_top_k": 1,
             "moe_init_routing_v2": 1, "grouped_matmul": 2, "moe_token_unpermute": 1},
 }
 
@@ -103,5 +104,6 @@ def test_full_and_piecewise_graphs_run_the_npu_ops_in_the_compiled_pieces(engine
     assert compiled["runs"][0]["graph_replays"] > 0
     (captured,) = compiled["captured_ops"]
     assert captured["PIECEWISE"] == PIECES[model]
-    assert captured["FULL"] == {**PIECES[model], "scatter_pa_kv_cache": LAYERS,
+    assert captured["FULL"] == {**PIECES[model], "kv_rmsnorm_rope_cache": LAYERS,
+                                "interleave_rope": LAYERS,
                                 "fused_infer_attention_score_mla_decode": LAYERS}

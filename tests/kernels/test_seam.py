@@ -36,6 +36,7 @@ OPS_CALLED = (
     "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "_npu_paged_attention",
     "_npu_paged_attention_get_workspace", "atb.npu_multi_head_latent_attention",
     "npu_fused_infer_attention_score.out", "_npu_fused_infer_attention_score_get_max_workspace",
+    "npu_kv_rmsnorm_rope_cache_v2", "npu_interleave_rope",
 )
 NEWEST = npu_wheels.matrix_versions()[-1]
 
@@ -315,6 +316,17 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     kernels.rotary_mul(x, cos, sin, "interleave")
     assert_arguments(torch_npu.only_call("npu_rotary_mul"),
                      {"self": x, "r1": cos, "r2": sin, "rotary_mode": "interleave"})
+    # MLA: the _v2 cache write (its schema marks both caches mutated), paged mode, one batch.
+    kv, rope = torch.zeros(1, 1, 3, 576, dtype=bf16), torch.zeros(1, 1, 3, 64, dtype=bf16)
+    gamma, slots = torch.ones(512, dtype=bf16), torch.arange(3)
+    k_cache, ckv_cache = torch.zeros(4, 128, 1, 64, dtype=bf16), torch.zeros(4, 128, 1, 512, dtype=bf16)
+    kernels.kv_rmsnorm_rope_cache(kv, gamma, rope, rope, slots, k_cache, ckv_cache, epsilon=1e-6,
+                                  cache_mode="PA")
+    assert_arguments(torch_npu.only_call("npu_kv_rmsnorm_rope_cache_v2"), {
+        "kv": kv, "gamma": gamma, "cos": rope, "sin": rope, "index": slots, "k_cache": k_cache,
+        "ckv_cache": ckv_cache, "epsilon": 1e-6, "cache_mode": "PA", "is_output_kv": False})
+    kernels.interleave_rope(x, cos, sin)
+    assert_arguments(torch_npu.only_call("npu_interleave_rope"), {"x": x, "cos": cos, "sin": sin})
     positions = torch.zeros(4, dtype=torch.int64)
     kernels.mrope(positions, X, X, X, 64, "interleave")
     assert_arguments(torch_npu.only_call("npu_mrope"), {  # the RoPE mode over vLLM's cos|sin cache

@@ -6,7 +6,14 @@ decode-first split of each batch, the absorption of ``W_UK`` into decode queries
 up-projection of their output. It calls this backend's impl for three things per layer and step:
 
 - ``do_kv_cache_update``: ``npu_scatter_pa_kv_cache`` writes each token's latent ``kv_c`` and rope
-  key ``k_pe`` into their two cache planes (vLLM's default is CUDA ``concat_and_cache_mla``);
+  key ``k_pe`` into their two cache planes (vLLM's default is CUDA ``concat_and_cache_mla``).
+  In bf16/fp16 the layer hands this impl its ``kv_a_layernorm`` and rotary instead
+  (:func:`fuse_kv_rope`): ``npu_kv_rmsnorm_rope_cache_v2`` then norms ``kv_c``, rotates
+  ``k_pe`` and writes both in one launch, and ``npu_interleave_rope`` rotates the queries' rope
+  part in one more, over cos/sin the builder gathers once per step. Both ops leave the rope
+  lanes reordered (even, then odd) against vLLM's interleaved rope; query and key alike, so
+  scores are vLLM's, and every reader of the rope plane (decode, prefill, KV transfer of the
+  whole cache) sees one order;
 - ``forward_mqa`` (the decode tokens, queries already absorbed): ATB
   ``npu_multi_head_latent_attention`` over the planes, heads zero-padded to a count it takes; in
   an engine with FULL graphs, ``npu_fused_infer_attention_score``'s MLA (rope) form instead, the
@@ -53,6 +60,7 @@ and rope caches separately and refuse strided tensors, so interleaving them per 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -176,6 +184,9 @@ class AscendMLAMetadata:
     """The step's cache slots, a slot of the null block for each token without one (padding)."""
     decode: AscendMLADecodeMetadata | None
     prefill: AscendMLAPrefillMetadata | None
+    rope: dict | None = None
+    """Per rotary module of the layers that fuse their rope (:func:`fuse_kv_rope`): the step's
+    ``(cos, sin)`` ``[tokens, 64]``, half layout, in the builder's persistent buffers."""
 
 
 def check_config(vllm_config) -> None:
@@ -290,6 +301,20 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         self.prefill_budget = prefill_workspace_rows(vllm_config.model_config.max_model_len,
                                                      vllm_config.scheduler_config.max_num_seqs,
                                                      KERNEL_BLOCK_SIZE)
+        # The fused layers' cos/sin, gathered once per step for all of them (a FULL graph's
+        # captured layers read them where the capture found them): per rotary module, its cos
+        # and sin tables in the half layout and the step's rows of each.
+        layers = vllm_config.compilation_config.static_forward_context
+        tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._ropes = {}
+        for name in layer_names:
+            rope = layers[name].impl.rope
+            if rope is not None and rope not in self._ropes:
+                cos, sin = rope.cos_sin_cache.to(device, vllm_config.model_config.dtype).chunk(2, dim=-1)
+                tables = (torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
+                self._ropes[rope] = (tables, tuple(torch.empty(tokens, cos.shape[-1] * 2,
+                                                               dtype=cos.dtype, device=device)
+                                                   for _ in tables))
 
     def build(
         self,
@@ -316,6 +341,12 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
         if num_decodes < num_reqs:
             prefill = prefill_metadata(q_lens[num_decodes:], seq_lens[num_decodes:],
                                        block_table[num_decodes:], self.prefill_budget)
+        rope = None
+        if self._ropes:  # the runner's positions of the step (fused layers: no speculative decoding)
+            positions = common_attn_metadata.positions[:n]
+            rope = {module: tuple(torch.index_select(table, 0, positions, out=buffer[:n])
+                                  for table, buffer in zip(tables, buffers))
+                    for module, (tables, buffers) in self._ropes.items()}
         return AscendMLAMetadata(
             num_actual_tokens=batch.num_tokens,
             num_decodes=num_decodes,
@@ -324,6 +355,7 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
             slot_mapping=slots,
             decode=decode,
             prefill=prefill,
+            rope=rope,
         )
 
 
@@ -405,6 +437,55 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             self.graph_heads = next(n for n in limits.FIA_ROPE_HEADS if n >= num_heads)
         self._graph_decode = acl_graph.full_graphs_configured()
         self._owner = None
+        # Handed over by fuse_kv_rope: vLLM's layer then passes kv_c un-normed and q_pe and
+        # k_pe un-rotated, and this impl applies both with the cache write.
+        self.kv_norm = self.rope = None
+
+    def fuses_kv_rope(self, layer, fuse_qkv_rmsnorm: bool) -> bool:
+        """Whether ``layer`` (vLLM's MultiHeadLatentAttentionWrapper holding this impl) can hand
+        its kv_a_layernorm and rotary to the fused ops: the decode kernels' dimensions
+        (latent 512, rope 64), a half dtype (the ops take bf16/fp16; fp32 engines keep vLLM's
+        path), vLLM's interleaved rope over its cos|sin cache, an RMSNorm with a weight, and
+        none of the layer's other paths that read kv_c_normed or the rotated q (sparse
+        indexer, fused q/kv norms; DCP, which replicates queries, is refused). Not with
+        speculative decoding: the cos/sin are gathered by the runner's positions, which the
+        drafter's metadata does not carry."""
+        from vllm.config import get_current_vllm_config
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.layers.rotary_embedding import (
+            DeepseekScalingRotaryEmbedding,
+            RotaryEmbedding,
+        )
+
+        config = get_current_vllm_config()
+        rope, norm = layer.rotary_emb, layer.kv_a_layernorm
+        return (self.decode_heads is not None and config.model_config.dtype in FUSED_DTYPES
+                and config.speculative_config is None
+                and self.qk_nope_head_dim % limits.ROPE_DIM == 0
+                and not layer.is_sparse and not fuse_qkv_rmsnorm
+                and rope is not None and not rope.is_neox_style
+                and rope.rotary_dim == rope.head_size == limits.ROPE_DIM
+                and type(rope).forward_native in (RotaryEmbedding.forward_native,
+                                                  DeepseekScalingRotaryEmbedding.forward_native)
+                and isinstance(norm, RMSNorm) and norm.has_weight)
+
+    def _rotate(self, q_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``q_pe [T, N, 64]`` (a view of vLLM's query rows ``[T, N, nope + 64]``) rotated as the
+        cache's keys are (npu_interleave_rope: lanes reordered, even then odd), one launch: the
+        op runs on the contiguous rows themselves as ``[T, N, (nope + 64) / 64, 64]`` and only
+        the last chunk is read (the nope chunks are rotated and dropped: 3× the work of a tiny
+        op instead of a copy launch). Rows laid out otherwise are copied first."""
+        tokens, heads, rope = q_pe.shape
+        width = self.qk_nope_head_dim + rope
+        if (q_pe.stride() == (heads * width, width, 1)
+                and q_pe.storage_offset() >= self.qk_nope_head_dim):
+            rows = q_pe.as_strided((tokens, heads, width // rope, rope),
+                                   (heads * width, width, rope, 1),
+                                   q_pe.storage_offset() - self.qk_nope_head_dim)
+        else:
+            rows = q_pe.contiguous().unsqueeze(2)
+        shape = (tokens, 1, 1, rope)
+        return kernels.interleave_rope(rows, cos.view(shape), sin.view(shape))[:, :, -1]
 
     # -- vLLM's MLAAttention layer this impl belongs to --------------------------------------
 
@@ -433,6 +514,14 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
             return
         n = metadata.num_actual_tokens
         kv_c_plane, k_pe_plane = latent_planes(kv_cache, self.kv_lora_rank)
+        if self.rope is not None:  # kv_c un-normed, k_pe un-rotated: normed and rotated here
+            cos, sin = metadata.rope[self.rope]
+            shape = (1, 1, n, self.qk_rope_head_dim)  # one batch: block_num ≥ Ceil(n / block_size)
+            kernels.kv_rmsnorm_rope_cache(
+                _latent_rows(kv_c_normed, k_pe, n), self.kv_norm.weight, cos.view(shape),
+                sin.view(shape), metadata.slot_mapping, k_pe_plane, kv_c_plane,
+                epsilon=self.kv_norm.variance_epsilon, cache_mode="PA")
+            return
         kernels.scatter_pa_kv_cache(
             kv_c_normed[:n].unsqueeze(1).contiguous(), k_pe[:n].contiguous(),
             kv_c_plane, k_pe_plane, metadata.slot_mapping,
@@ -446,6 +535,9 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         else:
             q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :]
         meta = attn_metadata.decode
+        if self.rope is not None:
+            cos, sin = attn_metadata.rope[self.rope]
+            q_pe = self._rotate(q_pe, cos[: q_pe.shape[0]], sin[: q_pe.shape[0]])
         kv_c, k_pe = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         verification = q_nope.shape[0] > meta.block_table.shape[0]  # 1 + k rows per request
         if (self.graph_heads and q_nope.dtype in FUSED_DTYPES
@@ -508,6 +600,11 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                     output, output_scale=None) -> None:
         if output_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
+        if self.rope is not None:  # the prefill tokens follow the decodes in the step
+            cos, sin = attn_metadata.rope[self.rope]
+            rows = slice(attn_metadata.num_decode_tokens, attn_metadata.num_decode_tokens + q.shape[0])
+            q_pe = self._rotate(q[..., self.qk_nope_head_dim:], cos[rows], sin[rows])
+            q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe), dim=-1)
         kv_c, k_pe_cache = latent_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         latent_rows = kv_c.view(-1, self.kv_lora_rank)
         rope_rows = k_pe_cache.view(-1, self.qk_rope_head_dim)
@@ -556,3 +653,38 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     if x.shape[1] == heads:
         return x
     return torch.cat((x, x.new_zeros(x.shape[0], heads - x.shape[1], x.shape[2])), dim=1)
+
+
+def _latent_rows(kv_c: torch.Tensor, k_pe: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` tokens' ``kv_c ++ k_pe`` as npu_kv_rmsnorm_rope_cache_v2's kv ``[1, 1, n,
+    576]``: the rows of vLLM's kv_a projection themselves when kv_c and k_pe are the two halves
+    of each (no launch; models without query LoRA), else copied (one launch: with query LoRA the
+    rows are strided inside the fused q/kv projection, and the op's doc is silent on strides)."""
+    width = kv_c.shape[-1] + k_pe.shape[-1]
+    if (kv_c.stride(-1) == 1 and k_pe.stride(-1) == 1 and k_pe.stride(0) == kv_c.stride(0)
+            and k_pe.untyped_storage().data_ptr() == kv_c.untyped_storage().data_ptr()
+            and k_pe.storage_offset() == kv_c.storage_offset() + kv_c.shape[-1]):
+        rows = kv_c.as_strided((n, width), (kv_c.stride(0), 1)).contiguous()
+    else:
+        rows = torch.cat((kv_c[:n], k_pe[:n].reshape(n, -1)), dim=-1)
+    return rows.view(1, 1, n, width)
+
+
+def fuse_kv_rope(wrapped, instance, args, kwargs) -> None:
+    """``MultiHeadLatentAttentionWrapper.__init__``, then, where its impl can
+    (:meth:`AscendMLAImpl.fuses_kv_rope`), its kv_a_layernorm and rotary handed to the impl:
+    the layer's forward (vLLM's, unchanged) then passes ``kv_a_layernorm(kv_c)`` through an
+    identity and skips its rotary (``if self.rotary_emb is not None``) with the write of the
+    rotated q_pe back into q, and the impl normalises, rotates and caches kv in one launch
+    (npu_kv_rmsnorm_rope_cache_v2) and rotates q_pe in one more (npu_interleave_rope). The
+    norm's weight stays registered under the model's own attention module, so checkpoints
+    load as before."""
+    wrapped(*args, **kwargs)
+    impl = instance.mla_attn.impl
+    # fuse_qkv_rmsnorm (0.30+, a declared signature) reads kv_a_layernorm's weight itself.
+    fused_norms = inspect.signature(wrapped).bind(*args, **kwargs).arguments.get(
+        "fuse_qkv_rmsnorm", False)
+    if isinstance(impl, AscendMLAImpl) and impl.fuses_kv_rope(instance, fused_norms):
+        impl.kv_norm, impl.rope = instance.kv_a_layernorm, instance.rotary_emb
+        instance.kv_a_layernorm = torch.nn.Identity()
+        instance.rotary_emb = None

@@ -59,6 +59,8 @@ OPS = (
     "fused_infer_attention_score_mla_decode",
     "fused_infer_attention_score_mla_decode_workspace",
     "multi_head_latent_attention",
+    "kv_rmsnorm_rope_cache",
+    "interleave_rope",
     "batch_gather_matmul_",
     "recurrent_gated_delta_rule",
     "swap_blocks",

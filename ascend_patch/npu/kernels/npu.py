@@ -398,6 +398,19 @@ def multi_head_latent_attention(q_nope, q_rope, ctkv, k_rope, block_tables, cont
 # --- device runtime -------------------------------------------------------------------------------
 
 
+def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, epsilon=1e-5,
+                          cache_mode="Norm", is_output_kv=False):
+    # The _v2 form: its schema declares the caches mutated (Tensor(a!), Tensor(b!)), which the
+    # plain one's does not, so graph capture and functionalisation see the in-place write.
+    return _torch_npu().npu_kv_rmsnorm_rope_cache_v2(
+        kv, gamma, cos, sin, index, k_cache, ckv_cache, epsilon=epsilon, cache_mode=cache_mode,
+        is_output_kv=is_output_kv)
+
+
+def interleave_rope(x, cos, sin):
+    return _torch_npu().npu_interleave_rope(x, cos, sin)
+
+
 def batch_gather_matmul_(self, x, weight_b, indices, weight_a=None, layer_idx=0, scale=1e-3,
                          y_offset=0, y_slice_size=-1):
     # LoRA's BGMV: each row of x through its own adapter's A then B, added in place into

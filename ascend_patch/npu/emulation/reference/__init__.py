@@ -31,6 +31,7 @@ from .mla import (
     fused_infer_attention_score_mla_decode_workspace,
     multi_head_latent_attention,
 )
+from .mla_rope import interleave_rope, kv_rmsnorm_rope_cache
 from .moe import (
     grouped_matmul,
     moe_finalize_routing,
@@ -49,7 +50,8 @@ __all__ = [
     "fused_infer_attention_score_decode", "fused_infer_attention_score_decode_workspace",
     "fused_infer_attention_score_verify", "fused_infer_attention_score_verify_workspace",
     "fused_infer_attention_score_mla", "fused_infer_attention_score_mla_decode",
-    "fused_infer_attention_score_mla_decode_workspace", "fusion_attention", "grouped_matmul", "moe_finalize_routing",
+    "fused_infer_attention_score_mla_decode_workspace", "fusion_attention", "grouped_matmul",
+    "interleave_rope", "kv_rmsnorm_rope_cache", "moe_finalize_routing",
     "moe_gating_top_k", "moe_gating_top_k_softmax", "moe_gating_top_k_softmax_v2",
     "moe_init_routing_v2", "moe_token_unpermute",
     "mrope", "multi_head_latent_attention", "paged_attention", "paged_attention_workspace", "quant_matmul",
