@@ -40,6 +40,7 @@ class _Driver:
 class Prefetch:
     def __init__(self, specs: list[tuple[dict, dict[str, str], str]], root: Path, drive):
         self._drivers = {key(*spec): _Driver(*spec) for spec in specs}
+        self._environ = dict(os.environ)
         self._all = list(self._drivers.values())
         self._root = root
         self._drive = drive
@@ -66,7 +67,10 @@ class Prefetch:
 
     def take(self, spec: dict, env: dict[str, str], python: str) -> subprocess.CompletedProcess | None:
         """The driver run of exactly this spec, environment and interpreter, waited for; None when
-        there is none, or it has not started (the caller runs it: nothing waits twice)."""
+        there is none, or it has not started (the caller runs it: nothing waits twice). Variables
+        this process set itself since (importing vLLM here sets those the driver's own import of
+        it sets) are not the caller's choice, and do not count."""
+        env = {k: v for k, v in env.items() if k in self._environ or os.environ.get(k) != v}
         with self._lock:
             driver = self._drivers.pop(key(spec, env, python), None)
             if driver is None or driver.state == "pending":
