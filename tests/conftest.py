@@ -46,27 +46,23 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    pinned = [item for item in session.items if getattr(item, "originalname", None) == PINNED_TEST]
-    # The modules whose engine drivers start ahead of them (tests/helpers/prefetch.py): worth it
-    # once there is a module before them to overlap.
-    modules = {item.module: None for item in session.items if hasattr(item.module, "engine_specs")}
-    ahead = len(modules) > 1
-    if not pinned and not ahead:
-        return
     import tempfile
 
     from tests.helpers import pinned as runs
 
-    runs.build_checkpoints()
-    if ahead:
-        _start_prefetch(session, list(modules))
-    if not pinned:
-        return
-    from tests.test_matrix_evidence import CI_DYNAMIC
+    pinned = [item for item in session.items if getattr(item, "originalname", None) == PINNED_TEST]
+    if pinned:
+        from tests.test_matrix_evidence import CI_DYNAMIC
 
-    logs = Path(tempfile.mkdtemp(prefix="pinned-"))
-    selected = [item.callspec.params["version"] for item in pinned]
-    session.config.stash[PINNED_RUNS] = runs.PinnedRuns([v for v in CI_DYNAMIC if v in selected], logs)
+        runs.build_checkpoints()
+        logs = Path(tempfile.mkdtemp(prefix="pinned-"))
+        selected = [item.callspec.params["version"] for item in pinned]
+        session.config.stash[PINNED_RUNS] = runs.PinnedRuns([v for v in CI_DYNAMIC if v in selected], logs)
+    # The modules whose engine drivers start ahead of them (tests/helpers/prefetch.py): worth it
+    # once there is a module before them to overlap.
+    modules = {item.module: None for item in session.items if hasattr(item.module, "engine_specs")}
+    if len(modules) > 1:
+        _start_prefetch(session, list(modules))
 
 
 def _start_prefetch(session, modules) -> None:
