@@ -81,9 +81,11 @@ def assert_tracks_logits(oracles: list[list], prompts: list[list[int]], generate
 def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600,
                python: str = sys.executable) -> dict:
     """Run tests/engine_driver.py on ``spec`` in a fresh interpreter (emulated NPU) of ``python``'s
-    environment, or take its run started ahead of the module (:mod:`tests.helpers.prefetch`)."""
+    environment, or take its run started ahead of the module in the default one
+    (:mod:`tests.helpers.prefetch`)."""
     environment = env or default_env()
-    proc = prefetch.take(spec, environment, python) or drive(spec, tmp_path, environment, timeout, python)
+    ahead = prefetch.take(spec, python) if environment == default_env() else None
+    proc = ahead or drive(spec, tmp_path, environment, timeout, python)
     assert proc.returncode == 0, f"engine driver failed:\n{proc.stderr[-6000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"engine driver printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -5,9 +5,10 @@ for its driver (tests/engine_driver.py): a long, mostly single-threaded stretch 
 second core to the pinned releases' runs, which end long before the suite does. A module that
 names its drivers' specs before its tests run (``engine_specs(tiny_models, items)``, items: the
 module's tests this session runs) has them started here, in session order, while the suite runs
-the tests before it. :func:`tests.helpers.engine.run_engine` takes the finished (or running)
-driver of exactly its spec, environment and interpreter, and runs anything else itself: a test
-reads the same driver output either way, only sooner.
+the tests before it, in the default emulated environment as it was when the tests were collected.
+:func:`tests.helpers.engine.run_engine`, asked for that environment, takes the finished (or
+running) driver of exactly its spec and interpreter, and runs anything else itself: a test reads
+the same driver output either way, only sooner.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 _TIMEOUT = 2400  # the longest a module gives its driver
 
 
-def key(spec: dict, env: dict[str, str], python: str) -> str:
-    return json.dumps([spec, sorted(env.items()), python], sort_keys=True)
+def key(spec: dict, python: str) -> str:
+    return json.dumps([spec, python], sort_keys=True)
 
 
 class _Driver:
@@ -39,8 +40,7 @@ class _Driver:
 
 class Prefetch:
     def __init__(self, specs: list[tuple[dict, dict[str, str], str]], root: Path, drive):
-        self._drivers = {key(*spec): _Driver(*spec) for spec in specs}
-        self._environ = dict(os.environ)
+        self._drivers = {key(spec, python): _Driver(spec, env, python) for spec, env, python in specs}
         self._all = list(self._drivers.values())
         self._root = root
         self._drive = drive
@@ -65,14 +65,11 @@ class Prefetch:
             driver.state = "done"
             driver.done.set()
 
-    def take(self, spec: dict, env: dict[str, str], python: str) -> subprocess.CompletedProcess | None:
-        """The driver run of exactly this spec, environment and interpreter, waited for; None when
-        there is none, or it has not started (the caller runs it: nothing waits twice). Variables
-        this process set itself since (importing vLLM here sets those the driver's own import of
-        it sets) are not the caller's choice, and do not count."""
-        env = {k: v for k, v in env.items() if k in self._environ or os.environ.get(k) != v}
+    def take(self, spec: dict, python: str) -> subprocess.CompletedProcess | None:
+        """The driver run of exactly this spec and interpreter, waited for; None when there is
+        none, or it has not started (the caller runs it: nothing waits twice)."""
         with self._lock:
-            driver = self._drivers.pop(key(spec, env, python), None)
+            driver = self._drivers.pop(key(spec, python), None)
             if driver is None or driver.state == "pending":
                 if driver is not None:
                     driver.state = "claimed"
@@ -88,7 +85,7 @@ class Prefetch:
             self._closed = True
             running = [d.proc for d in self._all if d.state == "running" and d.proc]
             unused = [d for d in self._drivers.values() if d.state != "pending"]
-        if unused:  # a module built another spec or environment than it named: its run was wasted
+        if unused:  # a module built another spec than it named, or another environment: wasted runs
             print(f"prefetch: {len(unused)} driver run(s) started ahead were not taken", file=sys.stderr)
         for proc in running:
             if proc.poll() is None:
@@ -103,8 +100,8 @@ def start(specs: list[tuple[dict, dict[str, str], str]], root: Path, drive) -> N
     _current = Prefetch(specs, root, drive)
 
 
-def take(spec: dict, env: dict[str, str], python: str) -> subprocess.CompletedProcess | None:
-    return _current.take(spec, env, python) if _current is not None else None
+def take(spec: dict, python: str) -> subprocess.CompletedProcess | None:
+    return _current.take(spec, python) if _current is not None else None
 
 
 def close() -> None:
