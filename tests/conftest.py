@@ -44,21 +44,46 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    pinned = [item for item in session.items if getattr(item, "originalname", None) == PINNED_TEST]
-    if not pinned or session.config.option.collectonly:
+    if session.config.option.collectonly:
         return
     import tempfile
 
     from tests.helpers import pinned as runs
-    from tests.test_matrix_evidence import CI_DYNAMIC
 
-    runs.build_checkpoints()
-    logs = Path(tempfile.mkdtemp(prefix="pinned-"))
-    selected = [item.callspec.params["version"] for item in pinned]
-    session.config.stash[PINNED_RUNS] = runs.PinnedRuns([v for v in CI_DYNAMIC if v in selected], logs)
+    pinned = [item for item in session.items if getattr(item, "originalname", None) == PINNED_TEST]
+    if pinned:
+        from tests.test_matrix_evidence import CI_DYNAMIC
+
+        runs.build_checkpoints()
+        logs = Path(tempfile.mkdtemp(prefix="pinned-"))
+        selected = [item.callspec.params["version"] for item in pinned]
+        session.config.stash[PINNED_RUNS] = runs.PinnedRuns([v for v in CI_DYNAMIC if v in selected], logs)
+    # The modules whose engine drivers start ahead of them (tests/helpers/prefetch.py): worth it
+    # once there is a module before them to overlap.
+    modules = {item.module: None for item in session.items if hasattr(item.module, "engine_specs")}
+    if len(modules) > 1:
+        _start_prefetch(session, list(modules))
+
+
+def _start_prefetch(session, modules) -> None:
+    import sys
+    import tempfile
+
+    from ascend_patch.kit import tiny_models
+    from tests.helpers import prefetch
+    from tests.helpers.engine import default_env, drive
+
+    models = tiny_models.build(MODELS_DIR)
+    env = default_env()
+    specs = [(spec, env, sys.executable) for module in modules
+             for spec in module.engine_specs(models, [item for item in session.items if item.module is module])]
+    prefetch.start(specs, Path(tempfile.mkdtemp(prefix="prefetch-")), drive)
 
 
 def pytest_sessionfinish(session):
+    from tests.helpers import prefetch
+
+    prefetch.close()
     runs = session.config.stash.get(PINNED_RUNS, None)
     if runs is not None:
         runs.close()

@@ -65,14 +65,21 @@ def prompts(tiny_models):
     return prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_models, prompts, tmp_path_factory):
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
+    prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
     engines = [{"model": str(tiny_models[name]),
                 "kwargs": {**ENGINE, "dtype": dtype, **(VARIANTS[variant[0]] if variant else {}),
                            **({"enforce_eager": True} if (name, dtype) in EAGER and not variant else {})},
                 "runs": [{"prompts": prompts, "sampling": [GREEDY]}] * count}
                for (name, dtype, *variant), count in ENGINES.items()]
-    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("attention"), timeout=1200)
+    return [{"engines": engines}]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory):
+    [spec] = engine_specs(tiny_models)
+    result = run_engine(spec, tmp_path_factory.mktemp("attention"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
     return dict(zip(ENGINES, result["engines"]))
 

@@ -35,9 +35,12 @@ def llama(tiny_models):
     return tiny_models["tiny-llama"]
 
 
+PROMPT_LENGTHS = [5, 33, 140, 260]
+
+
 @pytest.fixture(scope="module")
 def prompts(llama):
-    return prompt_token_ids(llama, [5, 33, 140, 260])
+    return prompt_token_ids(llama, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +64,18 @@ PARALLEL = {
 }
 
 
-@pytest.fixture(scope="module")
-def parallel_runs(tiny_models, prompts, tmp_path_factory):
+def _parallel_spec(tiny_models) -> dict:
     """The multiprocess engines one after another in one driver process."""
-    spec = {"engines": [{"model": str(tiny_models[model]), "kwargs": {**ENGINE, **MP, **parallel},
+    prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
+    return {"engines": [{"model": str(tiny_models[model]), "kwargs": {**ENGINE, **MP, **parallel},
                          "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}
                         for model, parallel in PARALLEL.values()]}
-    result = run_engine(spec, tmp_path_factory.mktemp("parallel"), env=clean_env(**EMULATED), timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tiny_models, tmp_path_factory):
+    result = run_engine(_parallel_spec(tiny_models), tmp_path_factory.mktemp("parallel"),
+                        env=clean_env(**EMULATED), timeout=1200)
     return dict(zip(PARALLEL, result["engines"]))
 
 
@@ -92,21 +100,31 @@ LORA_ADAPTERS = ("tiny-llama-lora-a", None, "tiny-llama-lora-b", "tiny-llama-lor
 LORA = {**ENGINE, "dtype": "float16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
 
 
-@pytest.fixture(scope="module")
-def lora_runs(llama, prompts, tmp_path_factory):
+def _lora_spec(tiny_models) -> tuple[dict, dict]:
     """The same mixed LoRA batch on TP=2 (vLLM's column-parallel LoRA layers slice B by output
     shard, QKV by head group, the row-parallel ones A by input shard: each rank's wrapper sees
-    only its slices) and on one device, one driver process."""
+    only its slices) and on one device, one driver process; and the adapters."""
     from ascend_patch.kit import tiny_adapters
     from tests.helpers.engine import MODELS_DIR
 
+    llama = tiny_models["tiny-llama"]
     adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
-    run = {"prompts": prompts, "sampling": [GREEDY],
+    run = {"prompts": prompt_token_ids(llama, PROMPT_LENGTHS), "sampling": [GREEDY],
            "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}
-    spec = {"engines": [
+    return {"engines": [
         {"model": str(llama), "kwargs": {**LORA, **MP, "tensor_parallel_size": 2}, "runs": [run]},
         {"model": str(llama), "kwargs": LORA, "runs": [run]},
-    ]}
+    ]}, adapters
+
+
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The drivers' specs, started ahead of the module (tests/helpers/prefetch.py)."""
+    return [_parallel_spec(tiny_models), _lora_spec(tiny_models)[0]]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_models, tmp_path_factory):
+    spec, adapters = _lora_spec(tiny_models)
     tp2, tp1 = run_engine(spec, tmp_path_factory.mktemp("lora"), env=clean_env(**EMULATED),
                           timeout=1200)["engines"]
     return adapters, _tokens(tp2), _tokens(tp1)
@@ -282,11 +300,9 @@ def ray_cluster(tmp_path_factory):
     try:
         yield address
     finally:
-        for pid in _session_pids(head.pid):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        # The head stops the processes it started, in a few seconds; a SIGTERM to each of them at
+        # once leaves the GCS server and the monitor running until the grace period ends.
+        head.terminate()
         deadline = time.monotonic() + 30
         while _session_pids(head.pid) and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -75,14 +75,18 @@ def adapters():
     return tiny_adapters.build(MODELS_DIR)
 
 
-@pytest.fixture(scope="module")
-def fp32_runs(llama, prompts, tiny_models, adapters, tmp_path_factory):
+def _fp32_spec(tiny_models) -> tuple[dict, list]:
     """The fp32 engines, one after another in one driver process (each shut down, its emulated
     HBM freed, before the next starts): two Llamas that differ only in their share of the
     emulated HBM; the Llama with prefix caching (vLLM's default) serving the prompts twice,
     prompts sharing a prefix, then seeded sampling; the Llama forcing chunked prefill; Qwen2;
     the Llama serving two LoRA adapters and the base model in one batch; and the configurations
-    the NPU path refuses."""
+    the NPU path refuses; and their names."""
+    from ascend_patch.kit import tiny_adapters
+
+    llama = tiny_models["tiny-llama"]
+    prompts = prompt_token_ids(llama, PROMPT_LENGTHS)
+    adapters = tiny_adapters.build(MODELS_DIR)
     chosen = [prompts[i] for i in SEEDED_PROMPTS]
     shared = _shared_prefix_prompts(prompts)
     qwen = tiny_models["tiny-qwen2"]
@@ -114,7 +118,13 @@ def fp32_runs(llama, prompts, tiny_models, adapters, tmp_path_factory):
     for kwargs, message in REFUSED:
         engines.append({"model": str(llama), "kwargs": {**ENGINE, **kwargs}, "runs": []})
         names.append(("refused", message))
-    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("fp32"))
+    return {"engines": engines}, names
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(tiny_models, tmp_path_factory):
+    spec, names = _fp32_spec(tiny_models)
+    result = run_engine(spec, tmp_path_factory.mktemp("fp32"))
     assert result["platform"] == "EmulatedNPUPlatform"
     assert result["vllm_C_imported"] is False, "no CUDA/CPU _C kernels on the NPU path"
     return dict(zip(names, result["engines"]))
@@ -191,15 +201,16 @@ DECODE_STEPS = {"prompts": [[i + 3] for i in range(8)], "layer_launches": True,
                 "sampling": [{"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}]}
 
 
-@pytest.fixture(scope="module")
-def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
+def _half_precision_spec(tiny_models) -> tuple[dict, list]:
     """One driver process, several engines: per dtype the Llama with prefix caching and a
     64-token step budget (chunked prefill, mixed prefill + decode steps, prefix-cache hits,
     seeded sampling, and in bf16 decode steps whose layers' launches are counted) and Qwen2; the
     head_dim-128 Llama in bf16; all eager, so every step
     launches its kernels (graph mode has its own tests, tests/test_graph.py). And the bf16
     Llama with FULL_DECODE_ONLY graphs asked for explicitly (by default graph mode is on
-    only for releases this suite has passed on)."""
+    only for releases this suite has passed on). And their names."""
+    llama = tiny_models["tiny-llama"]
+    prompts = prompt_token_ids(llama, PROMPT_LENGTHS)
     small = {**ENGINE, "gpu_memory_utilization": 0.15, "enforce_eager": True}
     sampling = [{**HALF_SAMPLE, "seed": seed} for seed in (3, 4)]
     qwen = tiny_models["tiny-qwen2"]
@@ -224,7 +235,18 @@ def half_precision_runs(tiny_models, llama, prompts, tmp_path_factory):
                     "kwargs": {**ENGINE, "dtype": "bfloat16",
                                "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}})
     names.append(("llama-graphs", "bfloat16"))
-    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("half"))
+    return {"engines": engines}, names
+
+
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The drivers' specs, started ahead of the module (tests/helpers/prefetch.py)."""
+    return [_fp32_spec(tiny_models)[0], _half_precision_spec(tiny_models)[0]]
+
+
+@pytest.fixture(scope="module")
+def half_precision_runs(tiny_models, tmp_path_factory):
+    spec, names = _half_precision_spec(tiny_models)
+    result = run_engine(spec, tmp_path_factory.mktemp("half"))
     for engine in result["engines"]:
         assert "error" not in engine, engine["error"]
     return dict(zip(names, result["engines"]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from ascend_patch.kit.oracle import prompt_token_ids
-from tests.helpers.engine import assert_tracks_hf_logits, only_marked_tests, run_engine
+from tests.helpers.engine import assert_tracks_hf_logits, module_items, only_marked, run_engine
 
 # 8 requests: the 129- and 200-token prompts prefill in 64-token chunks beside decodes.
 PROMPT_LENGTHS = [3, 17, 129, 40, 7, 200, 11, 64]
@@ -55,16 +55,26 @@ V0_20 = ("qwen2 graph",)
 """The engine the tests marked v0_20_features read (a v0_20-set release in CI): sleep mode."""
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_models, tmp_path_factory, request):
+def _names(marked_only: bool) -> list[str]:
+    return list(V0_20) if marked_only else list(ENGINES)
+
+
+def engine_specs(tiny_models, items) -> list[dict]:
+    """The driver's spec, for the session's tests ``items`` of this module (tests/helpers/prefetch.py)."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
-    names = V0_20 if only_marked_tests(request) else list(ENGINES)
-    spec = {"engines": [
+    return [{"engines": [
         {"model": str(tiny_models[model]), "kwargs": kwargs, **extra,
          "runs": [run if isinstance(run, dict) else {"prompts": prompts[:run[0]], "sampling": run[1]}
                   for run in runs]}
-        for model, kwargs, runs, extra in map(ENGINES.get, names)
-    ]}
+        for model, kwargs, runs, extra in map(ENGINES.get, _names(only_marked(items)))
+    ]}]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory, request):
+    items = module_items(request)
+    names = _names(only_marked(items))
+    [spec] = engine_specs(tiny_models, items)
     result = run_engine(spec, tmp_path_factory.mktemp("graph"), timeout=1500)
     assert result["platform"] == "EmulatedNPUPlatform"
     engines = dict(zip(names, result["engines"]))

@@ -40,8 +40,8 @@ ENGINES = {
 }
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_models, tmp_path_factory):
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
     from ascend_patch.kit import tiny_adapters
 
     adapters = tiny_adapters.build(MODELS_DIR, [A, B])
@@ -49,8 +49,13 @@ def engines(tiny_models, tmp_path_factory):
     runs = [{"prompts": prompts, "sampling": _greedy(max_tokens),
              "adapters": [name and str(adapters[name]) for name in names]}
             for names, max_tokens in RUNS]
-    spec = {"engines": [{"model": str(tiny_models["tiny-llama"]), "kwargs": kwargs, **extra,
-                         "runs": runs} for kwargs, extra in ENGINES.values()]}
+    return [{"engines": [{"model": str(tiny_models["tiny-llama"]), "kwargs": kwargs, **extra,
+                          "runs": runs} for kwargs, extra in ENGINES.values()]}]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory):
+    [spec] = engine_specs(tiny_models)
     result = run_engine(spec, tmp_path_factory.mktemp("graph-lora"), timeout=1500)
     engines = dict(zip(ENGINES, result["engines"]))
     for name, engine in engines.items():

@@ -42,18 +42,23 @@ TP2_EP2 = {**TP2, "enable_expert_parallel": True}
 ENGINES = {"graph": {**ENGINE, **TP2_EP2}, "eager": {**ENGINE, **TP2_EP2, "enforce_eager": True}}
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_models, tmp_path_factory):
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
     runs = [{"prompts": [prompts[i] for i in chosen], "sampling": sampling[: len(chosen)]}
             for chosen, sampling in SHAPES]
-    spec = {"engines": [{"model": str(tiny_models[MODEL]), "kwargs": kwargs, "runs": runs}
-                        for kwargs in ENGINES.values()]}
+    return [{"engines": [{"model": str(tiny_models[MODEL]), "kwargs": kwargs, "runs": runs}
+                         for kwargs in ENGINES.values()]}]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory):
+    [spec] = engine_specs(tiny_models)
     result = run_engine(spec, tmp_path_factory.mktemp("graph-moe"), timeout=2400)
     engines = dict(zip(ENGINES, result["engines"]))
     for name, engine in engines.items():
         assert "error" not in engine, f"{name}: {engine.get('error')}"
-    return {**engines, "prompts": [run["prompts"] for run in runs]}
+    return {**engines, "prompts": [run["prompts"] for run in spec["engines"][0]["runs"]]}
 
 
 def test_tp2_ep2_moe_graphs_are_on_by_default_and_replay_eager_tokens(engines):

@@ -39,8 +39,8 @@ ENGINES = {
 }
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_models, tmp_path_factory):
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
     specs = []
     for model, kwargs, runs in ENGINES.values():
@@ -49,8 +49,13 @@ def engines(tiny_models, tmp_path_factory):
         specs.append({"model": str(tiny_models[model]), "kwargs": kwargs,
                       **({"stale_host_params": stale} if stale else {}),
                       "runs": [{"prompts": prompts[:n], "sampling": s} for n, s in runs]})
-    result = run_engine({"engines": specs, "report_errors": True},
-                        tmp_path_factory.mktemp("graph-windowed"), timeout=2400)
+    return [{"engines": specs, "report_errors": True}]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory):
+    [spec] = engine_specs(tiny_models)
+    result = run_engine(spec, tmp_path_factory.mktemp("graph-windowed"), timeout=2400)
     engines = dict(zip(ENGINES, result["engines"]))
     for name, engine in engines.items():
         assert "error" not in engine, f"{name}: {engine.get('error')}"

@@ -72,8 +72,9 @@ ENGINES = [*((name, mode) for name in MOE_MODELS for mode in ("float32", "bfloat
            ("tiny-glm4-moe-pairs", "bfloat16"), ("tiny-glm4-moe-pairs", "bfloat16 eager"), COUNTED]
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_models, prompts, tmp_path_factory):
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
+    prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
     engines = [
         {"model": str(tiny_models[name]), "kwargs": {**ENGINE, **MODES[mode]},
          "runs": [DECODE_STEPS] if (name, mode) == COUNTED else
@@ -82,7 +83,13 @@ def runs(tiny_models, prompts, tmp_path_factory):
     ]
     engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
                 for name, kwargs, _ in REFUSED.values()]
-    result = run_engine({"engines": engines}, tmp_path_factory.mktemp("moe"), timeout=1200)
+    return [{"engines": engines}]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory):
+    [spec] = engine_specs(tiny_models)
+    result = run_engine(spec, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
     return dict(zip(ENGINES + list(REFUSED), result["engines"]))
 

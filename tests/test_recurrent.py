@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from ascend_patch.kit.oracle import hf_greedy
 from tests.helpers.engine import assert_tracks_hf_logits, run_engine
 
-pytestmark = pytest.mark.skipif(
-    not version("vllm").startswith("0.33."),
-    reason="recurrent layers are served on vLLM 0.33 only")
+SERVED = version("vllm").startswith("0.33.")
+pytestmark = pytest.mark.skipif(not SERVED, reason="recurrent layers are served on vLLM 0.33 only")
 
 # 150 tokens: five SSD chunks, and three scheduler steps at 64 tokens a step.
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(150)], list(range(40, 47)),
@@ -62,11 +61,18 @@ def _engines(model, bf16=False):
     return engines
 
 
+def engine_specs(tiny_models, items=None) -> list[dict]:
+    """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
+    if not SERVED:
+        return []
+    granite, qwen3_next = (str(tiny_models[name]) for name in ("tiny-granite4", "tiny-qwen3-next"))
+    return [{"engines": _engines(granite) + _engines(qwen3_next, bf16=True)}]
+
+
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
     """Every engine of both models, in one driver process."""
-    granite, qwen3_next = (str(tiny_models[name]) for name in ("tiny-granite4", "tiny-qwen3-next"))
-    spec = {"engines": _engines(granite) + _engines(qwen3_next, bf16=True)}
+    [spec] = engine_specs(tiny_models)
     engines = run_engine(spec, tmp_path_factory.mktemp("recurrent"), timeout=2400)["engines"]
     for engine in engines:
         assert "error" not in engine, engine["error"]

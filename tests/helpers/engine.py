@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ascend_patch.kit import oracle
 from ascend_patch.kit.oracle import hf_greedy
+from tests.helpers import prefetch
 from tests.helpers.process import ROOT, clean_env
 
 
@@ -34,8 +35,17 @@ def only_marked_tests(request, marker: str = V0_20_FEATURES) -> bool:
     """Whether every test this session runs from the requesting module carries ``marker`` (a
     pinned release's ``-m v0_20_features`` run): the module's shared engines then start only the
     ones those tests read. A marked test that reads another engine fails on its missing key."""
-    selected = [item for item in request.session.items if item.module is request.module]
-    return bool(selected) and all(item.get_closest_marker(marker) for item in selected)
+    return only_marked(module_items(request), marker)
+
+
+def module_items(request) -> list:
+    """The tests this session runs from the requesting module."""
+    return [item for item in request.session.items if item.module is request.module]
+
+
+def only_marked(items: list, marker: str = V0_20_FEATURES) -> bool:
+    """Whether every one of a module's selected ``items`` carries ``marker``."""
+    return bool(items) and all(item.get_closest_marker(marker) for item in items)
 
 
 def assert_greedy_equals_hf(engine: dict, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
@@ -71,19 +81,36 @@ def assert_tracks_logits(oracles: list[list], prompts: list[list[int]], generate
 def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 600,
                python: str = sys.executable) -> dict:
     """Run tests/engine_driver.py on ``spec`` in a fresh interpreter (emulated NPU) of ``python``'s
-    environment."""
-    spec_file = tmp_path / f"engine-spec-{len(list(tmp_path.glob('engine-spec-*')))}.json"
-    spec_file.write_text(json.dumps(spec))
-    environment = env or clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
-    proc = subprocess.run(
-        [python, str(ROOT / "tests" / "engine_driver.py"), str(spec_file)],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=tmp_path,
-    )
+    environment, or take its run started ahead of the module in the default one
+    (:mod:`tests.helpers.prefetch`)."""
+    environment = env or default_env()
+    ahead = prefetch.take(spec, python) if environment == default_env() else None
+    proc = ahead or drive(spec, tmp_path, environment, timeout, python)
     assert proc.returncode == 0, f"engine driver failed:\n{proc.stderr[-6000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"engine driver printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+def default_env() -> dict[str, str]:
+    return clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="512MiB")
+
+
+def drive(spec: dict, tmp_path: Path, env: dict[str, str], timeout: float, python: str,
+          started=None) -> subprocess.CompletedProcess:
+    """The driver's run; ``started`` (a background run's) is handed the process, which leads a
+    session of its own so that it can be stopped with its workers."""
+    spec_file = tmp_path / f"engine-spec-{len(list(tmp_path.glob('engine-spec-*')))}.json"
+    spec_file.write_text(json.dumps(spec))
+    argv = [python, str(ROOT / "tests" / "engine_driver.py"), str(spec_file)]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=tmp_path, start_new_session=started is not None) as proc:
+        if started is not None:
+            started(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
