@@ -84,7 +84,7 @@ def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts
         "mistral self_draft eager": ({**ENGINE, **windowed, "enforce_eager": True},
                                      {"model": mistral}),
         "mtp graph": ({**ENGINE, **mtp}, deepseek),
-        "deepseek eager without speculation": ({**ENGINE, "enforce_eager": True}, deepseek),
+        "mtp eager": ({**ENGINE, **mtp, "enforce_eager": True}, deepseek),
         "mtp stale host parameters": ({**ENGINE, **mtp}, {**deepseek, "stale_host_params": True}),
     }
     prompts_of = {mistral: mistral_prompts, str(mtp_model): mtp_prompts}
@@ -169,24 +169,28 @@ def test_without_host_parameter_updates_verification_replays_diverge(engines):
     assert all(diverged), diverged
 
 
-def test_mtp_verification_rows_replay_the_tokens_of_plain_decoding(engines, mtp_model,
-                                                                    mtp_prompts):
+def test_mtp_verification_rows_replay_eager_tokens(engines, mtp_model, mtp_prompts):
     """DeepSeek MTP (MLA at DeepSeek's dimensions, MoE): its verification rows on FIA's MLA form,
-    causal over 1 + k absorbed queries per request, in FULL graphs. The random MTP layer's drafts
-    are rejected, so each step's token is its first row's: the tokens the same model gives
-    without speculation, eagerly, decoding one token at a time on the ATB MLA op."""
-    graph, plain = engines["mtp graph"], engines["deepseek eager without speculation"]
-    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    causal over 1 + k absorbed queries per request, in FULL graphs, replay the tokens of the same
+    engine run eagerly (the same form, launched directly). Not compared token for token with the
+    model without speculation: there the MLA layers fuse their kv norm and rope
+    (npu_kv_rmsnorm_rope_cache_v2), which rounds differently in bf16 (test_spec_decode checks MTP
+    against the engine without speculation)."""
+    graph, eager = engines["mtp graph"], engines["mtp eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
     assert graph["capture_sizes"] and all(size % ROWS == 0 for size in graph["capture_sizes"])
     run = graph["runs"][0]
-    assert run["tokens"] == plain["runs"][0]["tokens"]
+    assert run["tokens"] == eager["runs"][0]["tokens"]
     assert_tracks_hf_logits(mtp_model, mtp_prompts, run["tokens"], routed=True)
     assert run["spec_decode"]["drafts"] > 0 and run["graph_replays"] > 0
     # Three requests, then two, then one: padded to 16 and replayed at 8 and 4 (1 + k each).
     assert set(run["graph_replays_by_size"]) == {"4", "8", "16"}
-    # Verification rows decode on FIA's MLA form only, the plain engine's single tokens on ATB.
+    # Verification rows decode on FIA's MLA form, in graphs and eagerly alike; only the eager
+    # engine's one-token decodes (the MTP layer's drafts) take the ATB op.
     assert run["launches"].get("multi_head_latent_attention", 0) == 0
-    assert plain["runs"][0]["launches"].get("fused_infer_attention_score_mla_decode", 0) == 0
+    assert eager["runs"][0]["launches"]["multi_head_latent_attention"] > 0
+    for engine in (run, eager["runs"][0]):
+        assert engine["launches"]["fused_infer_attention_score_mla_decode"] > 0
 
 
 def test_each_replay_updates_every_mla_layers_verification(engines):
@@ -197,9 +201,9 @@ def test_each_replay_updates_every_mla_layers_verification(engines):
 
 
 def test_without_host_parameter_updates_mtp_replays_diverge(engines):
-    stale, plain = engines["mtp stale host parameters"], engines["deepseek eager without speculation"]
+    stale, eager = engines["mtp stale host parameters"], engines["mtp eager"]
     assert stale["runs"][0]["graph_replays"] > 0
-    diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], plain["runs"][0]["tokens"])]
+    diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], eager["runs"][0]["tokens"])]
     assert all(diverged), diverged
 
 

@@ -88,7 +88,10 @@ def test_the_record_carries_versions_numbers_and_timing(emulated):
     for check in checks.values():
         numbers = check["numbers"]
         assert numbers["tokens"] > 0 and numbers["exact"] > 0, check
-        assert 0 <= numbers["worst_gap"] <= numbers["worst_gap_tolerance"], check
+        if "allowed_beyond_tolerance" in numbers:  # MoE routing: a few flips allowed (oracle.logit_tracking)
+            assert numbers["beyond_tolerance"] <= numbers["allowed_beyond_tolerance"], check
+        else:
+            assert 0 <= numbers["worst_gap"] <= numbers["worst_gap_tolerance"], check
         assert check["seconds"] >= 0
     assert checks["prefix-cache"]["numbers"]["cached_tokens"] == 4 * 256
     assert checks["paged-attention"]["numbers"]["paged_attention_launches"] > 0
