@@ -199,6 +199,26 @@ def lora_deltas(x, lora_as, lora_bs, weights) -> list:
     return deltas
 
 
+def expert_lora_deltas(x, lora_as, lora_bs, slots, experts) -> list:
+    """MoE LoRA: each routed copy's ``(x[c] @ A_i[s, e]ᵀ) @ B_i[s, e]ᵀ`` per slice ``i``, for the
+    copy's adapter slot ``s`` and expert ``e`` (unscaled): ``x`` [C, K], ``lora_as`` [S, E, R, K],
+    ``lora_bs`` [S, E, N_i, R], ``slots`` and ``experts`` [C] (-1: no adapter, or an expert on
+    another rank) -> per slice [C, N_i] float32, 0 for copies without an adapter. Each copy takes
+    its own (slot, expert) pair of A and B by one index_select each (C x R x (K + N) elements,
+    no host read); every copy meets only its own expert, never all of them."""
+    experts_per_slot = lora_as[0].shape[1]
+    valid = (slots >= 0) & (experts >= 0)
+    pairs = torch.where(valid, slots * experts_per_slot + experts, 0).long()
+    x = x.float()
+    deltas = []
+    for lora_a, lora_b in zip(lora_as, lora_bs):
+        a = lora_a.flatten(0, 1).index_select(0, pairs).float()
+        b = lora_b.flatten(0, 1).index_select(0, pairs).float()
+        shrunk = torch.einsum("ck,crk->cr", x, a)
+        deltas.append(torch.einsum("cr,cnr->cn", shrunk, b) * valid.unsqueeze(1))
+    return deltas
+
+
 def gathered_matmul(x, weight, rows: SlotRows):
     """LoRA's per-row matmul: row ``t`` of ``x`` [T, K] times its adapter slot's
     ``weight[slot[t]]ᵀ`` (``weight`` [slots, N, K]) -> [T, N], zero for rows without an adapter.
