@@ -15,8 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_patch.kit.oracle import prompt_token_ids
-from tests.helpers.engine import assert_greedy_equals_hf, assert_tracks_hf_logits, run_engine
+from ascend_patch.kit import tiny_adapters
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import (
+    MODELS_DIR,
+    assert_greedy_equals_hf,
+    assert_tracks_hf_logits,
+    run_engine,
+)
 
 MOE_MODELS = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-glm4-moe")
 # The gating op each family's routing maps to.
@@ -49,8 +55,6 @@ REFUSED = {
         "uses routing the NPU gating op cannot take (sigmoid scores without renormalisation: "
         "npu_moe_gating_top_k always renormalises sigmoid weights); ascend-patch cannot run it "
         "on the NPU"),
-    "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True},
-                             "LoRA on a mixture-of-experts model is not supported by ascend-patch yet"),
 }
 # Grouped routing npu_moe_gating_top_k cannot take, which vLLM's own grouped top-k (torch ops)
 # routes instead, with one warning per model naming the layers and the op's limit.
@@ -70,6 +74,12 @@ DECODE_STEPS = {"prompts": [[i + 3] for i in range(8)], "layer_launches": True,
 ENGINES = [*((name, mode) for name in MOE_MODELS for mode in ("float32", "bfloat16")),
            *((name, "float32") for name in NATIVE_ROUTING),
            ("tiny-glm4-moe-pairs", "bfloat16"), ("tiny-glm4-moe-pairs", "bfloat16 eager"), COUNTED]
+# Qwen3-MoE serving two LoRA adapters (attention and every expert's gate/up/down) and the base
+# model in one fp32 batch, per prompt the adapter's name or None.
+LORA = ("tiny-qwen3-moe", "lora")
+LORA_ADAPTERS = ("tiny-qwen3-moe-lora-a", None, "tiny-qwen3-moe-lora-b", "tiny-qwen3-moe-lora-a")
+LORA_ENGINE = {**ENGINE, "dtype": "float32", "enable_lora": True, "max_loras": 2,
+               "max_lora_rank": 16}
 
 
 def engine_specs(tiny_models, items=None) -> list[dict]:
@@ -83,6 +93,10 @@ def engine_specs(tiny_models, items=None) -> list[dict]:
     ]
     engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
                 for name, kwargs, _ in REFUSED.values()]
+    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+    engines.append({"model": str(tiny_models[LORA[0]]), "kwargs": LORA_ENGINE, "runs": [{
+        "prompts": prompts, "sampling": [GREEDY],
+        "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}]})
     return [{"engines": engines}]
 
 
@@ -91,7 +105,7 @@ def runs(tiny_models, tmp_path_factory):
     [spec] = engine_specs(tiny_models)
     result = run_engine(spec, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    return dict(zip(ENGINES + list(REFUSED), result["engines"]))
+    return dict(zip(ENGINES + list(REFUSED) + [LORA], result["engines"]))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -99,8 +113,7 @@ def test_what_the_npu_path_cannot_run_is_refused_clearly(case, runs):
     name, _, message = REFUSED[case]
     error = runs[case].get("error", "")
     assert message in error, error
-    if "LoRA" not in case:
-        assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
+    assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
 
 
 @pytest.mark.parametrize("name", list(NATIVE_ROUTING))
@@ -147,6 +160,35 @@ def test_a_moe_decode_layer_launches_at_the_floor(runs):
                         "contiguous.default": 1, "scatter_pa_kv_cache": 1, "paged_attention": 1,
                         "moe_gating_top_k_softmax_v2": 1, "moe_init_routing_v2": 1,
                         "grouped_matmul": 2, "swiglu": 1, "moe_token_unpermute": 1}
+
+
+def test_two_lora_adapters_on_attention_and_experts_and_the_base_model_equal_hf_merged(
+        runs, tiny_models, prompts, tmp_path_factory):
+    """vLLM 0.33's FusedMoEWithLoRA on the NPU experts: each prompt's greedy tokens equal HF
+    transformers with its adapter merged into the weights by hand (attention and every expert's
+    gate/up/down), the base model's prompts the plain checkpoint's. The control merges the
+    attention deltas only: its tokens differ, so a dropped expert LoRA delta fails here. Routing
+    stays on the NPU gating op and the experts on the NPU MoE ops."""
+    engine = runs[LORA]
+    assert "error" not in engine, engine.get("error")
+    (run,) = engine["runs"]
+    tokens = run["tokens"]
+    model = tiny_models[LORA[0]]
+    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+    root = tmp_path_factory.mktemp("merged")
+    for name in filter(None, dict.fromkeys(LORA_ADAPTERS)):
+        rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter == name]
+        chosen = [prompts[row] for row in rows]
+        expected = hf_greedy(tiny_adapters.merged(adapters[name], root / name), chosen, MAX_TOKENS)
+        assert [tokens[row] for row in rows] == expected, name
+        attention_only = tiny_adapters.merged(adapters[name], root / f"{name}-attention",
+                                              skip=".experts.")
+        assert hf_greedy(attention_only, chosen, MAX_TOKENS) != expected, f"{name}: experts"
+    base_rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter is None]
+    assert [tokens[row] for row in base_rows] == hf_greedy(
+        model, [prompts[row] for row in base_rows], MAX_TOKENS)
+    launches = run["launches"]
+    assert launches["grouped_matmul"] == 2 * launches["moe_gating_top_k_softmax_v2"] > 0
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
