@@ -35,6 +35,7 @@ from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
 from ascend_patch.npu.kernels.composed import (
     expert_lora_deltas,
+    expert_lora_pairs,
     gathered_matmul,
     lora_deltas,
     slot_rows,
@@ -144,27 +145,29 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         adapter_y = gathered_matmul(x.float(), weight.float(), self._request_rows.first(x.shape[0]))
         y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))
 
-    def _copy_slots(self, num_tokens, top_k, token_lora_mapping):
-        """Each routed copy's adapter slot (row ``t * k + j``: token t's)."""
-        slots = (self._token_lora_indices[:num_tokens] if token_lora_mapping is None
+    def _pairs(self, topk_ids, expert_map, experts_per_slot, token_lora_mapping):
+        """Each routed copy's (slot, local expert) row (row ``t * k + j``: token t's j-th
+        expert), -1 without an adapter or on another rank."""
+        slots = (self._token_lora_indices[: topk_ids.shape[0]] if token_lora_mapping is None
                  else token_lora_mapping)
-        return slots.repeat_interleave(top_k)
-
-    @staticmethod
-    def _local_experts(topk_ids, expert_map):
-        ids = topk_ids.flatten()
-        # index_select, not expert_map[ids]: no host sync (see ops.fused_moe.fused_experts).
-        return ids.long() if expert_map is None else expert_map.index_select(0, ids.long())
+        experts = topk_ids
+        if expert_map is not None:
+            # index_select, not expert_map[ids]: no host sync (see ops.fused_moe.fused_experts).
+            experts = expert_map.index_select(0, topk_ids.flatten().long()).view(topk_ids.shape)
+        return expert_lora_pairs(slots.unsqueeze(1), experts, experts_per_slot,
+                                 remote=expert_map is not None).flatten()
 
     @staticmethod
     def _add(out, deltas, add_inputs):
         start = 0
         for delta in deltas:
             columns = out[:, start: start + delta.shape[1]]
-            if add_inputs:
-                columns.add_(delta.to(out.dtype))
-            else:
+            if not add_inputs:
                 columns.copy_(delta)
+            elif delta.dtype == out.dtype:
+                columns.add_(delta)
+            else:
+                columns.add_(delta.to(out.dtype))
             start += delta.shape[1]
 
     def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights,
@@ -173,13 +176,11 @@ class PunicaWrapperNPU(PunicaWrapperBase):
                      add_inputs=True, token_lora_mapping=None):
         """``y[t, j, slice_i] += (x[t] @ A_i[s, e]ᵀ) @ B_i[s, e]ᵀ`` for token t's slot s and
         its j-th expert e (vLLM's MoE interface; a disabled slot's weights are zeros)."""
-        slots = self._copy_slots(num_tokens, top_k_num, token_lora_mapping)
-        experts = self._local_experts(topk_ids, expert_map)
-        rows = x.repeat_interleave(top_k_num, dim=0)
-        deltas = expert_lora_deltas(rows, lora_a_stacked, lora_b_stacked, slots, experts)
+        pairs = self._pairs(topk_ids, expert_map, lora_a_stacked[0].shape[1], token_lora_mapping)
+        deltas = expert_lora_deltas(x, lora_a_stacked, lora_b_stacked, pairs, top_k_num)
         self._add(y.view(-1, y.shape[-1]), deltas, add_inputs)
-        # Handed back to add_lora_w2: no block alignment, each copy's local expert.
-        return None, experts, None, token_lora_mapping
+        # Handed back to add_lora_w2 in place of vLLM's block alignment: the copies' pairs.
+        return None, pairs, None, token_lora_mapping
 
     def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights,
                     sorted_token_ids_lora, expert_ids_lora, num_tokens_post_padded_lora,
@@ -188,8 +189,7 @@ class PunicaWrapperNPU(PunicaWrapperBase):
                     add_inputs=True):
         """``y[t, j] += w[t, j] * (x[t * k + j] @ A[s, e]ᵀ) @ B[s, e]ᵀ``, weighted by the routing
         weight as vLLM's (the down projection's rows are weighted before the sum); the copies'
-        experts are ``expert_ids_lora``, as :meth:`add_lora_w13` returned them."""
-        slots = self._copy_slots(num_tokens, top_k_num, token_lora_mapping)
-        (delta,) = expert_lora_deltas(x, lora_a_stacked, lora_b_stacked, slots, expert_ids_lora)
-        delta = delta * topk_weights.reshape(-1, 1).float()
+        (slot, expert) pairs are ``expert_ids_lora``, as :meth:`add_lora_w13` returned them."""
+        (delta,) = expert_lora_deltas(x, lora_a_stacked, lora_b_stacked, expert_ids_lora,
+                                      scale=topk_weights.flatten())
         self._add(y.view(-1, y.shape[-1]), [delta], add_inputs)
