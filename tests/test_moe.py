@@ -76,10 +76,10 @@ ENGINES = [*((name, mode) for name in MOE_MODELS for mode in ("float32", "bfloat
            ("tiny-glm4-moe-pairs", "bfloat16"), ("tiny-glm4-moe-pairs", "bfloat16 eager"), COUNTED]
 # Qwen3-MoE serving two LoRA adapters (attention and every expert's gate/up/down) and the base
 # model in one fp32 batch, per prompt the adapter's name or None.
-LORA = ("tiny-qwen3-moe", "lora")
+# The same in bf16 decodes in FULL graphs (on by default), the adapters' slots read in replays.
+LORA, LORA_GRAPHS = ("tiny-qwen3-moe", "lora"), ("tiny-qwen3-moe", "lora bfloat16")
 LORA_ADAPTERS = ("tiny-qwen3-moe-lora-a", None, "tiny-qwen3-moe-lora-b", "tiny-qwen3-moe-lora-a")
-LORA_ENGINE = {**ENGINE, "dtype": "float32", "enable_lora": True, "max_loras": 2,
-               "max_lora_rank": 16}
+LORA_ENGINE = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
 
 
 def engine_specs(tiny_models, items=None) -> list[dict]:
@@ -94,9 +94,10 @@ def engine_specs(tiny_models, items=None) -> list[dict]:
     engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
                 for name, kwargs, _ in REFUSED.values()]
     adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
-    engines.append({"model": str(tiny_models[LORA[0]]), "kwargs": LORA_ENGINE, "runs": [{
-        "prompts": prompts, "sampling": [GREEDY],
-        "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}]})
+    engines += [{"model": str(tiny_models[LORA[0]]), "kwargs": {**LORA_ENGINE, "dtype": dtype},
+                 "runs": [{"prompts": prompts, "sampling": [GREEDY],
+                           "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}]}
+                for dtype in ("float32", "bfloat16")]
     return [{"engines": engines}]
 
 
@@ -105,7 +106,7 @@ def runs(tiny_models, tmp_path_factory):
     [spec] = engine_specs(tiny_models)
     result = run_engine(spec, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    return dict(zip(ENGINES + list(REFUSED) + [LORA], result["engines"]))
+    return dict(zip(ENGINES + list(REFUSED) + [LORA, LORA_GRAPHS], result["engines"]))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -162,8 +163,24 @@ def test_a_moe_decode_layer_launches_at_the_floor(runs):
                         "grouped_matmul": 2, "swiglu": 1, "moe_token_unpermute": 1}
 
 
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """Per adapter, the checkpoint with its deltas merged by hand, and the control with only its
+    attention deltas merged (the experts' left out)."""
+    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+    root = tmp_path_factory.mktemp("merged")
+    return {name: (tiny_adapters.merged(adapters[name], root / name),
+                   tiny_adapters.merged(adapters[name], root / f"{name}-attention",
+                                        skip=".experts."))
+            for name in filter(None, dict.fromkeys(LORA_ADAPTERS))}
+
+
+def _rows(adapter):
+    return [row for row, name in enumerate(LORA_ADAPTERS) if name == adapter]
+
+
 def test_two_lora_adapters_on_attention_and_experts_and_the_base_model_equal_hf_merged(
-        runs, tiny_models, prompts, tmp_path_factory):
+        runs, tiny_models, prompts, merged):
     """vLLM 0.33's FusedMoEWithLoRA on the NPU experts: each prompt's greedy tokens equal HF
     transformers with its adapter merged into the weights by hand (attention and every expert's
     gate/up/down), the base model's prompts the plain checkpoint's. The control merges the
@@ -173,22 +190,29 @@ def test_two_lora_adapters_on_attention_and_experts_and_the_base_model_equal_hf_
     assert "error" not in engine, engine.get("error")
     (run,) = engine["runs"]
     tokens = run["tokens"]
-    model = tiny_models[LORA[0]]
-    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
-    root = tmp_path_factory.mktemp("merged")
-    for name in filter(None, dict.fromkeys(LORA_ADAPTERS)):
-        rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter == name]
-        chosen = [prompts[row] for row in rows]
-        expected = hf_greedy(tiny_adapters.merged(adapters[name], root / name), chosen, MAX_TOKENS)
-        assert [tokens[row] for row in rows] == expected, name
-        attention_only = tiny_adapters.merged(adapters[name], root / f"{name}-attention",
-                                              skip=".experts.")
+    for name, (model, attention_only) in merged.items():
+        chosen = [prompts[row] for row in _rows(name)]
+        expected = hf_greedy(model, chosen, MAX_TOKENS)
+        assert [tokens[row] for row in _rows(name)] == expected, name
         assert hf_greedy(attention_only, chosen, MAX_TOKENS) != expected, f"{name}: experts"
-    base_rows = [row for row, adapter in enumerate(LORA_ADAPTERS) if adapter is None]
-    assert [tokens[row] for row in base_rows] == hf_greedy(
-        model, [prompts[row] for row in base_rows], MAX_TOKENS)
+    assert [tokens[row] for row in _rows(None)] == hf_greedy(
+        tiny_models[LORA[0]], [prompts[row] for row in _rows(None)], MAX_TOKENS)
     launches = run["launches"]
     assert launches["grouped_matmul"] == 2 * launches["moe_gating_top_k_softmax_v2"] > 0
+
+
+def test_moe_lora_decodes_in_bf16_graphs_and_tracks_hf_merged(runs, tiny_models, prompts, merged):
+    """bf16: decode replays FULL graphs with the adapters' slots rewritten in place each step;
+    each prompt tracks HF's logits with its adapter merged (the base model's, the plain one's)."""
+    engine = runs[LORA_GRAPHS]
+    assert "error" not in engine, engine.get("error")
+    (run,) = engine["runs"]
+    assert run["graph_replays"] > 0
+    for name in dict.fromkeys(LORA_ADAPTERS):
+        model = tiny_models[LORA[0]] if name is None else merged[name][0]
+        rows = _rows(name)
+        assert_tracks_hf_logits(model, [prompts[row] for row in rows],
+                                [run["tokens"][row] for row in rows], routed=True)
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)

@@ -130,6 +130,12 @@ class NPUPlatform(Platform):
             "LoRA on a mixture-of-experts model (vLLM 0.20-0.32, or quantized)":
             vllm_config.lora_config is not None and model is not None and model.is_moe
             and (not moe_lora_release() or model.quantization is not None),
+            # vLLM's fully sharded MoE LoRA gathers the rank-split shrink inside its Triton
+            # path; the NPU experts' plain path does not.
+            "fully sharded LoRA on a mixture-of-experts model with tensor parallelism":
+            vllm_config.lora_config is not None and model is not None and model.is_moe
+            and vllm_config.lora_config.fully_sharded_loras
+            and vllm_config.parallel_config.tensor_parallel_size > 1,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
         }
         for feature, requested in unsupported.items():
