@@ -57,7 +57,7 @@ FULL_LINEAR = [
     )
 ]
 
-# LoRA on MoE layers (0.29+): vLLM's FusedMoEWithLoRA wants a modular-kernel method whose experts
+# LoRA on MoE layers (0.28+): vLLM's FusedMoEWithLoRA wants a modular-kernel method whose experts
 # mix in LoRAExpertsMixin; the NPU MoE method turns modular just before vLLM wraps the layer.
 _MOE_LORA = "ascend_patch.npu.lora.moe"
 _MOE_LORA_UPSTREAM = ("vllm/lora/layers/fused_moe.py: FusedMoEWithLoRA asserts a non-monolithic "
@@ -66,11 +66,11 @@ MOE_LORA = [
     Patch("vllm.lora.layers.fused_moe:FusedMoEWithLoRA.__init__",
           reason="make the NPU MoE method modular (NPU routing on the runner's router, NPUExperts "
                  "with LoRAExpertsMixin) before vLLM checks and wraps the layer",
-          vllm=">=0.29", signature=("(self, base_layer)",),
+          vllm=">=0.28", signature=("(self, base_layer)",),
           wrapper=f"{_MOE_LORA}:modular_for_lora", upstream=_MOE_LORA_UPSTREAM,
           remove_when="vLLM picks a platform's LoRA-capable MoE experts (the OOT backend gets none)"),
     *(contract(target, signature, reason, implementation=f"{_MOE_LORA}:NPUExperts",
-               upstream=_MOE_LORA_UPSTREAM, remove_when=_KEEP, vllm=">=0.29")
+               upstream=_MOE_LORA_UPSTREAM, remove_when=_KEEP, vllm=">=0.28")
       for target, signature, reason in (
           ("vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin:LoRAExpertsMixin"
            ".apply_w13_lora", None, "NPUExperts adds the gate/up LoRA delta through it"),
@@ -82,7 +82,7 @@ MOE_LORA = [
            None, "NPURouter: the runner routes a modular NPU layer on the NPU gating op"),
       )),
     *(contract(f"{_BASE}.{method}", signature, f"PunicaWrapperNPU: {reason}", implementation=_WRAPPER,
-               upstream=_UPSTREAM, remove_when=_KEEP, vllm=">=0.29")
+               upstream=_UPSTREAM, remove_when=_KEEP, vllm=">=0.28")
       for method, signature, reason in (
           ("add_lora_w13", None, "implemented: plain torch, per routed copy"),
           ("add_lora_w2", None, "implemented: plain torch, per routed copy, routing-weighted"),

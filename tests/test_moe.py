@@ -21,6 +21,8 @@ from tests.helpers.engine import (
     MODELS_DIR,
     assert_greedy_equals_hf,
     assert_tracks_hf_logits,
+    module_items,
+    only_marked,
     run_engine,
 )
 
@@ -82,31 +84,43 @@ LORA_ADAPTERS = ("tiny-qwen3-moe-lora-a", None, "tiny-qwen3-moe-lora-b", "tiny-q
 LORA_ENGINE = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
 
 
+def _names(marked_only: bool) -> list:
+    """The driver's engines by name; a v0_20-set release (tests marked v0_20_features only)
+    runs the fp32 MoE LoRA engine alone."""
+    if marked_only:
+        return [LORA]
+    return [*ENGINES, *REFUSED, LORA, LORA_GRAPHS]
+
+
 def engine_specs(tiny_models, items=None) -> list[dict]:
     """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
-    engines = [
-        {"model": str(tiny_models[name]), "kwargs": {**ENGINE, **MODES[mode]},
-         "runs": [DECODE_STEPS] if (name, mode) == COUNTED else
-                 [{"prompts": prompts, "sampling": [GREEDY]}, {"prompts": prompts, "sampling": [GREEDY]}]}
-        for name, mode in ENGINES
-    ]
-    engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
-                for name, kwargs, _ in REFUSED.values()]
     adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
-    engines += [{"model": str(tiny_models[LORA[0]]), "kwargs": {**LORA_ENGINE, "dtype": dtype},
-                 "runs": [{"prompts": prompts, "sampling": [GREEDY],
-                           "adapters": [name and str(adapters[name]) for name in LORA_ADAPTERS]}]}
-                for dtype in ("float32", "bfloat16")]
-    return [{"engines": engines}]
+
+    def engine(name):
+        if name in (LORA, LORA_GRAPHS):
+            return {"model": str(tiny_models[LORA[0]]),
+                    "kwargs": {**LORA_ENGINE, "dtype": "float32" if name == LORA else "bfloat16"},
+                    "runs": [{"prompts": prompts, "sampling": [GREEDY], "adapters": [
+                        adapter and str(adapters[adapter]) for adapter in LORA_ADAPTERS]}]}
+        if name in REFUSED:
+            model, kwargs, _ = REFUSED[name]
+            return {"model": str(tiny_models[model]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
+        model, mode = name
+        return {"model": str(tiny_models[model]), "kwargs": {**ENGINE, **MODES[mode]},
+                "runs": [DECODE_STEPS] if name == COUNTED else
+                        [{"prompts": prompts, "sampling": [GREEDY]}] * 2}
+
+    return [{"engines": [engine(name) for name in _names(only_marked(items or []))]}]
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_models, tmp_path_factory):
-    [spec] = engine_specs(tiny_models)
+def runs(request, tiny_models, tmp_path_factory):
+    items = module_items(request)
+    [spec] = engine_specs(tiny_models, items)
     result = run_engine(spec, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    return dict(zip(ENGINES + list(REFUSED) + [LORA, LORA_GRAPHS], result["engines"]))
+    return dict(zip(_names(only_marked(items)), result["engines"]))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -179,9 +193,10 @@ def _rows(adapter):
     return [row for row, name in enumerate(LORA_ADAPTERS) if name == adapter]
 
 
+@pytest.mark.v0_20_features
 def test_two_lora_adapters_on_attention_and_experts_and_the_base_model_equal_hf_merged(
         runs, tiny_models, prompts, merged):
-    """vLLM 0.33's FusedMoEWithLoRA on the NPU experts: each prompt's greedy tokens equal HF
+    """vLLM's FusedMoEWithLoRA (0.28+) on the NPU experts: each prompt's greedy tokens equal HF
     transformers with its adapter merged into the weights by hand (attention and every expert's
     gate/up/down), the base model's prompts the plain checkpoint's. The control merges the
     attention deltas only: its tokens differ, so a dropped expert LoRA delta fails here. Routing

@@ -126,8 +126,8 @@ class NPUPlatform(Platform):
         spec_decode.config.check(vllm_config)
         unsupported = {
             # vLLM's FusedMoEWithLoRA wants a modular-kernel MoE method whose experts take its
-            # LoRA context: the NPU experts do on 0.29+ (ascend_patch.npu.lora.moe), unquantized.
-            "LoRA on a mixture-of-experts model (vLLM 0.20-0.28, or quantized)":
+            # LoRA context: the NPU experts do on 0.28+ (ascend_patch.npu.lora.moe), unquantized.
+            "LoRA on a mixture-of-experts model (vLLM 0.20-0.27, or quantized)":
             vllm_config.lora_config is not None and model is not None and model.is_moe
             and (not moe_lora_release() or model.quantization is not None),
             # vLLM's fully sharded MoE LoRA gathers the rank-split shrink inside its Triton
@@ -349,7 +349,7 @@ _HOW = {
 SERVED_RECURRENT_RELEASES = "0.33"
 
 
-MOE_LORA_SINCE = (0, 29)  # FusedMoEWithLoRA over LoRAExpertsMixin, as ascend_patch.npu.lora.moe takes it
+MOE_LORA_SINCE = (0, 28)  # FusedMoEWithLoRA over LoRAExpertsMixin, as ascend_patch.npu.lora.moe takes it
 
 
 def moe_lora_release() -> bool:

@@ -1,4 +1,4 @@
-"""LoRA on mixture-of-experts layers (vLLM 0.29-0.33).
+"""LoRA on mixture-of-experts layers (vLLM 0.28-0.33).
 
 vLLM's ``FusedMoEWithLoRA`` takes a non-monolithic MoE method whose modular kernel's experts
 class mixes in ``LoRAExpertsMixin`` (on CUDA: Triton's experts and the Triton ``fused_moe_lora``

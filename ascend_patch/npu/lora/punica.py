@@ -20,7 +20,7 @@ Both read per-token slot indices only: vLLM's prefill metadata (``compute_meta``
 copies into fixed buffers and no host read, as on vLLM's CUDA path (its ``LoRAKernelMeta`` sorts on
 the device). Those buffers, and the slots derived from them once per step, are rewritten in place
 (:func:`refresh_slots`): a FULL decode graph captured once reads each replay's adapters. The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
-is abstract from 0.31 and answered on every release. MoE layers (vLLM 0.29+: the hooks
+is abstract from 0.31 and answered on every release. MoE layers (vLLM 0.28+: the hooks
 :class:`ascend_patch.npu.lora.moe.NPUExperts` calls) take ``add_lora_w13``/``add_lora_w2`` in
 plain torch (:func:`~ascend_patch.npu.kernels.composed.expert_lora_deltas`); the alignment
 metadata vLLM's Triton kernels use (``moe_lora_align_block_size``) is never built.
