@@ -2,6 +2,7 @@
 ``PunicaWrapperNPU`` subclasses, overrides and calls of vLLM's punica interface (verified, never
 patched). ``Platform.get_punica_wrapper`` names it (:mod:`.engine`)."""
 
+from ascend_patch.overlay.declarations import Patch
 from ascend_patch.patches.platform import contract
 
 _WRAPPER = "ascend_patch.npu.lora.punica:PunicaWrapperNPU"
@@ -54,4 +55,36 @@ FULL_LINEAR = [
         ("PunicaWrapperBase", "_select_full_linear_output", "(self, y, adapter_y, bias_stacked, module_enabled)",
          "called: the rows whose adapter enables the head take its output"),
     )
+]
+
+# LoRA on MoE layers (0.28+): vLLM's FusedMoEWithLoRA wants a modular-kernel method whose experts
+# mix in LoRAExpertsMixin; the NPU MoE method turns modular just before vLLM wraps the layer.
+_MOE_LORA = "ascend_patch.npu.lora.moe"
+_MOE_LORA_UPSTREAM = ("vllm/lora/layers/fused_moe.py: FusedMoEWithLoRA asserts a non-monolithic "
+                      "method whose kernel's experts support LoRA (Triton's, moe_backend='triton')")
+MOE_LORA = [
+    Patch("vllm.lora.layers.fused_moe:FusedMoEWithLoRA.__init__",
+          reason="make the NPU MoE method modular (NPU routing on the runner's router, NPUExperts "
+                 "with LoRAExpertsMixin) before vLLM checks and wraps the layer",
+          vllm=">=0.28", signature=("(self, base_layer)",),
+          wrapper=f"{_MOE_LORA}:modular_for_lora", upstream=_MOE_LORA_UPSTREAM,
+          remove_when="vLLM picks a platform's LoRA-capable MoE experts (the OOT backend gets none)"),
+    *(contract(target, signature, reason, implementation=f"{_MOE_LORA}:NPUExperts",
+               upstream=_MOE_LORA_UPSTREAM, remove_when=_KEEP, vllm=">=0.28")
+      for target, signature, reason in (
+          ("vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin:LoRAExpertsMixin"
+           ".apply_w13_lora", None, "NPUExperts adds the gate/up LoRA delta through it"),
+          ("vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin:LoRAExpertsMixin"
+           ".apply_w2_lora", None, "NPUExperts adds the down LoRA delta through it"),
+          ("vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEExpertsModular.apply",
+           None, "NPUExperts: the NPU experts in vLLM's modular-kernel form"),
+          ("vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter._compute_routing",
+           None, "NPURouter: the runner routes a modular NPU layer on the NPU gating op"),
+      )),
+    *(contract(f"{_BASE}.{method}", signature, f"PunicaWrapperNPU: {reason}", implementation=_WRAPPER,
+               upstream=_UPSTREAM, remove_when=_KEEP, vllm=">=0.28")
+      for method, signature, reason in (
+          ("add_lora_w13", None, "implemented: plain torch, per routed copy"),
+          ("add_lora_w2", None, "implemented: plain torch, per routed copy, routing-weighted"),
+      )),
 ]

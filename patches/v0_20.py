@@ -34,6 +34,7 @@ PATCHES = [
     *attention.MLA_CONTRACTS,
     *graphs.GRAPH_MODE,
     *lora.LORA_CONTRACTS,
+    *lora.MOE_LORA,
     *spec_decode.KERNEL_GLOBALS,
     *spec_decode.DRAFT_MODEL,
     attention.hybrid_promotion("kv_cache_utils", pr="vllm-project/vllm#14097"),

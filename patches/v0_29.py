@@ -37,6 +37,7 @@ PATCHES = [
     *graphs.GRAPH_MODE,
     *lora.LORA_CONTRACTS,
     *lora.FULL_LINEAR,
+    *lora.MOE_LORA,
     *spec_decode.SPEC_DECODE,
     *recurrent.RECURRENT,
     attention.hybrid_promotion("kv_cache_utils", vllm="<0.33", pr="vllm-project/vllm#14097"),

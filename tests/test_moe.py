@@ -15,8 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_patch.kit.oracle import prompt_token_ids
-from tests.helpers.engine import assert_greedy_equals_hf, assert_tracks_hf_logits, run_engine
+from ascend_patch.kit import tiny_adapters
+from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
+from tests.helpers.engine import (
+    MODELS_DIR,
+    assert_greedy_equals_hf,
+    assert_tracks_hf_logits,
+    module_items,
+    only_marked,
+    run_engine,
+)
 
 MOE_MODELS = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-glm4-moe")
 # The gating op each family's routing maps to.
@@ -49,8 +57,6 @@ REFUSED = {
         "uses routing the NPU gating op cannot take (sigmoid scores without renormalisation: "
         "npu_moe_gating_top_k always renormalises sigmoid weights); ascend-patch cannot run it "
         "on the NPU"),
-    "LoRA on an MoE model": ("tiny-qwen3-moe", {"enable_lora": True},
-                             "LoRA on a mixture-of-experts model is not supported by ascend-patch yet"),
 }
 # Grouped routing npu_moe_gating_top_k cannot take, which vLLM's own grouped top-k (torch ops)
 # routes instead, with one warning per model naming the layers and the op's limit.
@@ -70,28 +76,51 @@ DECODE_STEPS = {"prompts": [[i + 3] for i in range(8)], "layer_launches": True,
 ENGINES = [*((name, mode) for name in MOE_MODELS for mode in ("float32", "bfloat16")),
            *((name, "float32") for name in NATIVE_ROUTING),
            ("tiny-glm4-moe-pairs", "bfloat16"), ("tiny-glm4-moe-pairs", "bfloat16 eager"), COUNTED]
+# Qwen3-MoE serving two LoRA adapters (attention and every expert's gate/up/down) and the base
+# model in one fp32 batch, per prompt the adapter's name or None.
+# The same in bf16 decodes in FULL graphs (on by default), the adapters' slots read in replays.
+LORA, LORA_GRAPHS = ("tiny-qwen3-moe", "lora"), ("tiny-qwen3-moe", "lora bfloat16")
+LORA_ADAPTERS = ("tiny-qwen3-moe-lora-a", None, "tiny-qwen3-moe-lora-b", "tiny-qwen3-moe-lora-a")
+LORA_ENGINE = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+
+
+def _names(marked_only: bool) -> list:
+    """The driver's engines by name; a v0_20-set release (tests marked v0_20_features only)
+    runs the fp32 MoE LoRA engine alone."""
+    if marked_only:
+        return [LORA]
+    return [*ENGINES, *REFUSED, LORA, LORA_GRAPHS]
 
 
 def engine_specs(tiny_models, items=None) -> list[dict]:
     """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
-    engines = [
-        {"model": str(tiny_models[name]), "kwargs": {**ENGINE, **MODES[mode]},
-         "runs": [DECODE_STEPS] if (name, mode) == COUNTED else
-                 [{"prompts": prompts, "sampling": [GREEDY]}, {"prompts": prompts, "sampling": [GREEDY]}]}
-        for name, mode in ENGINES
-    ]
-    engines += [{"model": str(tiny_models[name]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
-                for name, kwargs, _ in REFUSED.values()]
-    return [{"engines": engines}]
+    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+
+    def engine(name):
+        if name in (LORA, LORA_GRAPHS):
+            return {"model": str(tiny_models[LORA[0]]),
+                    "kwargs": {**LORA_ENGINE, "dtype": "float32" if name == LORA else "bfloat16"},
+                    "runs": [{"prompts": prompts, "sampling": [GREEDY], "adapters": [
+                        adapter and str(adapters[adapter]) for adapter in LORA_ADAPTERS]}]}
+        if name in REFUSED:
+            model, kwargs, _ = REFUSED[name]
+            return {"model": str(tiny_models[model]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
+        model, mode = name
+        return {"model": str(tiny_models[model]), "kwargs": {**ENGINE, **MODES[mode]},
+                "runs": [DECODE_STEPS] if name == COUNTED else
+                        [{"prompts": prompts, "sampling": [GREEDY]}] * 2}
+
+    return [{"engines": [engine(name) for name in _names(only_marked(items or []))]}]
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_models, tmp_path_factory):
-    [spec] = engine_specs(tiny_models)
+def runs(request, tiny_models, tmp_path_factory):
+    items = module_items(request)
+    [spec] = engine_specs(tiny_models, items)
     result = run_engine(spec, tmp_path_factory.mktemp("moe"), timeout=1200)
     assert result["platform"] == "EmulatedNPUPlatform"
-    return dict(zip(ENGINES + list(REFUSED), result["engines"]))
+    return dict(zip(_names(only_marked(items)), result["engines"]))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -99,8 +128,7 @@ def test_what_the_npu_path_cannot_run_is_refused_clearly(case, runs):
     name, _, message = REFUSED[case]
     error = runs[case].get("error", "")
     assert message in error, error
-    if "LoRA" not in case:
-        assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
+    assert name in error and "MoE layer 'model.layers.0.mlp.experts'" in error, error
 
 
 @pytest.mark.parametrize("name", list(NATIVE_ROUTING))
@@ -147,6 +175,59 @@ def test_a_moe_decode_layer_launches_at_the_floor(runs):
                         "contiguous.default": 1, "scatter_pa_kv_cache": 1, "paged_attention": 1,
                         "moe_gating_top_k_softmax_v2": 1, "moe_init_routing_v2": 1,
                         "grouped_matmul": 2, "swiglu": 1, "moe_token_unpermute": 1}
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """Per adapter, the checkpoint with its deltas merged by hand, and the control with only its
+    attention deltas merged (the experts' left out)."""
+    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+    root = tmp_path_factory.mktemp("merged")
+    return {name: (tiny_adapters.merged(adapters[name], root / name),
+                   tiny_adapters.merged(adapters[name], root / f"{name}-attention",
+                                        skip=".experts."))
+            for name in filter(None, dict.fromkeys(LORA_ADAPTERS))}
+
+
+def _rows(adapter):
+    return [row for row, name in enumerate(LORA_ADAPTERS) if name == adapter]
+
+
+@pytest.mark.v0_20_features
+def test_two_lora_adapters_on_attention_and_experts_and_the_base_model_equal_hf_merged(
+        runs, tiny_models, prompts, merged):
+    """vLLM's FusedMoEWithLoRA (0.28+) on the NPU experts: each prompt's greedy tokens equal HF
+    transformers with its adapter merged into the weights by hand (attention and every expert's
+    gate/up/down), the base model's prompts the plain checkpoint's. The control merges the
+    attention deltas only: its tokens differ, so a dropped expert LoRA delta fails here. Routing
+    stays on the NPU gating op and the experts on the NPU MoE ops."""
+    engine = runs[LORA]
+    assert "error" not in engine, engine.get("error")
+    (run,) = engine["runs"]
+    tokens = run["tokens"]
+    for name, (model, attention_only) in merged.items():
+        chosen = [prompts[row] for row in _rows(name)]
+        expected = hf_greedy(model, chosen, MAX_TOKENS)
+        assert [tokens[row] for row in _rows(name)] == expected, name
+        assert hf_greedy(attention_only, chosen, MAX_TOKENS) != expected, f"{name}: experts"
+    assert [tokens[row] for row in _rows(None)] == hf_greedy(
+        tiny_models[LORA[0]], [prompts[row] for row in _rows(None)], MAX_TOKENS)
+    launches = run["launches"]
+    assert launches["grouped_matmul"] == 2 * launches["moe_gating_top_k_softmax_v2"] > 0
+
+
+def test_moe_lora_decodes_in_bf16_graphs_and_tracks_hf_merged(runs, tiny_models, prompts, merged):
+    """bf16: decode replays FULL graphs with the adapters' slots rewritten in place each step;
+    each prompt tracks HF's logits with its adapter merged (the base model's, the plain one's)."""
+    engine = runs[LORA_GRAPHS]
+    assert "error" not in engine, engine.get("error")
+    (run,) = engine["runs"]
+    assert run["graph_replays"] > 0
+    for name in dict.fromkeys(LORA_ADAPTERS):
+        model = tiny_models[LORA[0]] if name is None else merged[name][0]
+        rows = _rows(name)
+        assert_tracks_hf_logits(model, [prompts[row] for row in rows],
+                                [run["tokens"][row] for row in rows], routed=True)
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)

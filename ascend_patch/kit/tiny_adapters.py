@@ -29,6 +29,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 ADAPTERS = {
     "tiny-llama-lora-a": ("tiny-llama", 8, 16, 1, 0.2),
     "tiny-llama-lora-b": ("tiny-llama", 8, 8, 2, 0.2),
+    # Attention and every expert's gate/up/down (the router, "gate", is no target).
+    "tiny-qwen3-moe-lora-a": ("tiny-qwen3-moe", 8, 16, 3, 0.2),
+    "tiny-qwen3-moe-lora-b": ("tiny-qwen3-moe", 8, 8, 4, 0.2),
 }
 
 
@@ -64,9 +67,10 @@ def _base_weights(base: Path) -> dict:
     return weights
 
 
-def merged(adapter: Path, out: Path) -> Path:
+def merged(adapter: Path, out: Path, skip: str | None = None) -> Path:
     """The adapter's base checkpoint with ``(lora_alpha / r) · B @ A`` added into each targeted
-    weight, written to ``out`` (config and tokenizer copied): the oracle's model."""
+    weight, written to ``out`` (config and tokenizer copied): the oracle's model. Weights whose
+    name contains ``skip`` keep the base's (a test's control)."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -78,7 +82,7 @@ def merged(adapter: Path, out: Path) -> Path:
         weights = load_file(shard)
         for name in weights:
             prefix = f"base_model.model.{name.removesuffix('.weight')}"
-            if f"{prefix}.lora_A.weight" in factors:
+            if f"{prefix}.lora_A.weight" in factors and not (skip and skip in name):
                 weights[name] = weights[name] + scaling * (
                     factors[f"{prefix}.lora_B.weight"] @ factors[f"{prefix}.lora_A.weight"])
         save_file(weights, out / shard.name, metadata={"format": "pt"})

@@ -125,10 +125,17 @@ class NPUPlatform(Platform):
         model = vllm_config.model_config
         spec_decode.config.check(vllm_config)
         unsupported = {
-            # vLLM's FusedMoEWithLoRA wants a non-monolithic modular-kernel MoE method whose
-            # experts take its LoRA context (Triton's fused_moe_lora); ours is monolithic.
-            "LoRA on a mixture-of-experts model": vllm_config.lora_config is not None
-            and model is not None and model.is_moe,
+            # vLLM's FusedMoEWithLoRA wants a modular-kernel MoE method whose experts take its
+            # LoRA context: the NPU experts do on 0.28+ (ascend_patch.npu.lora.moe), unquantized.
+            "LoRA on a mixture-of-experts model (vLLM 0.20-0.27, or quantized)":
+            vllm_config.lora_config is not None and model is not None and model.is_moe
+            and (not moe_lora_release() or model.quantization is not None),
+            # vLLM's fully sharded MoE LoRA gathers the rank-split shrink inside its Triton
+            # path; the NPU experts' plain path does not.
+            "fully sharded LoRA on a mixture-of-experts model with tensor parallelism":
+            vllm_config.lora_config is not None and model is not None and model.is_moe
+            and vllm_config.lora_config.fully_sharded_loras
+            and vllm_config.parallel_config.tensor_parallel_size > 1,
             "expert-parallel load balancing (EPLB)": vllm_config.parallel_config.enable_eplb,
         }
         for feature, requested in unsupported.items():
@@ -340,6 +347,16 @@ _HOW = {
                             "bf16 (composed in other dtypes, which the op does not take)",
 }
 SERVED_RECURRENT_RELEASES = "0.33"
+
+
+MOE_LORA_SINCE = (0, 28)  # FusedMoEWithLoRA over LoRAExpertsMixin, as ascend_patch.npu.lora.moe takes it
+
+
+def moe_lora_release() -> bool:
+    """Whether this vLLM serves LoRA on MoE layers here (ascend_patch.npu.lora.moe)."""
+    import vllm
+
+    return tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= MOE_LORA_SINCE
 
 
 def recurrent_refusal(vllm_config, recurrent: str) -> str | None:

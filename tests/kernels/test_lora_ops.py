@@ -208,3 +208,95 @@ def test_bgmv_limits_agree_with_the_reference():
     assert "self must be float16" in kernels.contract_violation(
         "batch_gather_matmul_", **bgmv_inputs(dtype=torch.float32), y_slice_size=128)
     assert not limits.bgmv_takes(torch.float32, HIDDEN, 16, 128, 384)
+
+
+# -- LoRA on MoE layers: the NPU experts' hooks and the wrapper's add_lora_w13/add_lora_w2 ----
+
+EXPERTS, MOE_HIDDEN, INTER, TOP_K = 4, 32, 16, 2
+
+
+def _moe_with_lora(x, w13, w2, weights, ids, slots, w13_a, w13_b, w2_a, w2_b):
+    """The MoE definition with each token's adapter, copy by copy in float64: gate and up of
+    expert e take ``x @ A[s, e]ᵀ @ B[s, e]ᵀ`` before SwiGLU, the down projection likewise before
+    the routing weight (vLLM's layouts: w13 [E, 2I, H] gate first, w2 [E, H, I])."""
+    x, w13, w2, weights = (t.double() for t in (x, w13, w2, weights))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        s = slots[t]
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            if s >= 0:
+                gate = gate + w13_b[0][s, e].double() @ (w13_a[0][s, e].double() @ x[t])
+                up = up + w13_b[1][s, e].double() @ (w13_a[1][s, e].double() @ x[t])
+            hidden = torch.nn.functional.silu(gate) * up
+            down = w2[e] @ hidden
+            if s >= 0:
+                down = down + w2_b[0][s, e].double() @ (w2_a[0][s, e].double() @ hidden)
+            out[t] += weights[t, j] * down
+    return out
+
+
+@pytest.mark.usefixtures("reference_kernels")
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_experts_add_each_tokens_adapter_per_expert(wrapper, expert_parallel):
+    """The NPU experts (dispatch, grouped matmuls, SwiGLU, combine on the reference kernels) with
+    vLLM's own LoRAExpertsMixin hooks calling the wrapper's add_lora_w13/add_lora_w2: equal to
+    the MoE definition with each token's adapter per expert; under expert parallelism (vLLM's
+    expert_map) the two ranks' outputs add up to it. A control that drops the down projection's
+    delta misses it."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.lora_context import MoELoRAContext
+    from vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin import LoRAExpertsMixin
+
+    from ascend_patch.npu.lora.moe import _LoRAHooks
+    from ascend_patch.npu.ops.fused_moe import fused_experts
+
+    generator = torch.Generator().manual_seed(3)
+    tokens = len(TOKEN_IDS)
+    x = torch.randn(tokens, MOE_HIDDEN, generator=generator)
+    w13 = torch.randn(EXPERTS, 2 * INTER, MOE_HIDDEN, generator=generator) / MOE_HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, MOE_HIDDEN, INTER, generator=generator) / INTER**0.5
+    ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)])
+    ids = ids.to(torch.int32)
+    weights = torch.rand(tokens, TOP_K, generator=generator)
+
+    def factor(*shape):
+        return torch.randn(SLOTS, EXPERTS, *shape, generator=generator) * 0.3
+
+    w13_a = (factor(RANK, MOE_HIDDEN), factor(RANK, MOE_HIDDEN))
+    w13_b = (factor(INTER, RANK), factor(INTER, RANK))
+    w2_a, w2_b = (factor(RANK, INTER),), (factor(MOE_HIDDEN, RANK),)
+    expected = _moe_with_lora(x, w13, w2, weights, ids, slots_of(TOKEN_IDS), w13_a, w13_b,
+                              w2_a, w2_b)
+
+    class Experts(LoRAExpertsMixin):  # vLLM's hooks, on the NPU experts' activation
+        moe_config = SimpleNamespace(activation=MoEActivation.SILU)
+
+    class WithoutDown(_LoRAHooks):
+        def down(self, out, hidden, sorted_rows):
+            pass
+
+    ranks = ([0, 2], [1, 3]) if expert_parallel else (list(range(EXPERTS)),)
+    total, control = torch.zeros_like(expected), torch.zeros_like(expected)
+    for local in ranks:
+        expert_map = None
+        if expert_parallel:
+            expert_map = torch.full((EXPERTS,), -1, dtype=torch.int32)
+            expert_map[local] = torch.arange(len(local), dtype=torch.int32)
+        context = MoELoRAContext(
+            w13_lora_a_stacked=tuple(a[:, local] for a in w13_a),
+            w13_lora_b_stacked=tuple(b[:, local] for b in w13_b),
+            w2_lora_a_stacked=(w2_a[0][:, local],), w2_lora_b_stacked=(w2_b[0][:, local],),
+            adapter_enabled=torch.ones(SLOTS + 1, dtype=torch.int32), max_loras=SLOTS,
+            top_k=TOP_K, w13_num_slices=2, fully_sharded=False, tp_rank=0, tp_size=1,
+            local_num_experts=len(local), punica_wrapper=wrapper, use_tuned_config=False)
+        local13 = w13[local].transpose(1, 2).contiguous()
+        local2 = w2[local].transpose(1, 2).contiguous()
+        for out, hooks in ((total, _LoRAHooks), (control, WithoutDown)):
+            lora = hooks(Experts(), context, x, local13, local2, weights, ids, expert_map)
+            out += fused_experts(x, local13, local2, weights, ids, expert_map, lora=lora).double()
+    torch.testing.assert_close(total, expected, atol=1e-5, rtol=1e-5)
+    assert (control - expected).norm() > 0.05 * expected.norm()

@@ -199,6 +199,36 @@ def lora_deltas(x, lora_as, lora_bs, weights) -> list:
     return deltas
 
 
+def expert_lora_pairs(slots, experts, experts_per_slot: int, remote: bool = False):
+    """Each routed copy's row in the (slot, expert)-flattened adapter weights, -1 for copies
+    without an adapter (``slots`` -1) or, with ``remote``, routed to another rank's expert
+    (``experts`` -1)."""
+    pairs = torch.where(slots >= 0, slots * experts_per_slot + experts, -1)
+    return torch.where(experts >= 0, pairs, -1) if remote else pairs
+
+
+def expert_lora_deltas(x, lora_as, lora_bs, pairs, top_k: int = 1, scale=None) -> list:
+    """MoE LoRA: each routed copy's ``(x @ A_i[s, e]ᵀ) @ B_i[s, e]ᵀ`` per slice ``i``, for the
+    copy's adapter slot ``s`` and expert ``e`` (``pairs`` [C] from :func:`expert_lora_pairs`):
+    ``x`` [C / top_k, K] (one row per token, shared by its ``top_k`` copies), ``lora_as``
+    [S, E, R, K], ``lora_bs`` [S, E, N_i, R] -> per slice [C, N_i], 0 for copies without a pair;
+    ``scale`` [C] weighs each copy. Each copy takes its own pair of A and B by one index_select
+    each (C x R x (K + N) elements, no host read), so it meets only its own expert."""
+    keep = pairs >= 0
+    rows = pairs.clamp(min=0)
+    weight = keep if scale is None else torch.where(keep, scale, 0)
+    if weight.dtype != x.dtype:  # einsum takes one dtype (the routing weights may be fp32)
+        weight = weight.to(x.dtype)
+    deltas = []
+    for lora_a, lora_b in zip(lora_as, lora_bs):
+        a = lora_a.flatten(0, 1).index_select(0, rows)
+        shrunk = torch.einsum("tk,tjrk->tjr", x, a.view(x.shape[0], top_k, *a.shape[1:]))
+        shrunk = shrunk.reshape(-1, a.shape[1]) * weight.unsqueeze(1)
+        deltas.append(torch.einsum("cr,cnr->cn", shrunk,
+                                   lora_b.flatten(0, 1).index_select(0, rows)))
+    return deltas
+
+
 def gathered_matmul(x, weight, rows: SlotRows):
     """LoRA's per-row matmul: row ``t`` of ``x`` [T, K] times its adapter slot's
     ``weight[slot[t]]ᵀ`` (``weight`` [slots, N, K]) -> [T, N], zero for rows without an adapter.

@@ -20,8 +20,10 @@ Both read per-token slot indices only: vLLM's prefill metadata (``compute_meta``
 copies into fixed buffers and no host read, as on vLLM's CUDA path (its ``LoRAKernelMeta`` sorts on
 the device). Those buffers, and the slots derived from them once per step, are rewritten in place
 (:func:`refresh_slots`): a FULL decode graph captured once reads each replay's adapters. The interface is vLLM's ``PunicaWrapperBase`` of 0.20-0.33; ``apply_lora_full_linear``
-is abstract from 0.31 and answered on every release. LoRA on MoE layers is refused
-(``NPUPlatform.check_and_update_config``).
+is abstract from 0.31 and answered on every release. MoE layers (vLLM 0.28+: the hooks
+:class:`ascend_patch.npu.lora.moe.NPUExperts` calls) take ``add_lora_w13``/``add_lora_w2`` in
+plain torch (:func:`~ascend_patch.npu.kernels.composed.expert_lora_deltas`); the alignment
+metadata vLLM's Triton kernels use (``moe_lora_align_block_size``) is never built.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
-from ascend_patch.npu.kernels.composed import gathered_matmul, lora_deltas, slot_rows, slot_weights_
+from ascend_patch.npu.kernels.composed import (
+    expert_lora_deltas,
+    expert_lora_pairs,
+    gathered_matmul,
+    lora_deltas,
+    slot_rows,
+    slot_weights_,
+)
 
 
 def refresh_slots(wrapper: "PunicaWrapperNPU") -> None:
@@ -135,3 +144,52 @@ class PunicaWrapperNPU(PunicaWrapperBase):
         weight = weight_stacked.reshape(weight_stacked.shape[0], *weight_stacked.shape[-2:])
         adapter_y = gathered_matmul(x.float(), weight.float(), self._request_rows.first(x.shape[0]))
         y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))
+
+    def _pairs(self, topk_ids, expert_map, experts_per_slot, token_lora_mapping):
+        """Each routed copy's (slot, local expert) row (row ``t * k + j``: token t's j-th
+        expert), -1 without an adapter or on another rank."""
+        slots = (self._token_lora_indices[: topk_ids.shape[0]] if token_lora_mapping is None
+                 else token_lora_mapping)
+        experts = topk_ids
+        if expert_map is not None:
+            # index_select, not expert_map[ids]: no host sync (see ops.fused_moe.fused_experts).
+            experts = expert_map.index_select(0, topk_ids.flatten().long()).view(topk_ids.shape)
+        return expert_lora_pairs(slots.unsqueeze(1), experts, experts_per_slot,
+                                 remote=expert_map is not None).flatten()
+
+    @staticmethod
+    def _add(out, deltas, add_inputs):
+        start = 0
+        for delta in deltas:
+            columns = out[:, start: start + delta.shape[1]]
+            if not add_inputs:
+                columns.copy_(delta)
+            elif delta.dtype == out.dtype:
+                columns.add_(delta)
+            else:
+                columns.add_(delta.to(out.dtype))
+            start += delta.shape[1]
+
+    def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights,
+                     expert_map, w1, w2, num_tokens, top_k_num, max_loras, adapter_enabled,
+                     local_num_experts, top_k, num_slices, fully_sharded, use_tuned_config,
+                     add_inputs=True, token_lora_mapping=None):
+        """``y[t, j, slice_i] += (x[t] @ A_i[s, e]ᵀ) @ B_i[s, e]ᵀ`` for token t's slot s and
+        its j-th expert e (vLLM's MoE interface; a disabled slot's weights are zeros)."""
+        pairs = self._pairs(topk_ids, expert_map, lora_a_stacked[0].shape[1], token_lora_mapping)
+        deltas = expert_lora_deltas(x, lora_a_stacked, lora_b_stacked, pairs, top_k_num)
+        self._add(y.view(-1, y.shape[-1]), deltas, add_inputs)
+        # Handed back to add_lora_w2 in place of vLLM's block alignment: the copies' pairs.
+        return None, pairs, None, token_lora_mapping
+
+    def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights,
+                    sorted_token_ids_lora, expert_ids_lora, num_tokens_post_padded_lora,
+                    token_lora_mapping, num_tokens, w1, w2, top_k_num, max_loras,
+                    adapter_enabled, top_k, fully_sharded, tp_rank, use_tuned_config,
+                    add_inputs=True):
+        """``y[t, j] += w[t, j] * (x[t * k + j] @ A[s, e]ᵀ) @ B[s, e]ᵀ``, weighted by the routing
+        weight as vLLM's (the down projection's rows are weighted before the sum); the copies'
+        (slot, expert) pairs are ``expert_ids_lora``, as :meth:`add_lora_w13` returned them."""
+        (delta,) = expert_lora_deltas(x, lora_a_stacked, lora_b_stacked, expert_ids_lora,
+                                      scale=topk_weights.flatten())
+        self._add(y.view(-1, y.shape[-1]), [delta], add_inputs)

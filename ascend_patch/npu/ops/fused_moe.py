@@ -187,9 +187,12 @@ def prepare_layer(layer, has_bias: bool) -> None:
 class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     """``UnquantizedFusedMoEMethod`` on the NPU: routing and experts through the kernel seam."""
 
+    modular = False  # set for LoRA (ascend_patch.npu.lora.moe): routing by the runner's router
+
     @property
     def is_monolithic(self) -> bool:
-        return True  # the router logits come here: routing runs on the NPU gating ops
+        # the router logits come here: routing runs on the NPU gating ops
+        return not self.modular
 
     def process_weights_after_loading(self, layer) -> None:
         super().process_weights_after_loading(layer)  # vLLM does nothing more for OOT
@@ -221,7 +224,7 @@ def report_routing(model: torch.nn.Module, model_name: str) -> None:
                        len(names), len(layers), limit)
 
 
-def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
+def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None, lora=None):
     """Routed experts for tokens ``x`` [T, H]: dispatch, SwiGLU MLP per expert, combine.
 
     ``w13`` is [E_local, H, 2I] and ``w2`` [E_local, I, H]. Under expert parallelism
@@ -236,6 +239,9 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
     requantises the SwiGLU output, and both grouped matmuls dequantise with the per-channel and
     per-token scales into bf16 (bf16 scales) or fp16 (fp32 scales; the op has no fp32 output,
     so an fp32 model's experts compute in fp16).
+
+    ``lora`` (:class:`ascend_patch.npu.lora.moe.NPUExperts`'s hooks) adds the adapters' deltas
+    to the gate/up rows before SwiGLU and to the combined output.
     """
     tokens, top_k = ids.shape
     if expert_map is not None:
@@ -253,6 +259,9 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
     groups = {"group_list": counts, "split_item": 2, "group_type": 0, "group_list_type": 1}
     if scales is None:
         gate_up = kernels.grouped_matmul([expanded], [w13], **groups)[0]
+        if lora is not None:
+            sorted_rows = expanded_row_idx.long()
+            lora.gate_up(gate_up, sorted_rows)
         hidden = kernels.swiglu(gate_up, dim=-1)
         down = kernels.grouped_matmul([hidden], [w2], **groups)[0]
     else:
@@ -266,6 +275,8 @@ def fused_experts(x, w13, w2, weights, ids, expert_map=None, scales=None):
                                       per_token_scale=[hidden_scale], output_dtype=out_dtype,
                                       **groups)[0]
     out = combine(down, expanded_row_idx, weights.to(down.dtype))
+    if lora is not None:
+        lora.down(out, hidden, sorted_rows)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
