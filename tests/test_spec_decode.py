@@ -123,9 +123,10 @@ checkpoint)."""
 
 
 FEATURED = ("plain", "ngram", "self_draft", "ngram_guidance")
-V0_20 = ("plain", "ngram", "self_draft", "shifted_eagle_async", "deepseek_plain", "mtp")
+V0_20 = ("plain", "ngram", "self_draft", "eagle3", "shifted_eagle_async", "deepseek_plain", "mtp")
 """The engines the tests marked v0_20_features read (a v0_20-set release in CI): one lossless
-greedy run per method family (n-grams, a draft model, EAGLE, MTP), without the feature runs."""
+greedy run per method family (n-grams, a draft model, EAGLE, EAGLE-3, MTP), without the feature
+runs."""
 V0_20_FEATURES = pytest.mark.v0_20_features
 
 
@@ -189,7 +190,7 @@ def _counts(engine: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", [*_v0_20("plain", "ngram", "self_draft"), "other_draft_async",
-                                  "eagle3"])
+                                  *_v0_20("eagle3")])
 def test_greedy_tokens_equal_hf_and_the_engine_without_speculation(engines, oracle, name):
     assert "error" not in engines[name], engines[name]["error"]
     assert engines[name]["runs"][0]["tokens"] == oracle
@@ -208,7 +209,7 @@ def test_eagle_and_mtp_tokens_equal_hf_and_the_engine_without_speculation(engine
         assert tokens == engines[plain]["runs"][0]["tokens"]
 
 
-@pytest.mark.parametrize("name", ["eagle3", *_v0_20("mtp")])
+@pytest.mark.parametrize("name", _v0_20("eagle3", "mtp"))
 def test_eagle3_and_mtp_drafts_are_proposed_and_verified(engines, name):
     counts = _counts(engines[name])
     assert counts["drafts"] > 0
@@ -371,8 +372,8 @@ def test_async_scheduling_on_and_off_give_the_same_greedy_tokens(engines):
 # --- vLLM's speculative-decoding metrics on the NPU path --------------------------------------
 
 
-@pytest.mark.parametrize("name", [*_v0_20("ngram", "self_draft"), "other_draft_async", "eagle3",
-                                  *_v0_20("mtp")])
+@pytest.mark.parametrize("name", [*_v0_20("ngram", "self_draft"), "other_draft_async",
+                                  *_v0_20("eagle3", "mtp")])
 def test_acceptance_by_position_adds_up_to_the_accepted_drafts(engines, name):
     """vLLM counts a draft position as accepted only when every earlier one was: the counts by
     position never grow, add up to the accepted drafts, and a position accepts at most once per
