@@ -18,7 +18,9 @@ Per engine, over one greedy batch (4 requests, eager: FULL graphs are refused wi
 Methods: ``ngram`` and ``draft_model`` (the target as its own draft: every draft accepted) on the
 tiny Llama; ``eagle`` with the shifted EAGLE head on its one-layer target (drafts predicted by
 ``ascend_patch.kit.tiny_drafts.shifted_drafts``); ``eagle3`` with a random head on the tiny Llama
-(almost every draft rejected); DeepSeek ``mtp`` on the tiny DeepSeek-V3 with its MTP layer.
+(almost every draft rejected); DeepSeek ``mtp`` on the tiny DeepSeek-V3 with its random MTP layer,
+and on the one-layer DeepSeek-V3 whose MTP layer is that layer shifted (drafts predicted by
+``shifted_drafts(..., mtp=True)``).
 
     .venv/bin/python scripts/bench_spec_decode.py [--tokens 32] [--k 3]
 """
@@ -118,8 +120,9 @@ def _engines(tokens: int, k: int) -> dict[str, dict]:
         return {**base, "speculative_config": {"method": method, "num_speculative_tokens": k,
                                                **config}}
 
-    llama, shifted, deepseek = (str(models[name]) for name in
-                                ("tiny-llama", "tiny-llama-shifted", "tiny-deepseek-v3-mtp"))
+    llama, shifted, deepseek, shifted_mtp = (
+        str(models[name]) for name in ("tiny-llama", "tiny-llama-shifted", "tiny-deepseek-v3-mtp",
+                                       "tiny-deepseek-v3-shifted-mtp"))
     table = {  # name -> (target, engine kwargs, the engine without speculation it is set against)
         "tiny-llama, no speculation": (llama, base, None),
         "ngram": (llama, spec("ngram", prompt_lookup_min=1, prompt_lookup_max=3),
@@ -132,6 +135,8 @@ def _engines(tokens: int, k: int) -> dict[str, dict]:
                                  "shifted Llama, no speculation"),
         "DeepSeek-V3, no speculation": (deepseek, base, None),
         "mtp": (deepseek, spec("mtp"), "DeepSeek-V3, no speculation"),
+        "shifted DeepSeek-V3, no spec.": (shifted_mtp, base, None),
+        "mtp (shifted MTP layer)": (shifted_mtp, spec("mtp"), "shifted DeepSeek-V3, no spec."),
     }
     return {name: {"model": model, "kwargs": kwargs, "prompts": prompts(model),
                    "sampling": sampling, "against": against}

@@ -61,13 +61,26 @@ PARALLEL = {
     "llama pp2": ("tiny-llama", {"pipeline_parallel_size": 2}),
     "moe tp2": ("tiny-glm4-moe", {"tensor_parallel_size": 2}),
     "moe tp2-ep2": ("tiny-glm4-moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    # The target as its own draft (split over the ranks like the target), k = 3.
+    "llama tp2 self-draft": ("tiny-llama", {"tensor_parallel_size": 2, "disable_log_stats": False,
+                                            "speculative_config": {"method": "draft_model",
+                                                                   "num_speculative_tokens": 3}}),
 }
+
+
+def _kwargs(tiny_models, model: str, parallel: dict) -> dict:
+    speculative = parallel.get("speculative_config")
+    if speculative:
+        parallel = {**parallel, "speculative_config": {**speculative,
+                                                       "model": str(tiny_models[model])}}
+    return {**ENGINE, **MP, **parallel}
 
 
 def _parallel_spec(tiny_models) -> dict:
     """The multiprocess engines one after another in one driver process."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
-    return {"engines": [{"model": str(tiny_models[model]), "kwargs": {**ENGINE, **MP, **parallel},
+    return {"engines": [{"model": str(tiny_models[model]),
+                         "kwargs": _kwargs(tiny_models, model, parallel),
                          "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}
                         for model, parallel in PARALLEL.values()]}
 
@@ -81,6 +94,16 @@ def parallel_runs(tiny_models, tmp_path_factory):
 
 def test_pipeline_parallelism_equals_hf(parallel_runs, oracle):
     assert _tokens(parallel_runs["llama pp2"]) == oracle
+
+
+def test_speculative_decoding_with_tensor_parallelism_equals_hf(parallel_runs, oracle):
+    """TP=2 with the target as its own draft: HF's greedy tokens (so TP=1's, tests/test_engine.py
+    and tests/test_spec_decode.py), every draft accepted (the drafter's attention over each
+    rank's heads sees exactly the accepted tokens)."""
+    engine = parallel_runs["llama tp2 self-draft"]
+    assert _tokens(engine) == oracle
+    counts = engine["runs"][0]["spec_decode"]
+    assert counts["drafts"] > 0 and counts["accepted_tokens"] == counts["draft_tokens"]
 
 
 @pytest.mark.parametrize("name", ["moe tp2", "moe tp2-ep2"])

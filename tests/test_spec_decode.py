@@ -8,7 +8,7 @@ draft rejected: the run that attends over rejected drafts' slots if the host KV 
 vLLM's optimistic ones); an EAGLE-3 head (random) on the same target; an EAGLE-1 head whose drafts
 are known in advance (:mod:`ascend_patch.kit.tiny_drafts`' shifted pair) on its own one-layer
 target; and a tiny DeepSeek-V3 with and without its MTP layer drafting (MLA and MoE in the
-drafter). The engine without speculation, the n-gram one and the self-drafting one also serve
+drafter), the layer again one whose drafts are known in advance (mostly accepted). The engine without speculation, the n-gram one and the self-drafting one also serve
 chunked prefill (a 32-token budget), prefix caching, structured outputs (xgrammar, and guidance
 beside n-grams: a regex and a JSON schema) and seeded random sampling, each checked against HF
 or that engine without speculation; vLLM's acceptance counters by draft position are checked on
@@ -18,7 +18,8 @@ The target as its own draft accepts every draft only with exact host KV lengths 
 passes (vLLM lengthens their queries on the device only). The shifted EAGLE head proposes exactly
 the drafts :func:`~ascend_patch.kit.tiny_drafts.shifted_drafts` predicts only when its attention
 sees exactly the accepted tokens: vLLM's padded drafting writes the rejected drafts' K/V and then
-shortens the drafter's KV lengths on the device only.
+shortens the drafter's KV lengths on the device only.  So does the shifted MTP layer (its verification
+batches: 1 + 2 rows per request, most of them accepted).
 """
 
 from __future__ import annotations
@@ -113,16 +114,19 @@ def drafts(tiny_models):
     return tiny_drafts.build(MODELS_DIR)
 
 
-TARGETS = {"shifted_eagle_async": "tiny-llama-shifted", "deepseek_plain": "tiny-deepseek-v3-mtp",
-           "mtp": "tiny-deepseek-v3-mtp"}
+MTP_MODEL = "tiny-deepseek-v3-shifted-mtp"
+MTP_SPEC_TOKENS = 2
+TARGETS = {"shifted_eagle_async": "tiny-llama-shifted", "deepseek_plain": MTP_MODEL,
+           "mtp": MTP_MODEL}
 """The engines on another target than the tiny Llama (the MTP layer is in its target's
 checkpoint)."""
 
 
 FEATURED = ("plain", "ngram", "self_draft", "ngram_guidance")
-V0_20 = ("plain", "ngram", "self_draft", "shifted_eagle_async", "deepseek_plain", "mtp")
+V0_20 = ("plain", "ngram", "self_draft", "eagle3", "shifted_eagle_async", "deepseek_plain", "mtp")
 """The engines the tests marked v0_20_features read (a v0_20-set release in CI): one lossless
-greedy run per method family (n-grams, a draft model, EAGLE, MTP), without the feature runs."""
+greedy run per method family (n-grams, a draft model, EAGLE, EAGLE-3, MTP), without the feature
+runs."""
 V0_20_FEATURES = pytest.mark.v0_20_features
 
 
@@ -144,7 +148,7 @@ def engines(llama, tiny_models, drafts, tmp_path_factory, request):
                                                num_speculative_tokens=SHIFTED_SPEC_TOKENS),
                                 "async_scheduling": True},
         "deepseek_plain": ENGINE,
-        "mtp": _speculative("mtp", num_speculative_tokens=2),
+        "mtp": _speculative("mtp", num_speculative_tokens=MTP_SPEC_TOKENS),
         "ngram_guidance": {**_speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3),
                            **FEATURES, "structured_outputs_config": {
                                "backend": "guidance", "disable_any_whitespace": True}},
@@ -186,7 +190,7 @@ def _counts(engine: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", [*_v0_20("plain", "ngram", "self_draft"), "other_draft_async",
-                                  "eagle3"])
+                                  *_v0_20("eagle3")])
 def test_greedy_tokens_equal_hf_and_the_engine_without_speculation(engines, oracle, name):
     assert "error" not in engines[name], engines[name]["error"]
     assert engines[name]["runs"][0]["tokens"] == oracle
@@ -205,11 +209,12 @@ def test_eagle_and_mtp_tokens_equal_hf_and_the_engine_without_speculation(engine
         assert tokens == engines[plain]["runs"][0]["tokens"]
 
 
-@pytest.mark.parametrize("name", ["eagle3", *_v0_20("mtp")])
+@pytest.mark.parametrize("name", _v0_20("eagle3", "mtp"))
 def test_eagle3_and_mtp_drafts_are_proposed_and_verified(engines, name):
     counts = _counts(engines[name])
     assert counts["drafts"] > 0
-    assert counts["draft_tokens"] >= counts["drafts"] * (2 if name == "mtp" else SPEC_TOKENS)
+    assert counts["draft_tokens"] >= counts["drafts"] * (MTP_SPEC_TOKENS if name == "mtp"
+                                                         else SPEC_TOKENS)
 
 
 @pytest.mark.v0_20_features
@@ -221,6 +226,18 @@ def test_eagle_drafts_are_the_ones_its_attention_over_the_accepted_tokens_gives(
                                           SHIFTED_SPEC_TOKENS)
     assert 0 < expected["accepted_tokens"] < expected["draft_tokens"]  # rejections to get wrong
     assert _counts(engines["shifted_eagle_async"]) == expected
+
+
+@pytest.mark.v0_20_features
+def test_mtp_drafts_are_the_ones_its_attention_over_the_accepted_tokens_gives(engines, drafts):
+    """The shifted MTP layer (MLA, MoE) accepts most drafts, each step verifying 1 + 2 rows per
+    request, and its counters equal the prediction to the token."""
+    model = drafts[MTP_MODEL]
+    expected = tiny_drafts.shifted_drafts(model, _prompts(model, "mtp"), MAX_TOKENS,
+                                          MTP_SPEC_TOKENS, mtp=True)
+    assert expected["draft_tokens"] / 2 < expected["accepted_tokens"] < expected["draft_tokens"]
+    assert expected["accepted_per_position"][-1] > 0  # whole verification batches accepted
+    assert _counts(engines["mtp"]) == expected
 
 
 @pytest.mark.v0_20_features
@@ -355,15 +372,15 @@ def test_async_scheduling_on_and_off_give_the_same_greedy_tokens(engines):
 # --- vLLM's speculative-decoding metrics on the NPU path --------------------------------------
 
 
-@pytest.mark.parametrize("name", [*_v0_20("ngram", "self_draft"), "other_draft_async", "eagle3",
-                                  *_v0_20("mtp")])
+@pytest.mark.parametrize("name", [*_v0_20("ngram", "self_draft"), "other_draft_async",
+                                  *_v0_20("eagle3", "mtp")])
 def test_acceptance_by_position_adds_up_to_the_accepted_drafts(engines, name):
     """vLLM counts a draft position as accepted only when every earlier one was: the counts by
     position never grow, add up to the accepted drafts, and a position accepts at most once per
     draft step."""
     counts = _counts(engines[name])
     per_position = counts["accepted_per_position"]
-    assert len(per_position) == (2 if name == "mtp" else SPEC_TOKENS)
+    assert len(per_position) == (MTP_SPEC_TOKENS if name == "mtp" else SPEC_TOKENS)
     assert sum(per_position) == counts["accepted_tokens"]
     assert per_position == sorted(per_position, reverse=True)
     assert per_position[0] <= counts["drafts"]

@@ -24,6 +24,11 @@ the tests check is that speculation leaves the target's greedy tokens unchanged)
   the position before its own, so the head is the target run over the sequence without its
   first token (rotary attention depends on relative positions only): its draft after ``S`` is
   the target's greedy token after ``S[1:]``. :func:`shifted_drafts` computes them.
+- ``tiny-deepseek-v3-shifted-mtp``: the same for DeepSeek MTP, a one-layer tiny DeepSeek-V3
+  (MLA at DeepSeek's dimensions, a routed MoE layer, unit-RMS embedding rows, attention output
+  scaled by :data:`SHIFTED_MTP_ATTENTION`) whose MTP layer is that layer, ``eh_proj`` passing
+  the embedding through: the MTP layer sees each token at the position before its own, as the
+  shifted EAGLE head does, and vLLM zeroes the embedding at position 0.
 
     python -m ascend_patch.kit.tiny_drafts OUT_DIR
 """
@@ -57,7 +62,12 @@ DRAFTS = {  # name -> (kind, the target it drafts for)
     "tiny-deepseek-v3-mtp": ("mtp", MTP_TARGET),
     "tiny-llama-shifted": ("shifted", None),
     "tiny-llama-shifted-eagle": ("shifted-eagle", "tiny-llama-shifted"),
+    "tiny-deepseek-v3-shifted-mtp": ("shifted-mtp", None),
 }
+SHIFTED_MTP_ATTENTION = 0.25
+"""The scale of ``tiny-deepseek-v3-shifted-mtp``'s attention output: small enough that the
+context rarely changes the greedy token (most MTP drafts are accepted), large enough that it
+sometimes does (some are rejected, and attention over the wrong slots changes the drafts)."""
 
 
 def _eagle_weights(kind: str) -> dict[str, tuple[tuple[int, ...], float | None]]:
@@ -145,14 +155,48 @@ def _write_shifted_eagle(out: Path, target: Path) -> None:
     (out / "config.json").write_text(json.dumps(_config(target, "eagle"), indent=2))
 
 
+def _write_shifted_mtp(out: Path) -> None:
+    """A one-layer tiny DeepSeek-V3 (MLA, routed MoE) whose MTP layer is that layer: ``enorm``,
+    ``hnorm`` and ``shared_head.norm`` all ones, ``eh_proj`` passing the (unit-RMS, so
+    ``enorm`` leaves it as it is) embedding through and dropping the hidden state, and the
+    target's LM head as ``shared_head.head``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    architecture, config_overrides = tiny_models.MODELS[MTP_TARGET]
+    tiny_models._model(out, architecture, {**config_overrides, "num_hidden_layers": 1,
+                                           "first_k_dense_replace": 0},
+                       tiny_models._tokenizer(out))
+    weights_file = out / "model.safetensors"
+    tensors = load_file(weights_file)
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+    tensors["model.layers.0.self_attn.o_proj.weight"] *= SHIFTED_MTP_ATTENTION
+    for name in [name for name in tensors if name.startswith("model.layers.0.")]:
+        tensors[name.replace("model.layers.0.", "model.layers.1.")] = tensors[name].clone()
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.1.{norm}.weight"] = torch.ones(_HIDDEN)
+    tensors["model.layers.1.eh_proj.weight"] = torch.cat(
+        (torch.eye(_HIDDEN), torch.zeros(_HIDDEN, _HIDDEN)), dim=1)
+    tensors["model.layers.1.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def shifted_drafts(target: Path, prompts: list[list[int]], max_tokens: int,
-                   num_speculative_tokens: int) -> dict:
+                   num_speculative_tokens: int, mtp: bool = False) -> dict:
     """What vLLM's counters should say for ``tiny-llama-shifted-eagle`` drafting for
     ``tiny-llama-shifted`` over ``max_tokens`` greedy tokens per prompt: each step proposes
     ``num_speculative_tokens`` chained drafts, each the target's greedy token after the sequence so
     far without its first token, and keeps those that equal the target's next tokens (the last
     step's drafts may run past ``max_tokens``: vLLM verifies and counts them all), and how many
-    drafts each position accepted."""
+    drafts each position accepted.
+
+    ``mtp``: the same for ``tiny-deepseek-v3-shifted-mtp``'s MTP layer, which sees what the
+    target would over the sequence without its first token, except that DeepSeek's MTP zeroes
+    the embedding at position 0 (``deepseek_mtp.py``) and ``enorm`` normalises the others."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -168,8 +212,16 @@ def shifted_drafts(target: Path, prompts: list[list[int]], max_tokens: int,
             while done < max_tokens:
                 drafts = []
                 for _ in range(num_speculative_tokens):
-                    sequence = prompt + tokens[:done] + drafts
-                    drafts.append(int(model(torch.tensor([sequence[1:]])).logits[0, -1].argmax()))
+                    sequence = torch.tensor([(prompt + tokens[:done] + drafts)[1:]])
+                    if mtp:
+                        embeds = model.get_input_embeddings()(sequence)
+                        embeds = embeds * torch.rsqrt(embeds.pow(2).mean(-1, keepdim=True)
+                                                      + model.config.rms_norm_eps)
+                        embeds[:, 0] = 0
+                        logits = model(inputs_embeds=embeds).logits
+                    else:
+                        logits = model(sequence).logits
+                    drafts.append(int(logits[0, -1].argmax()))
                 accepted = 0
                 while accepted < len(drafts) and drafts[accepted] == tokens[done + accepted]:
                     accepted += 1
@@ -194,6 +246,9 @@ def build(root: Path) -> dict[str, Path]:
         if kind == "shifted":
             _write_shifted(out)
             return
+        if kind == "shifted-mtp":
+            _write_shifted_mtp(out)
+            return
         target = targets.get(target_name) or root / target_name
         if kind == "shifted-eagle":
             _write_shifted_eagle(out, target)
@@ -203,7 +258,9 @@ def build(root: Path) -> dict[str, Path]:
             if (target / name).is_file():
                 shutil.copy(target / name, out / name)
 
-    recipes = {name: [_R, kind, target, tiny_models.MODELS[MTP_TARGET] if kind == "mtp" else None]
+    recipes = {name: [_R, kind, target, tiny_models.MODELS[MTP_TARGET] if kind == "mtp" else
+                      [tiny_models.MODELS[MTP_TARGET], SHIFTED_MTP_ATTENTION]
+                      if kind == "shifted-mtp" else None]
                for name, (kind, target) in DRAFTS.items()}
     return tiny_models.build_recipes(root, recipes, make)
 
