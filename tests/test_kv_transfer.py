@@ -107,7 +107,7 @@ def test_consumer_decodes_from_the_producers_kv(disaggregated):
 @pytest.mark.parametrize(("case", "message"), [
     ("nixl", "the NixlConnector KV connector is not supported on Ascend"),
     ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
-    ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
+    ("mla", "KV connectors other than KV offload are not supported for MLA models on Ascend"),
     ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
     *([("offload", "KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend "
                    "by ascend-patch with this vLLM")] if OFFLOAD_REFUSED else []),
