@@ -80,9 +80,10 @@ def mla_regions(vllm_config) -> dict[int, tuple[int, int]]:
 
     regions = {}
     for layer in vllm_config.compilation_config.static_forward_context.values():
+        impl = getattr(layer, "impl", None)  # not a seam: only attention layers have one
         kv = getattr(layer, "kv_cache", None)  # not a seam: not every layer caches
-        if isinstance(getattr(layer, "impl", None), AscendMLAImpl) and isinstance(kv, torch.Tensor):
-            regions[kv.data_ptr()] = (layer.impl.kv_lora_rank, kv.shape[-1])
+        if isinstance(impl, AscendMLAImpl) and isinstance(kv, torch.Tensor):
+            regions[kv.data_ptr()] = (impl.kv_lora_rank, kv.shape[-1])
     return regions
 
 
