@@ -316,3 +316,18 @@ def test_an_offloading_connector_named_without_a_spec_gets_the_npu_spec_from_vll
     assert OffloadingSpecFactory.get_spec_cls(child) is NPUOffloadingSpec
     with pytest.raises(NotImplementedError, match="the offloading spec TieringOffloadingSpec is not supported"):
         _check_connector("OffloadingConnector", None, {"spec_name": "TieringOffloadingSpec"})
+
+
+@V0_20_FEATURES
+def test_an_mla_model_takes_kv_offload_and_no_other_connector():
+    """The connectors an MLA model is served with: the OffloadingConnector, alone or in a
+    MultiConnector of such; not one beside another connector, nor a deployment's own."""
+    from ascend_patch.npu.distributed.kv_transfer import _offloads_only
+
+    offload = {"kv_connector": "OffloadingConnector"}
+    assert _offloads_only("OffloadingConnector", None, {})
+    assert _offloads_only("MultiConnector", None, {"connectors": [offload]})
+    assert not _offloads_only("MultiConnector", None, {"connectors": [
+        offload, {"kv_connector": "ExampleConnector"}]})
+    assert not _offloads_only("OffloadingConnector", "my.connector", {})
+    assert not _offloads_only("ExampleConnector", None, {})
