@@ -67,9 +67,12 @@ MODELS = {
         "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
     # DeepSeek-V3 multi-head latent attention at the dimensions the NPU MLA kernels take (latent
     # 512, rope 64, nope and value 128): dense MLP in every layer, no query LoRA, plain rope.
+    # Its kv_a norm weights are not all 1.0, so a fused MLA cache write that drops them (it
+    # takes the norm over from vLLM's layer) changes the logits.
     "tiny-deepseek-v3": ("DeepseekV3ForCausalLM", {**_MLA, "num_attention_heads": 8,
                                                   "num_key_value_heads": 8, "q_lora_rank": None,
-                                                  "first_k_dense_replace": 2}),
+                                                  "first_k_dense_replace": 2,
+                                                  "kv_a_layernorm_std": 0.3}),
     # ... and the full recipe: query LoRA, YaRN rotary with mscale, 4 heads (fewer than the ATB
     # MLA decode kernel takes), a dense first layer and a DeepSeek-V3-routed MoE layer.
     "tiny-deepseek-v3-moe": ("DeepseekV3ForCausalLM", {
@@ -216,17 +219,20 @@ def _model(out: Path, architecture: str, overrides: dict, tokenizer) -> None:
     )
     common.update(overrides)
     embedding_std = common.pop("embedding_std", RECIPE["init_std"])
+    kv_a_layernorm_std = common.pop("kv_a_layernorm_std", None)
     config_name = CONFIG_CLASSES.get(architecture, architecture.replace("ForCausalLM", "Config"))
     config = getattr(transformers, config_name)(**common)
     model = seeded_model(architecture, config, RECIPE["seed"], lambda name: None if "norm" in name
-                         else embedding_std if "embed_tokens" in name else RECIPE["init_std"])
+                         else embedding_std if "embed_tokens" in name else RECIPE["init_std"],
+                         {"kv_a_layernorm": kv_a_layernorm_std} if kv_a_layernorm_std else {})
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
 
 
-def seeded_model(architecture: str, config, seed: int, std_of):
+def seeded_model(architecture: str, config, seed: int, std_of, around_one: dict | None = None):
     """``transformers.<architecture>(config)`` in fp32 with every parameter drawn, in name order,
-    from one generator seeded ``seed``: N(0, ``std_of(name)``), or ones where that is None."""
+    from one generator seeded ``seed``: N(0, ``std_of(name)``), or where that is None ones, or
+    1 + N(0, std) for the parameters whose names contain an ``around_one`` key (its std)."""
     import torch
     import transformers
 
@@ -236,7 +242,10 @@ def seeded_model(architecture: str, config, seed: int, std_of):
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             std = std_of(name)
-            if std is None:
+            jitter = next((s for key, s in (around_one or {}).items() if key in name), None)
+            if jitter is not None:
+                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * jitter)
+            elif std is None:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
