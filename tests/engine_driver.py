@@ -23,7 +23,8 @@ RUN, by "kind":
                         what holds them) before ("books_before") and after ("books")
   "wake_up"             {"tags": [...] or absent}: ``LLM.wake_up``; reports the books after ("books")
   "zero_offloaded_kv"   zeroes every block the NPU offloading worker holds in host memory (the
-                        negative control of the KV offload tests; an in-process engine only)
+                        negative control of the KV offload tests; an in-process engine only), or
+                        with "planes": ["rope"] (or "latent") only those planes of MLA layers
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one. A run with "layer_launches": true also
 reports the device launches per decoder-layer call, op by op, as scripts/bench_engine.py counts
@@ -95,8 +96,10 @@ def _run(llm, run: dict) -> dict:
     if kind == "zero_offloaded_kv":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        for host in get_kv_transfer_group().connector_worker.worker.host_tensors:
-            host.zero_()
+        worker = get_kv_transfer_group().connector_worker.worker
+        for host, plane in zip(worker.host_tensors, worker.planes):
+            if plane in run.get("planes", (plane,)):
+                host.zero_()
         return {}
     if kind == "beam_search":
         from vllm.inputs import TokensPrompt

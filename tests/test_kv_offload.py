@@ -18,12 +18,16 @@ device. Each engine asks the first set (P), the second (F), then P again:
   zeroes every host block, and asks P a last time. The same 1024 tokens come from the host, and
   the tokens no longer equal HF's: the host bytes are what the model attends to;
 - the offload engine in bf16, whose decodes replay ACL graphs, serves the same hits from host
-  memory, and so does a tensor-parallel engine of two workers, each with its own host memory.
+  memory, and so does a tensor-parallel engine of two workers, each with its own host memory;
+- an MLA model (tiny DeepSeek-V3) serves the same hits: its layers' caches are latent and rope
+  planes, which the worker copies plane by plane. Zeroing only the host's rope rows changes the
+  tokens (a worker that restored only the latent plane would serve wrong keys just as silently).
 
 Without an engine: the offloading worker moves exactly the block it is given, K and V halves as
 the attention kernels wrote them, into the host chunk rows vLLM's CPU worker would use, and a
-wrong block mapping loads other bytes; an OffloadingConnector named without a spec gets the NPU
-spec from vLLM's own spec factory.
+wrong block mapping loads other bytes; an MLA block's latent and rope rows, which vLLM's row of
+that block does not hold, go to host and back; an OffloadingConnector named without a spec gets
+the NPU spec from vLLM's own spec factory.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ COUNTERS = ["vllm:external_prefix_cache_hits", "vllm:kv_offload_load_bytes",
             "vllm:kv_offload_store_bytes"]
 # tiny-llama: 2 layers, 2 KV heads of 64, float32: one block of one layer is K and V of 128 tokens.
 LAYERS, BLOCK_BYTES = 2, 2 * BLOCK * 2 * 64 * 4
+# tiny-deepseek-v3: 2 MLA layers, float32: one block of one layer is 128 tokens of latent 512 + rope 64.
+MLA_BLOCK_BYTES = BLOCK * (512 + 64) * 4
 
 
 V0_20_FEATURES = pytest.mark.v0_20_features
-V0_20 = ("plain", "offloaded")
-"""The engines the tests marked v0_20_features read (a v0_20-set release in CI): without offload
-and with it, besides the refusals."""
+V0_20 = ("plain", "offloaded", "mla")
+"""The engines the tests marked v0_20_features read (a v0_20-set release in CI): without offload,
+with it, and an MLA model's with it, besides the refusals."""
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +66,15 @@ def offload(request, tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kv_offload")
     ids = prompt_token_ids(llama, [PROMPT_LENGTH] * 2 * PROMPTS)
     first, second = ids[:PROMPTS], ids[PROMPTS:]
+    deepseek = tiny_models["tiny-deepseek-v3"]
+    mla_ids = prompt_token_ids(deepseek, [PROMPT_LENGTH] * 2 * PROMPTS)
+    mla_first, mla_second = mla_ids[:PROMPTS], mla_ids[PROMPTS:]
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
     def ask(prompts):
         return {"prompts": prompts, "sampling": [greedy], "counters": COUNTERS}
 
     refused = {
-        "mla": (tiny_models["tiny-deepseek-v3"], OFFLOAD, {}),
         "lmcache": (llama, {**OFFLOAD, "kv_offloading_backend": "lmcache"}, {}),
         "simple": (llama, OFFLOAD, {"VLLM_USE_SIMPLE_KV_OFFLOAD": "1"}),
         "cuda_spec": (llama, {**ENGINE, "kv_transfer_config": {
@@ -80,6 +88,8 @@ def offload(request, tiny_models, tmp_path_factory):
         "graphed": (llama, {**OFFLOAD, "dtype": "bfloat16"}, [ask(first), ask(second), ask(first)]),
         "tp2": (llama, {**OFFLOAD, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                 [ask(first), ask(second), ask(first)]),
+        "mla": (deepseek, OFFLOAD, [ask(mla_first), ask(mla_second), ask(mla_first), ask(mla_second),
+                                    {"kind": "zero_offloaded_kv", "planes": ["rope"]}, ask(mla_first)]),
         # Refused while its worker registers the KV caches, so after the engines that run: the
         # engine stops half-started.
         "hybrid": (tiny_models["tiny-gemma3-5to1"], {**OFFLOAD, "num_gpu_blocks_override": None}, []),
@@ -93,7 +103,7 @@ def offload(request, tiny_models, tmp_path_factory):
     reports = run_engine(spec, tmp, timeout=1200)["engines"]
     ran = dict(zip(engines, reports[len(refused):]))
     hybrid = ran.pop("hybrid")
-    return {"llama": llama, "prompts": first, **ran, "refused": {**dict(zip(refused, reports)), "hybrid": hybrid}}
+    return {"llama": llama, "prompts": first, "deepseek": deepseek, "mla_prompts": mla_first, **ran, "refused": {**dict(zip(refused, reports)), "hybrid": hybrid}}
 
 
 @V0_20_FEATURES
@@ -130,6 +140,25 @@ def test_zeroed_host_blocks_change_the_tokens(offload):
     assert all(tokens != expected for tokens, expected in zip(zeroed["tokens"], oracle))
 
 
+@V0_20_FEATURES
+def test_mla_blocks_are_served_from_host_memory_plane_by_plane(offload):
+    """The MLA engine's third run loads the first set's 8 blocks (latent and rope rows of 2 layers)
+    from host memory, and its tokens equal its first run's and HF greedy; with the host's rope rows
+    zeroed, the same hits give other tokens for every prompt."""
+    engine = offload["mla"]
+    assert "error" not in engine, engine["error"]
+    first, _, again, _, _, zeroed = engine["runs"]
+    hits = PROMPTS * 2 * BLOCK
+    assert first["counters"]["vllm:kv_offload_store_bytes"] == PROMPTS * 2 * LAYERS * MLA_BLOCK_BYTES
+    assert again["cached"] == zeroed["cached"] == [2 * BLOCK] * PROMPTS
+    assert again["counters"]["vllm:external_prefix_cache_hits"] == hits
+    assert again["counters"]["vllm:kv_offload_load_bytes"] == PROMPTS * 2 * LAYERS * MLA_BLOCK_BYTES
+    oracle = hf_greedy(offload["deepseek"], offload["mla_prompts"], MAX_TOKENS)
+    assert first["tokens"] == again["tokens"] == oracle
+    assert zeroed["counters"]["vllm:external_prefix_cache_hits"] == hits
+    assert all(tokens != expected for tokens, expected in zip(zeroed["tokens"], oracle))
+
+
 def test_offload_beside_decode_graphs_in_bf16(offload):
     """bf16 decodes on FULL_DECODE_ONLY ACL graphs (emulated): host loads write into the cache the
     graphs address, in place, so the replays read them; the tokens track HF within bf16 rounding."""
@@ -157,7 +186,6 @@ def test_each_tensor_parallel_rank_offloads_its_heads(offload):
 
 @V0_20_FEATURES
 @pytest.mark.parametrize(("case", "message"), [
-    ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
     ("lmcache", "KV offload with --kv-offloading-backend lmcache is not supported on Ascend"),
     ("simple", "KV offload with VLLM_USE_SIMPLE_KV_OFFLOAD=1 is not supported on Ascend"),
     ("cuda_spec", "the offloading spec CPUOffloadingSpec is not supported on Ascend"),
@@ -216,6 +244,48 @@ def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
 
 
 @V0_20_FEATURES
+def test_an_mla_block_goes_to_host_and_back_with_its_latent_and_rope_rows():
+    """An MLA layer's region ``[4, 1, 128, 576]`` as vLLM hands it, read by the MLA kernels as a
+    latent plane then a rope plane: block 2, written through the planes by the MLA cache-write
+    kernel, goes to host chunk 1 and back into block 3, which then holds block 2's latent and rope
+    rows, and no other block changes. vLLM's row of block 2 holds neither (it is latent rows of
+    blocks 2 and 3): a worker copying vLLM's rows moves other bytes."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec)
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from ascend_patch.npu.attention.mla import latent_planes
+    from ascend_patch.npu.distributed.kv_transfer.offload import NPUOffloadingWorker
+
+    kernels.use("reference")
+    blocks = 4
+    cache = torch.zeros(blocks, 1, BLOCK, 576)
+    page = cache[0].numel() * cache.element_size()
+    rows = torch.tensor([], dtype=torch.int8).set_(cache.untyped_storage(), 0, (blocks, page), (page, 1))
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(rows, page)], [[CanonicalKVCacheRef(0, page)]])
+    worker = NPUOffloadingWorker(caches, 1, 2, pin_memory=False, mla={cache.data_ptr(): (512, 576)})
+    assert worker.planes == ["latent", "rope"]
+    latent, rope = latent_planes(cache, 512)
+    generator = torch.Generator().manual_seed(0)
+    kv_c, k_pe = torch.randn(BLOCK, 1, 512, generator=generator), torch.randn(BLOCK, 1, 64, generator=generator)
+    for block, sign in ((2, 1), (1, -1)):
+        kernels.scatter_pa_kv_cache(sign * kv_c, sign * k_pe, latent, rope,
+                                    torch.arange(block * BLOCK, (block + 1) * BLOCK))
+    assert worker.submit_store(7, GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([1]))
+    before = cache.clone()
+    assert worker.submit_load(8, CPULoadStoreSpec([1]), GPULoadStoreSpec([3], [1], [0]))
+    torch.testing.assert_close(latent[3], kv_c, rtol=0, atol=0)
+    torch.testing.assert_close(rope[3], k_pe, rtol=0, atol=0)
+    for plane, plane_before in zip((latent, rope), latent_planes(before, 512)):
+        torch.testing.assert_close(plane[:3], plane_before[:3], rtol=0, atol=0)
+    assert [r.transfer_size for r in worker.get_finished()] == [page, page]
+    rows_only = NPUOffloadingWorker(caches, 1, 2, pin_memory=False)  # vLLM's rows, not the planes
+    rows_only.submit_store(9, GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([0]))
+    rows_only.submit_load(10, CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1], [0]))
+    assert not torch.equal(rope[0], k_pe) and not torch.equal(latent[0], kv_c)
+
+
+@V0_20_FEATURES
 def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     """With two blocks per host chunk, a store starting at a request's second block fills the
     second half of its first chunk, as vLLM's CPU worker lays chunks out."""
@@ -246,3 +316,18 @@ def test_an_offloading_connector_named_without_a_spec_gets_the_npu_spec_from_vll
     assert OffloadingSpecFactory.get_spec_cls(child) is NPUOffloadingSpec
     with pytest.raises(NotImplementedError, match="the offloading spec TieringOffloadingSpec is not supported"):
         _check_connector("OffloadingConnector", None, {"spec_name": "TieringOffloadingSpec"})
+
+
+@V0_20_FEATURES
+def test_an_mla_model_takes_kv_offload_and_no_other_connector():
+    """The connectors an MLA model is served with: the OffloadingConnector, alone or in a
+    MultiConnector of such; not one beside another connector, nor a deployment's own."""
+    from ascend_patch.npu.distributed.kv_transfer import _offloads_only
+
+    offload = {"kv_connector": "OffloadingConnector"}
+    assert _offloads_only("OffloadingConnector", None, {})
+    assert _offloads_only("MultiConnector", None, {"connectors": [offload]})
+    assert not _offloads_only("MultiConnector", None, {"connectors": [
+        offload, {"kv_connector": "ExampleConnector"}]})
+    assert not _offloads_only("OffloadingConnector", "my.connector", {})
+    assert not _offloads_only("ExampleConnector", None, {})

@@ -6,7 +6,9 @@ prefills and its connector saves each layer's KV to shared storage; a consumer e
 decodes. The oracle is HF transformers on the same weights: the saved K and V of every layer equal
 HF's cache (post-rotary keys, values) token for token, so the connector read the K and V halves
 attention wrote, not another plane or block; the consumer's tokens equal HF greedy and it served
-the prompts' full blocks from the connector (prefix caching is off). The refusals start engines
+the prompts' full blocks from the connector (prefix caching is off). The same with a tiny
+DeepSeek-V3 (MLA), whose layers' latent and rope planes the Ascend connector hands vLLM's as
+per-token rows. The refusals start engines
 that stop at configuration, in one line each: rank 0 of vLLM's offline data-parallel example on
 an MoE model stops there instead of asserting in vLLM's get_ep_all2all_manager; before vLLM 0.26,
 whose offloading interface the NPU spec does not implement, so does KV offload
@@ -43,10 +45,11 @@ def _connector(role: str, storage) -> dict:
 
 @pytest.fixture(scope="module")
 def disaggregated(tiny_models, tmp_path_factory):
-    llama = tiny_models["tiny-llama"]
+    llama, deepseek = tiny_models["tiny-llama"], tiny_models["tiny-deepseek-v3"]
     tmp = tmp_path_factory.mktemp("kv_transfer")
-    storage = tmp / "storage"
+    storage, mla_storage = tmp / "storage", tmp / "mla_storage"
     prompts = prompt_token_ids(llama, PROMPT_LENGTHS)
+    mla_prompts = prompt_token_ids(deepseek, PROMPT_LENGTHS)
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     prefill = {**greedy, "max_tokens": 1}
     refused = {  # refused at configuration, so before the engines that start
@@ -54,7 +57,8 @@ def disaggregated(tiny_models, tmp_path_factory):
                                                           "kv_role": "kv_both"}}, {}),
         "block_size": (llama, {**ENGINE, "block_size": 256,
                                "kv_transfer_config": _connector("kv_both", storage)}, {}),
-        "mla": (tiny_models["tiny-deepseek-v3"], {**ENGINE, "kv_transfer_config": _connector("kv_both", storage)}, {}),
+        "mla": (deepseek, {**ENGINE, "kv_transfer_config": {
+            "kv_connector": "MyConnector", "kv_connector_module_path": "my_connectors", "kv_role": "kv_both"}}, {}),
         "sleep": (llama, {**ENGINE, "enable_sleep_mode": True,
                           "kv_transfer_config": _connector("kv_both", storage)}, {}),
     }
@@ -66,10 +70,16 @@ def disaggregated(tiny_models, tmp_path_factory):
          "runs": [{"prompts": prompts, "sampling": [prefill]}]},
         {"model": str(llama), "kwargs": {**ENGINE, "kv_transfer_config": _connector("kv_consumer", storage)},
          "runs": [{"prompts": prompts, "sampling": [greedy]}]},
+        {"model": str(deepseek), "kwargs": {**ENGINE, "kv_transfer_config": _connector("kv_producer", mla_storage)},
+         "runs": [{"prompts": mla_prompts, "sampling": [prefill]}]},
+        {"model": str(deepseek), "kwargs": {**ENGINE, "kv_transfer_config": _connector("kv_consumer", mla_storage)},
+         "runs": [{"prompts": mla_prompts, "sampling": [greedy]}]},
     ]}
-    *refusals, producer, consumer = run_engine(spec, tmp)["engines"]
+    *refusals, producer, consumer, mla_producer, mla_consumer = run_engine(spec, tmp)["engines"]
     return {"llama": llama, "prompts": prompts, "storage": storage, "producer": producer,
-            "consumer": consumer, "refused": dict(zip(refused, refusals))}
+            "consumer": consumer, "refused": dict(zip(refused, refusals)), "deepseek": deepseek,
+            "mla_prompts": mla_prompts, "mla_storage": mla_storage, "mla_producer": mla_producer,
+            "mla_consumer": mla_consumer}
 
 
 def test_saved_kv_is_what_attention_wrote(disaggregated):
@@ -104,10 +114,49 @@ def test_consumer_decodes_from_the_producers_kv(disaggregated):
     assert run["tokens"] == hf_greedy(disaggregated["llama"], prompts, MAX_TOKENS)
 
 
+def test_an_mla_consumer_decodes_from_the_producers_latent_rows(disaggregated):
+    """A tiny DeepSeek-V3 (MLA): the producer saves each layer's [tokens, 1, latent 512 + rope 64]
+    rows, gathered from the two planes, the consumer serves the prompts' full blocks from them and
+    its tokens equal HF greedy."""
+    prompts, storage = disaggregated["mla_prompts"], disaggregated["mla_storage"]
+    assert "error" not in disaggregated["mla_consumer"], disaggregated["mla_consumer"]["error"]
+    shapes = sorted(tuple(load_file(folder / "model.layers.1.self_attn.attn.safetensors")["kv_cache"].shape)
+                    for folder in storage.iterdir())
+    assert shapes == sorted(((len(p) - 1) // 128 * 128, 1, 576) for p in prompts)
+    run = disaggregated["mla_consumer"]["runs"][0]
+    assert run["cached"] == [(len(p) - 1) // 128 * 128 for p in prompts], "the connector's hits"
+    assert run["tokens"] == hf_greedy(disaggregated["deepseek"], prompts, MAX_TOKENS)
+
+
+def test_an_mla_layers_rows_are_its_latent_and_rope_rows():
+    """The rows the Ascend connector hands vLLM's ExampleConnector for an MLA layer: indexed
+    ``[blocks, :, offsets]`` as the connector does, each token's latent row then rope row as the
+    MLA cache-write kernel stored them in the two planes; assigning them back writes both planes.
+    The same index of the region as vLLM shapes it ([blocks, 1, 128, 576]) reads other bytes."""
+    from ascend_patch.npu import kernels
+    from ascend_patch.npu.attention.mla import latent_planes
+    from ascend_patch.npu.distributed.kv_transfer.example import LatentRows
+
+    kernels.use("reference")
+    cache = torch.zeros(4, 1, 128, 576)
+    latent, rope = latent_planes(cache, 512)
+    generator = torch.Generator().manual_seed(0)
+    slots = torch.tensor([130, 131, 400, 5])
+    kv_c, k_pe = torch.randn(4, 1, 512, generator=generator), torch.randn(4, 1, 64, generator=generator)
+    kernels.scatter_pa_kv_cache(kv_c, k_pe, latent, rope, slots)
+    index = (slots // 128, slice(None), slots % 128)
+    rows = LatentRows(cache, 512)[index]
+    torch.testing.assert_close(rows, torch.cat([kv_c, k_pe], dim=-1), rtol=0, atol=0)
+    assert not torch.equal(cache[index], rows)
+    other = torch.zeros_like(cache)
+    LatentRows(other, 512)[index] = rows
+    torch.testing.assert_close(other, cache, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("nixl", "the NixlConnector KV connector is not supported on Ascend"),
     ("block_size", "--block-size 256 is not supported with a KV connector on Ascend"),
-    ("mla", "KV connectors and KV offload are not supported for MLA models on Ascend"),
+    ("mla", "the MyConnector KV connector is not supported for MLA models on Ascend"),
     ("sleep", "sleep mode with a KV connector is not supported on Ascend by ascend-patch"),
     *([("offload", "KV offload (OffloadingConnector, --kv-offloading-size) is not supported on Ascend "
                    "by ascend-patch with this vLLM")] if OFFLOAD_REFUSED else []),

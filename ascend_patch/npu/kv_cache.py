@@ -27,7 +27,8 @@ block's bytes, and this module re-views that region in the layout above. vLLM st
 sizes, placement and sharing; only the interpretation inside a page changes (the cache is empty
 at this point). MLA layers keep vLLM's view: their one latent vector per token has no K/V split,
 and the MLA backend reads the region as two planes (:mod:`ascend_patch.npu.attention.mla`), which
-is why no KV connector can serve them (:mod:`ascend_patch.npu.distributed.kv_transfer`).
+is why only the connectors that read the planes serve them: the NPU offloading spec and the
+Ascend example connector (:mod:`ascend_patch.npu.distributed.kv_transfer`).
 On the emulated NPU the buffer is also charged against the emulated HBM.
 """
 

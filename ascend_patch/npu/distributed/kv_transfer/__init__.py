@@ -7,7 +7,9 @@ indexes from vLLM 0.23 (``layer[slot // block_size, :, slot % block_size]``, the
 connector of vLLM's disaggregated-prefill example).
 
 Served:
-- ``ExampleConnector`` (vLLM 0.23 and later), and ``MultiConnector`` of served connectors;
+- ``ExampleConnector`` (vLLM 0.23 and later), and ``MultiConnector`` of served connectors; for an
+  MLA model the platform names :class:`.example.AscendExampleConnector` instead, vLLM's connector
+  handed each MLA layer's latent and rope planes as per-token rows;
 - ``OffloadingConnector`` (KV offload to host memory, also as ``--kv-offloading-size``) with the
   NPU offloading spec (:mod:`.offload`), which the platform names in its extra config, on a vLLM
   with the offloading worker interface of 0.26-0.33;
@@ -18,12 +20,12 @@ Served:
 Refused in one line, each with its reason: KV offload before vLLM 0.26, through any other spec,
 backend (``--kv-offloading-backend lmcache``) or connector (``VLLM_USE_SIMPLE_KV_OFFLOAD``), or
 with more than one KV cache group (the hybrid KV-cache manager; refused when the worker
-registers); MLA models with any connector or KV offload (the NPU MLA kernels read a layer's
-region as separate latent and rope planes, not the per-token pages the connectors index); sleep
-mode with any connector (sleep frees the KV cache storages the connector holds); a KV block size
-other than the kernel's 128; vLLM 0.20–0.22's ``ExampleConnector`` (it reads every backend but
-Triton's as FlashAttention's ``[2, blocks, ...]``); every other connector vLLM ships (CUDA
-transports, or not verified on Ascend).
+registers); MLA models with any connector but the example connector and KV offload (the NPU MLA
+kernels read a layer's region as separate latent and rope planes, not the per-token pages the
+connectors index; those two are handed or copy the planes); sleep mode with any connector (sleep frees the KV cache
+storages the connector holds); a KV block size other than the kernel's 128; vLLM 0.20–0.22's
+``ExampleConnector`` (it reads every backend but Triton's as FlashAttention's ``[2, blocks,
+...]``); every other connector vLLM ships (CUDA transports, or not verified on Ascend).
 """
 
 from __future__ import annotations
@@ -68,11 +70,8 @@ def check_config(vllm_config) -> None:
         raise NotImplementedError(
             "sleep mode with a KV connector is not supported on Ascend by ascend-patch: sleep frees "
             "the KV cache storages the connector registered, and the connector is not told")
-    if model is not None and model.use_mla:
-        raise NotImplementedError(
-            "KV connectors and KV offload are not supported for MLA models on Ascend: the NPU MLA "
-            "kernels read a layer's cache as separate latent and rope planes, not the per-token pages the "
-            "connectors index")
+    if model is not None and model.use_mla and not offloading:
+        _serve_mla(transfer)
     from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
 
     cache = vllm_config.cache_config
@@ -82,6 +81,35 @@ def check_config(vllm_config) -> None:
             f"--block-size {block_size} is not supported with a KV connector on Ascend: the "
             f"connectors index each layer's cache in KV blocks, and the Ascend cache is in "
             f"{KERNEL_BLOCK_SIZE}-token kernel blocks; use --block-size {KERNEL_BLOCK_SIZE}")
+
+
+_EXAMPLE_CONNECTOR, _EXAMPLE_MODULE = "AscendExampleConnector", "ascend_patch.npu.distributed.kv_transfer.example"
+
+
+def _serve_mla(transfer) -> None:
+    """An MLA model's connector: vLLM's ExampleConnector becomes the Ascend one, which hands it each
+    layer's latent and rope planes as per-token rows; KV offload copies the planes; others refused."""
+    named = (transfer.kv_connector, transfer.kv_connector_module_path)
+    if named == ("ExampleConnector", None):
+        transfer.kv_connector, transfer.kv_connector_module_path = _EXAMPLE_CONNECTOR, _EXAMPLE_MODULE
+    elif named != (_EXAMPLE_CONNECTOR, _EXAMPLE_MODULE) and not _offloads_only(transfer.kv_connector, transfer.kv_connector_module_path,
+                            transfer.kv_connector_extra_config):
+        raise NotImplementedError(
+            f"the {transfer.kv_connector} KV connector is not supported for MLA models on Ascend: the "
+            "NPU MLA kernels read a layer's cache as separate latent and rope planes, not the "
+            "per-token pages the connectors index; served: ExampleConnector (vLLM 0.23+) and KV offload")
+
+
+def _offloads_only(name: str, module_path: str | None, extra: dict) -> bool:
+    """Whether the connector is vLLM's OffloadingConnector (with the NPU spec, which copies MLA
+    planes), alone or in a MultiConnector of such."""
+    if module_path is not None:
+        return False
+    if name == "MultiConnector":
+        return all(_offloads_only(child.get("kv_connector"), child.get("kv_connector_module_path"),
+                                  child.get("kv_connector_extra_config", {}))
+                   for child in extra.get("connectors", []))
+    return name == "OffloadingConnector"
 
 
 def _check_connector(name: str, module_path: str | None, extra: dict) -> None:

@@ -11,11 +11,18 @@ in (:func:`ascend_patch.npu.distributed.kv_transfer.check_config`). The interfac
 vLLM's from 0.26 on; 0.30 renamed the host chunk count (``num_blocks`` to ``num_chunks``).
 
 What the worker copies: vLLM hands it each layer's cache as ``[num_blocks, page_bytes]`` int8
-rows (``OffloadingConnectorWorker.register_kv_caches`` over ``group_kernel_blocks``). The Ascend
-cache is block-outermost (``[num_blocks, 2, block_size, kv_heads, head_size]``,
-:mod:`ascend_patch.npu.kv_cache`), so row ``b`` is all of block ``b``: its K half, then its V half.
-A host chunk holds ``blocks_per_chunk`` such rows per layer. The copies are synchronous on the
-current stream: a job is finished when it is submitted.
+rows over the layer's region (``OffloadingConnectorWorker.register_kv_caches``; 0.33's
+``canonical_mapping`` certifies an MLA page as ``block_size`` rows of ``kv_lora_rank + rope``).
+The Ascend cache of a standard attention layer is block-outermost (``[num_blocks, 2, block_size,
+kv_heads, head_size]``, :mod:`ascend_patch.npu.kv_cache`), so row ``b`` is all of block ``b``: its
+K half, then its V half. An MLA layer's region is not: the NPU MLA kernels take the latent and
+rope caches as two contiguous tensors under one block table, so the region holds every block's
+latent rows, then every block's rope rows (:func:`ascend_patch.npu.attention.mla.latent_planes`),
+and vLLM's row ``b`` would be latent bytes of other blocks. The worker copies such a layer plane by
+plane instead, block ``b`` of each to the same host row of one host tensor per plane: it finds the
+MLA regions by their address among the MLA layers' caches. A host chunk holds ``blocks_per_chunk``
+rows per host tensor; the host bytes are read by this worker only. The copies are synchronous on
+the current stream: a job is finished when it is submitted.
 """
 
 from __future__ import annotations
@@ -43,10 +50,17 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            from vllm.config import get_current_vllm_config
             from vllm.utils.torch_utils import PIN_MEMORY
 
+            config = get_current_vllm_config()
+            mla = mla_regions(config)
+            if config.model_config.use_mla and any(t.tensor.data_ptr() not in mla for t in kv_caches.tensors):
+                raise NotImplementedError(  # never copy an MLA region as vLLM's block rows
+                    "KV offload of this MLA model is not supported on Ascend by ascend-patch: a KV "
+                    "cache tensor is not the region of an Ascend MLA layer")
             self._worker = NPUOffloadingWorker(kv_caches, self.blocks_per_chunk, self._host_chunks(),
-                                               PIN_MEMORY)
+                                               PIN_MEMORY, mla)
         return self._worker
 
     def _host_chunks(self) -> int:
@@ -59,21 +73,45 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
         return self.num_blocks
 
 
+def mla_regions(vllm_config) -> dict[int, tuple[int, int]]:
+    """The address of each MLA layer's cache region → ``(kv_lora_rank, kv_lora_rank + rope)``, from
+    the layers of the config vLLM sets while its worker registers the KV caches."""
+    from ascend_patch.npu.attention.mla import AscendMLAImpl
+
+    regions = {}
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        impl = getattr(layer, "impl", None)  # not a seam: only attention layers have one
+        kv = getattr(layer, "kv_cache", None)  # not a seam: not every layer caches
+        if isinstance(impl, AscendMLAImpl) and isinstance(kv, torch.Tensor):
+            regions[kv.data_ptr()] = (impl.kv_lora_rank, kv.shape[-1])
+    return regions
+
+
 class NPUOffloadingWorker(OffloadingWorker):
-    """Copies blocks between the device KV cache and one host tensor per cache tensor."""
+    """Copies blocks between the device KV cache and host tensors: one per standard layer's cache
+    tensor, two (latent, rope) per MLA layer's."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int,
-                 pin_memory: bool):
+                 pin_memory: bool, mla: dict[int, tuple[int, int]] | None = None):
         if len(kv_caches.group_data_refs) != 1:
             raise NotImplementedError(
                 f"KV offload with {len(kv_caches.group_data_refs)} KV cache groups (hybrid "
                 "KV-cache manager) is not supported on Ascend by ascend-patch: one group only")
         self.blocks_per_chunk = blocks_per_chunk
-        self.device_tensors = [t.tensor for t in kv_caches.tensors]
+        rows = [t.tensor for t in kv_caches.tensors]
+        self.bytes_per_block = sum(t.shape[1] for t in rows)
+        # [num_blocks, bytes] views of the device cache, each with the name of what it holds.
+        self.device_tensors, self.planes = [], []
+        for tensor in rows:
+            if tensor.data_ptr() in (mla or {}):
+                self.device_tensors += _mla_planes(tensor, *mla[tensor.data_ptr()])
+                self.planes += ["latent", "rope"]
+            else:
+                self.device_tensors.append(tensor)
+                self.planes.append("page")
         # A host row per device block: chunk c's sub-block j is row c * blocks_per_chunk + j.
         self.host_tensors = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=t.dtype,
                                          device="cpu", pin_memory=pin_memory) for t in self.device_tensors]
-        self.bytes_per_block = sum(t.shape[1] for t in self.device_tensors)
         self._finished: list[TransferResult] = []
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -110,3 +148,17 @@ class NPUOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         return  # every copy finished when it was submitted
+
+
+def _mla_planes(rows: torch.Tensor, kv_lora_rank: int, width: int) -> list[torch.Tensor]:
+    """vLLM's ``[num_blocks, page]`` rows over an MLA layer's region → the ``[num_blocks, latent
+    bytes]`` and ``[num_blocks, rope bytes]`` planes the MLA kernels read, over the same bytes."""
+    from ascend_patch.npu.attention.mla import latent_planes
+
+    blocks, page = rows.shape
+    if rows.stride() != (page, 1) or page % width:
+        raise NotImplementedError(
+            f"KV offload of an MLA layer whose cache is not one dense region of {blocks} pages of "
+            f"{page} bytes (strides {rows.stride()}) is not supported on Ascend by ascend-patch")
+    # In bytes, a page is block_size * element size rows of `width`: the planes split it as in elements.
+    return [plane.reshape(blocks, -1) for plane in latent_planes(rows.view(blocks, -1, width), kv_lora_rank)]
