@@ -53,7 +53,8 @@ E2E_SUITE = "tests/test_engine.py"
 FEATURES = {"v0_20": "v0_20_features"}
 """Patch set -> the pytest marker of the feature tests its pinned releases also run."""
 FEATURE_SUITES = ["tests/test_spec_decode.py", "tests/test_kv_transfer.py", "tests/test_kv_offload.py",
-                  "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py", "tests/test_vl.py"]
+                  "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py", "tests/test_vl.py",
+                  "tests/test_moe.py"]
 
 
 def requirements_for(version: str) -> Path:
