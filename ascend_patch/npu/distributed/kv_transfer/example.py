@@ -60,15 +60,13 @@ class AscendExampleConnector(ExampleConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_current_vllm_config
 
-        from ascend_patch.npu.attention.mla import AscendMLAImpl
+        from ascend_patch.npu.distributed.kv_transfer.offload import mla_regions
 
         super().register_kv_caches(kv_caches)
-        context = get_current_vllm_config().compilation_config.static_forward_context
-        self._latent_layers = {}
-        for name, kv_cache in kv_caches.items():
-            impl = getattr(context.get(name), "impl", None)  # not a seam: only attention layers have one
-            if isinstance(impl, AscendMLAImpl):
-                self._latent_layers[name] = (kv_cache, impl.kv_lora_rank)
+        regions = mla_regions(get_current_vllm_config())
+        self._latent_layers = {name: (kv_cache, regions[kv_cache.data_ptr()][0])
+                               for name, kv_cache in kv_caches.items()
+                               if kv_cache.data_ptr() in regions}
 
     def _rows(self, layer_name: str, kv_layer):
         if layer_name not in self._latent_layers:
