@@ -106,9 +106,9 @@ _TRACED = {
     "rotary_mul": ("(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
                    lambda self, r1, r2, rotary_mode="half": self.new_empty(self.shape)),
     "mrope": ("(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, "
-              "str rotary_mode='half') -> (Tensor, Tensor)",
-              lambda positions, query, key, cos_sin_cache, head_size, rotary_mode="half": (
-                  query.new_empty(query.shape), key.new_empty(key.shape))),
+              "str rotary_mode='half', int[]? mrope_section=None) -> (Tensor, Tensor)",
+              lambda positions, query, key, cos_sin_cache, head_size, rotary_mode="half",
+              mrope_section=None: (query.new_empty(query.shape), key.new_empty(key.shape))),
 }
 _LIBRARY = "ascend_patch_emulated"
 

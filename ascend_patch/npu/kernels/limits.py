@@ -88,7 +88,7 @@ ATB_MLA_MAX_BATCH = 8192
 ROTARY_HEAD_DIM_BELOW = 896
 ROTARY_BATCH_HEADS_BELOW = 1000
 
-# --- npu_mrope (its RoPE mode: one-dimensional positions) -----------------------------------------
+# --- npu_mrope (RoPE mode: one-dimensional positions; mrope mode: a row per section) ----------------
 
 # [MROPE] 约束说明: head_size and rotary_dim (cos_sin_cache's last dim, ≤ head_size) are multiples
 # of 32 in float16/bfloat16, of 16 in float32.
@@ -101,6 +101,18 @@ def mrope_takes(dtype, head_size: int, rotary_dim: int) -> bool:
     multiple = MROPE_DIM_MULTIPLE.get(str(dtype).removeprefix("torch."))
     return (multiple is not None and rotary_dim <= head_size
             and head_size % multiple == 0 and rotary_dim % multiple == 0)
+
+
+# [MROPE-SECTIONS] mrope mode: the sections both aclnnRopeWithSinCosCache and its V2 take (V2 alone
+# adds [11, 11, 10]; the binding falls back to V1 where V2 is missing), each summing to
+# rotary_dim / 2, one positions row per section.
+MROPE_SECTIONS = ((16, 24, 24), (24, 20, 20), (8, 12, 12), (16, 16, 16, 16))
+
+
+def mrope_section_takes(mrope_section, rotary_dim: int) -> bool:
+    """Whether npu_mrope's mrope mode takes ``mrope_section`` over a ``rotary_dim`` cache."""
+    section = tuple(mrope_section or ())
+    return section in MROPE_SECTIONS and 2 * sum(section) == rotary_dim
 
 
 # --- npu_top_k_top_p ------------------------------------------------------------------------------

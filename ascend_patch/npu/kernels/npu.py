@@ -192,12 +192,15 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
     return _torch_npu().npu_rotary_mul(self, r1, r2, rotary_mode=rotary_mode)
 
 
-def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half"):
-    # The RoPE mode (mrope_section [0, 0, 0]) over vLLM's [max_position, rotary_dim] cos|sin cache:
-    # query and key in one launch, as vllm-ascend's rope_forward_oot calls it without Triton.
+def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half", mrope_section=None):
+    # Over vLLM's [max_position, rotary_dim] cos|sin cache, query and key in one launch: the RoPE
+    # mode (mrope_section [0, 0, 0]), as vllm-ascend's rope_forward_oot calls it without Triton,
+    # or the mrope mode of vLLM's MRotaryEmbedding sections. cache_mode "default" (sections side
+    # by side): "interleave" needs aclnnRopeWithSinCosCacheV2, which the binding refuses without.
     return _torch_npu().npu_mrope(
         positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache, head_size=head_size,
-        mrope_section=[0, 0, 0], rotary_mode=rotary_mode, cache_mode="default",
+        mrope_section=[0, 0, 0] if mrope_section is None else list(mrope_section),
+        rotary_mode=rotary_mode, cache_mode="default",
     )
 
 

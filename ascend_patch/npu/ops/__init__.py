@@ -4,7 +4,8 @@ the unquantized MoE method on the kernel seam.
 Registered two ways, both sanctioned by vLLM:
 
 - ``CustomOp.register_oot``: vLLM instantiates our subclass wherever a model builds
-  ``RMSNorm``, ``SiluAndMul``, ``RotaryEmbedding`` or ``MMEncoderAttention``, and an out-of-tree platform
+  ``RMSNorm``, ``SiluAndMul``, ``RotaryEmbedding``, ``MRotaryEmbedding`` or
+  ``MMEncoderAttention``, and an out-of-tree platform
   dispatches enabled custom ops to ``forward_oot``;
 - vLLM IR (:mod:`.ir`): ``rms_norm`` and ``fused_add_rms_norm`` get an ``ascend``
   implementation.
@@ -20,7 +21,7 @@ from ascend_patch.npu.ops.activation import AscendSiluAndMul
 from ascend_patch.npu.ops.fused_moe import AscendUnquantizedFusedMoEMethod
 from ascend_patch.npu.ops.layernorm import AscendRMSNorm
 from ascend_patch.npu.ops.mm_encoder_attention import AscendMMEncoderAttention
-from ascend_patch.npu.ops.rotary_embedding import AscendRotaryEmbedding
+from ascend_patch.npu.ops.rotary_embedding import AscendMRotaryEmbedding, AscendRotaryEmbedding
 
 _registered = False
 
@@ -33,6 +34,7 @@ def register() -> None:
     _registered = True
     for cls, name in ((AscendRMSNorm, "RMSNorm"), (AscendSiluAndMul, "SiluAndMul"),
                       (AscendRotaryEmbedding, "RotaryEmbedding"),
+                      (AscendMRotaryEmbedding, "MRotaryEmbedding"),
                       (AscendMMEncoderAttention, "MMEncoderAttention"),
                       (AscendUnquantizedFusedMoEMethod, "UnquantizedFusedMoEMethod")):
         CustomOp.register_oot(_decorated_op_cls=cls, name=name)

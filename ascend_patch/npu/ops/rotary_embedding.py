@@ -1,11 +1,16 @@
 """Rotary embedding on the kernel seam: ``npu_mrope`` for query and key in one launch, else
-``npu_rotary_mul`` once per tensor."""
+``npu_rotary_mul`` once per tensor; vLLM's multimodal rotary (M-RoPE) on ``npu_mrope``'s mrope
+mode where the op takes its sections."""
+
+import logging
 
 import torch
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding, RotaryEmbedding
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import limits
+
+logger = logging.getLogger("vllm.ascend_patch")
 
 
 class AscendRotaryEmbedding(RotaryEmbedding):
@@ -42,13 +47,7 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)
 
     def _mrope_rows(self, positions, query, key):
-        """Query and key as the 2-D views npu_mrope takes, or None where it cannot serve them."""
-        if not limits.mrope_takes(query.dtype, self.head_size, self.rotary_dim):
-            return None
-        tokens = positions.numel()
-        if not all(_rows(x, tokens) for x in (query, key)):
-            return None  # no 2-D view spans the heads (they are not evenly strided)
-        return query.view(tokens, -1), key.view(tokens, -1)
+        return _mrope_rows(self, positions.numel(), query, key)
 
     def _step_cos_sin(self, positions: torch.Tensor, query: torch.Tensor):
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -81,6 +80,62 @@ class AscendRotaryEmbedding(RotaryEmbedding):
             return kernels.rotary_mul(x, cos, sin, mode).view(shape)
         rotated = kernels.rotary_mul(x[..., : self.rotary_dim].contiguous(), cos, sin, mode)
         return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1).view(shape)
+
+
+class AscendMRotaryEmbedding(MRotaryEmbedding):
+    """vLLM's M-RoPE (the Qwen2-VL, Qwen2.5-VL and Qwen3-VL decoders') on ``npu_mrope``, query and
+    key in one launch: its mrope mode for ``[3, T]`` positions (the cos|sin lanes of each section,
+    temporal, height and width, from that section's positions row) and its RoPE mode for text-only
+    ``[T]`` positions, on the same query/key views :class:`AscendRotaryEmbedding` hands it.
+
+    vLLM's native torch serves the ``[3, T]`` positions of a layer whose sections the op does not
+    take (:meth:`native_reason`, logged when the layer is built), and whatever no 2-D view spans
+    or the op's head-size rule excludes, as for plain RoPE.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._native_reason = self.native_reason()
+        if self._native_reason is not None:
+            logger.info("ascend-patch: MRotaryEmbedding (sections %s%s) runs vLLM's native torch "
+                        "for multimodal positions, not npu_mrope: %s", self.mrope_section,
+                        ", interleaved" if self.mrope_interleaved else "", self._native_reason)
+
+    def native_reason(self) -> str | None:
+        """Why npu_mrope's mrope mode cannot serve this layer's ``[3, T]`` positions, or None."""
+        if self.mrope_interleaved:
+            return ("interleaved sections need npu_mrope's cache_mode 'interleave', which only "
+                    "aclnnRopeWithSinCosCacheV2 runs (the binding refuses it on a CANN without it)")
+        if not limits.mrope_section_takes(self.mrope_section, self.rotary_dim):
+            return (f"npu_mrope takes the sections {[list(s) for s in limits.MROPE_SECTIONS]} "
+                    f"(summing to rotary dim / 2) only")
+        if not limits.mrope_takes(self.dtype, self.head_size, self.rotary_dim):
+            return (f"head size {self.head_size} and rotary dim {self.rotary_dim} in {self.dtype}: "
+                    "npu_mrope takes multiples of "
+                    f"{limits.MROPE_DIM_MULTIPLE.get(str(self.dtype).removeprefix('torch.'))}")
+        return None
+
+    def forward_oot(self, positions, query, key=None, offsets=None):
+        multimodal = positions.ndim == 2
+        rows = None
+        if key is not None and offsets is None and not (multimodal and self._native_reason):
+            rows = _mrope_rows(self, positions.shape[-1], query, key)
+        if rows is None:
+            return self.forward_native(positions, query, key, offsets)
+        mode = "half" if self.is_neox_style else "interleave"
+        cache = self._match_cos_sin_cache_dtype(query)
+        section = self.mrope_section if multimodal else None
+        rotated = kernels.mrope(positions, *rows, cache, self.head_size, mode, section)
+        return rotated[0].view(query.shape), rotated[1].view(key.shape)
+
+
+def _mrope_rows(rope, tokens: int, query: torch.Tensor, key: torch.Tensor):
+    """Query and key as the 2-D views npu_mrope takes, or None where it cannot serve them."""
+    if not limits.mrope_takes(query.dtype, rope.head_size, rope.rotary_dim):
+        return None
+    if not all(_rows(x, tokens) for x in (query, key)):
+        return None  # no 2-D view spans the heads (they are not evenly strided)
+    return query.view(tokens, -1), key.view(tokens, -1)
 
 
 def _rows(x: torch.Tensor, tokens: int) -> bool:

@@ -16,7 +16,11 @@ Contract sources (cited next to each check by the tag in brackets; op-plugin is 
 - [MROPE] ``torch_npu-npu_mrope.md`` (its RoPE mode, one-dimensional positions; the torch-npu
   2.11-2.14 wheels' docstring says the same of shapes, dtypes and dims); [MROPE-BINDING]
   ``op_plugin/ops/opapi/RopeWithSinCosCacheKernelNpuOpApi.cpp``, whose check takes rotary_mode
-  "half" or "interleave" only (the .md's "interleaved" is refused there).
+  "half" or "interleave" only (the .md's "interleaved" is refused there); [MROPE-WHEEL] the
+  torch-npu 2.14 wheel's docstring: positions (numTokens) is RoPE mode, (3, numTokens) mrope mode,
+  whose sections sum to rotary_dim / 2; [MROPE-SECTIONS] CANN ops-transformer
+  ``posembedding/rope_with_sin_cos_cache`` (README.md 约束说明, docs/aclnnRopeWithSinCosCacheV2.md):
+  the sections the kernels take, one positions row per section, and the mrope formula.
 """
 
 import torch
@@ -154,23 +158,37 @@ def rotary_mul(self, r1, r2, rotary_mode="half"):
     return (x * cos + rotated * sin).to(self.dtype)
 
 
-def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half"):
+def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half", mrope_section=None):
     """RoPE of query and key in one call, cos|sin gathered from the cache by position: each head's
     first ``rotary_dim`` lanes rotate ("half": NeoX halves, "interleave": GPT-J pairs), the rest
-    pass. The outputs are new [tokens, heads * head_size] tensors."""
+    pass. In mrope mode (``mrope_section`` not [0, 0, 0]) each section of the cos|sin lanes comes
+    from its own positions row (cache_mode "default", the only one the seam passes). The outputs
+    are new [tokens, heads * head_size] tensors."""
     op = "npu_mrope"
     # [MROPE-BINDING] rotary_mode only support half or interleave.
     require(rotary_mode in ("half", "interleave"), op, "rotary_mode", "'half' or 'interleave'",
             repr(rotary_mode))
-    # [MROPE] positions: RoPE mode, 1-D (num_tokens), int32 or int64.
+    # [MROPE-WHEEL] the binding's default [0, 0, 0] is RoPE mode; any other section is mrope mode.
+    section = [0, 0, 0] if mrope_section is None else list(mrope_section)
     check_tensor(op, "positions", positions)
-    check_dims(op, "positions", positions, 1)
     check_dtype(op, "positions", positions, (torch.int32, torch.int64))
-    tokens = positions.shape[0]
     check_tensor(op, "cos_sin_cache", cos_sin_cache)
     check_dims(op, "cos_sin_cache", cos_sin_cache, 2)  # (max_seq_len, rotary_dim)
     check_dtype(op, "cos_sin_cache", cos_sin_cache, _FLOATS)
     max_positions, rotary_dim = cos_sin_cache.shape
+    if section == [0, 0, 0]:
+        # [MROPE] positions: RoPE mode, 1-D (num_tokens), int32 or int64.
+        check_dims(op, "positions", positions, 1)
+    else:
+        # [MROPE-SECTIONS] only the listed sections, summing to rotary_dim / 2; positions
+        # (len(section), num_tokens).
+        require(limits.mrope_section_takes(section, rotary_dim), op, "mrope_section",
+                f"one of {[list(s) for s in limits.MROPE_SECTIONS]} summing to rotary dim "
+                f"{rotary_dim} / 2", section)
+        check_dims(op, "positions", positions, 2)
+        require(positions.shape[0] == len(section), op, "positions",
+                f"{len(section)} rows, one per mrope section", tuple(positions.shape))
+    tokens = positions.shape[-1]
     for name, x in (("query", query), ("key", key)):
         # [MROPE] 2-D (num_tokens, heads * head_size), non-contiguous allowed; the float type of
         # query, key and cos_sin_cache must agree.
@@ -189,7 +207,12 @@ def mrope(positions, query, key, cos_sin_cache, head_size, rotary_mode="half"):
         low, high = positions.aminmax()
         require(0 <= low and high < max_positions, op, "positions", f"within [0, {max_positions})",
                 f"range [{int(low)}, {int(high)}]")
-    cos, sin = cos_sin_cache.index_select(0, positions).float()[:, None].chunk(2, dim=-1)
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    if section != [0, 0, 0]:
+        # [MROPE-SECTIONS] cacheMode 0: lanes of section i from positions row i.
+        cos, sin = (torch.cat([part[i] for i, part in enumerate(x.split(section, dim=-1))], dim=-1)
+                    for x in (cos, sin))
+    cos, sin = cos[:, None], sin[:, None]
     return tuple(_rope_heads(x, cos, sin, head_size, rotary_mode) for x in (query, key))
 
 
