@@ -72,3 +72,90 @@ def test_the_oracle_sees_the_image(model, prompts):
     differently, so tokens equal to HF's mean the image went through the encoder."""
     first, other = (tiny_vl.hf_greedy(model, prompts[:1], [seed], MAX_TOKENS) for seed in (1, 3))
     assert first != other
+
+
+# --- M-RoPE (the Qwen VL decoders' rotary) on npu_mrope, against vLLM's own forward_native ----------
+
+# (sections, interleaved, head size): Qwen2-VL / Qwen2.5-VL, a smaller documented section, Qwen3-VL.
+MROPE_LAYERS = {"qwen2.5-vl": ([16, 24, 24], False, 128), "sections-8-12-12": ([8, 12, 12], False, 64),
+                "qwen3-vl": ([24, 20, 20], True, 128)}
+MROPE_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # bf16: vLLM rounds per op, the kernel once
+
+
+def _mrope_layer(cls, sections, interleaved, head_size, dtype):
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    # vLLM's CustomOp layers read the current config when built; this machine has no accelerator.
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        return cls(head_size, head_size, 1024, 1000000.0, True, dtype, mrope_section=sections,
+                   mrope_interleaved=interleaved)
+
+
+def _mrope_inputs(head_size, dtype, rows, tokens=9, heads=4, kv_heads=2):
+    """Query and key split out of one qkv buffer, as the models call the rotary; positions as the
+    runner hands them: ``[3, T]`` (temporal, height, width) or ``[T]`` (text only)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(tokens * head_size)
+    positions = torch.randint(0, 4096, (3, tokens), generator=generator)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=generator).to(dtype)
+    query, key, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+    return (positions if rows == 3 else positions[0]), query, key
+
+
+@pytest.mark.v0_20_features
+@pytest.mark.parametrize("rows", [3, 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layer", MROPE_LAYERS, ids=MROPE_LAYERS)
+def test_mrotary_embedding_on_npu_mrope_equals_vllm_native(layer, dtype, rows, reference_kernels):
+    """The registered MRotaryEmbedding against vLLM's own forward_native: one npu_mrope launch for
+    query and key, its mrope mode with the layer's sections for ``[3, T]`` positions and its RoPE
+    mode for ``[T]``; Qwen3-VL's interleaved sections, which the seam's cache_mode cannot lay out,
+    run vLLM's native torch for ``[3, T]`` (no launch) and say why."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding
+
+    from ascend_patch.npu import kernels
+    from ascend_patch.npu.ops.rotary_embedding import AscendMRotaryEmbedding
+
+    sections, interleaved, head_size = MROPE_LAYERS[layer]
+    dtype = getattr(torch, dtype)
+    vllm_rope = _mrope_layer(MRotaryEmbedding, sections, interleaved, head_size, dtype)
+    ours = _mrope_layer(AscendMRotaryEmbedding, sections, interleaved, head_size, dtype)
+    positions, query, key = _mrope_inputs(head_size, dtype, rows)
+    expected = vllm_rope.forward_native(positions, query.clone(), key.clone())
+
+    with kernels.record_calls() as records:
+        got = ours.forward_oot(positions, query, key)
+    tolerance = MROPE_TOLERANCE[str(dtype).removeprefix("torch.")]
+    for result, want in zip(got, expected):
+        assert result.shape == want.shape
+        torch.testing.assert_close(result.float(), want.float(), atol=tolerance, rtol=tolerance)
+    calls = [(call["op"], call["args"]["tuple"]) for call in records.values()]
+    if interleaved and rows == 3:
+        assert calls == [] and "cache_mode 'interleave'" in ours.native_reason()
+        return
+    ((op, args),) = calls
+    assert op == "mrope" and args[6] == ({"list": sections} if rows == 3 else None), args[6]
+    assert [args[i]["tensor"]["offset"] for i in (1, 2)] == [0, 4 * head_size]  # qkv's own views
+
+
+@pytest.mark.v0_20_features
+def test_mrotary_comparison_catches_wrong_sections(reference_kernels):
+    """Negative control: the comparison above fails when the sections are assigned wrongly, both
+    with another documented section split and with the positions rows swapped (height first)."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding
+
+    from ascend_patch.npu.ops.rotary_embedding import AscendMRotaryEmbedding
+
+    vllm_rope = _mrope_layer(MRotaryEmbedding, [16, 24, 24], False, 128, torch.float32)
+    other = _mrope_layer(AscendMRotaryEmbedding, [24, 20, 20], False, 128, torch.float32)
+    ours = _mrope_layer(AscendMRotaryEmbedding, [16, 24, 24], False, 128, torch.float32)
+    positions, query, key = _mrope_inputs(128, torch.float32, 3)
+    expected, _ = vllm_rope.forward_native(positions, query.clone(), key.clone())
+    for rope, rows in ((other, positions), (ours, positions[[1, 0, 2]])):
+        got, _ = rope.forward_oot(rows, query, key)
+        assert not torch.allclose(got, expected, atol=1e-2, rtol=1e-2)
+    got, _ = ours.forward_oot(positions, query, key)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -324,9 +324,23 @@ VIOLATIONS = {
     "mrope 'interleaved' (the .md's spelling, which the binding refuses)": (
         lambda: mrope(rotary_mode="interleaved"),
         "npu_mrope: rotary_mode must be 'half' or 'interleave', got 'interleaved'"),
-    "mrope 2-D positions (the MRoPE mode)": (
+    "mrope 2-D positions in RoPE mode (mrope_section [0, 0, 0])": (
         lambda: mrope(positions=torch.zeros(3, 3, dtype=torch.int64)),
         "npu_mrope: positions must be 1-D, got 2-D (3, 3)"),
+    "mrope 1-D positions in mrope mode": (
+        lambda: mrope(mrope_section=[8, 12, 12]),
+        "npu_mrope: positions must be 2-D, got 1-D (3,)"),
+    "mrope positions of 2 rows for 3 sections": (
+        lambda: mrope(positions=torch.zeros(2, 3, dtype=torch.int64), mrope_section=[8, 12, 12]),
+        "npu_mrope: positions must be 3 rows, one per mrope section, got (2, 3)"),
+    "mrope section outside the kernels' list (V2's [11, 11, 10])": (
+        lambda: mrope(positions=torch.zeros(3, 3, dtype=torch.int64), mrope_section=[11, 11, 10]),
+        "npu_mrope: mrope_section must be one of [[16, 24, 24], [24, 20, 20], [8, 12, 12], "
+        "[16, 16, 16, 16]] summing to rotary dim 64 / 2, got [11, 11, 10]"),
+    "mrope sections summing past rotary dim / 2": (
+        lambda: mrope(positions=torch.zeros(3, 3, dtype=torch.int64), mrope_section=[16, 24, 24]),
+        "npu_mrope: mrope_section must be one of [[16, 24, 24], [24, 20, 20], [8, 12, 12], "
+        "[16, 16, 16, 16]] summing to rotary dim 64 / 2, got [16, 24, 24]"),
     "mrope 3-D query": (
         lambda: mrope(query=torch.zeros(3, 4, 64, dtype=BF16)),
         "npu_mrope: query must be 2-D, got 3-D (3, 4, 64)"),
@@ -451,6 +465,20 @@ def _baseline_mrope():
     return torch.cat((query, key), dim=-1), qkv[:, :384]
 
 
+def _baseline_mrope_sections():
+    """mrope mode, sections [8, 12, 12]: a cache whose row p is all p rotates each section of the
+    lanes by its own positions row (rows 0, 1, 2 at positions 0, 1, 2: cos|sin values 0, 1, 2);
+    with x = 1 in every lane, "half" gives x1*cos - x2*sin and x2*cos + x1*sin per lane pair."""
+    qkv = torch.ones(3, 8 * 64, dtype=BF16)
+    cache = torch.arange(3, dtype=BF16)[:, None].expand(3, 64).contiguous()
+    positions = torch.tensor([0, 1, 2])[:, None].expand(3, 3)
+    query, _ = mrope(positions=positions, query=qkv[:, :256], key=qkv[:, 256:384],
+                     cos_sin_cache=cache, mrope_section=[8, 12, 12])
+    value = torch.cat((torch.zeros(8), torch.ones(12), torch.full((12,), 2.0)))  # per frequency
+    head = torch.cat((value - value, value + value, torch.ones(0)))  # o1 = c - s, o2 = c + s
+    return query, head.to(BF16).repeat(3, 4)
+
+
 def _baseline_top_k_top_p():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
@@ -478,6 +506,7 @@ BASELINES = {
     "scatter": _baseline_scatter,  # exactly the mapped slots
     "rotary_mul": _baseline_rotary_mul,
     "mrope": _baseline_mrope,
+    "mrope sections": _baseline_mrope_sections,
     "top_k_top_p": _baseline_top_k_top_p,  # vLLM's own top-k/top-p keeps the same logits
     "swap_blocks": _baseline_swap_blocks,
 }

@@ -332,6 +332,11 @@ def test_real_path_calls_bind_to_the_published_schemas(torch_npu):
     assert_arguments(torch_npu.only_call("npu_mrope"), {  # the RoPE mode over vLLM's cos|sin cache
         "positions": positions, "query": X, "key": X, "cos_sin_cache": X, "head_size": 64,
         "mrope_section": [0, 0, 0], "rotary_mode": "interleave", "cache_mode": "default"})
+    positions = torch.zeros(3, 4, dtype=torch.int64)
+    kernels.mrope(positions, X, X, X, 128, "half", (16, 24, 24))
+    assert_arguments(torch_npu.only_call("npu_mrope"), {  # the mrope mode of vLLM's M-RoPE
+        "positions": positions, "query": X, "key": X, "cos_sin_cache": X, "head_size": 128,
+        "mrope_section": [16, 24, 24], "rotary_mode": "half", "cache_mode": "default"})
 
     # MoE: npu_moe_finalize_routing's tensors go positionally, as its schema spells the last one
     # "export_for_source_row" (the doc: expert_for_source_row).
