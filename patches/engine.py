@@ -96,6 +96,13 @@ ENGINE_CONTRACTS = [
              "(self, positions, query, key=...)", "AscendRotaryEmbedding.forward_oot takes the same arguments",
              implementation="ascend_patch.npu.ops.rotary_embedding:AscendRotaryEmbedding",
              upstream="vllm/model_executor/layers/rotary_embedding/base.py"),
+    contract("vllm.model_executor.layers.rotary_embedding.mrope:MRotaryEmbedding.forward_native",
+             "(self, positions, query, key=..., offsets=...)",
+             "AscendMRotaryEmbedding.forward_oot takes the same arguments and falls back to it for "
+             "sections npu_mrope does not take",
+             implementation="ascend_patch.npu.ops.rotary_embedding:AscendMRotaryEmbedding",
+             upstream="vllm/model_executor/layers/rotary_embedding/mrope.py: the Qwen VL decoders' "
+                      "M-RoPE"),
     contract("vllm.model_executor.layers.attention.mm_encoder_attention:MMEncoderAttention.forward_native",
              "(self, query, key, value, cu_seqlens=..., max_seqlen=..., sequence_lengths=...)",
              "AscendMMEncoderAttention.forward_oot takes the same arguments and falls back to it "
