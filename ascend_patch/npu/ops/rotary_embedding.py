@@ -37,7 +37,7 @@ class AscendRotaryEmbedding(RotaryEmbedding):
     _table = None  # (vLLM's cos|sin cache, its cos and sin per lane [2, positions, rotary_dim])
 
     def forward_oot(self, positions, query, key=None):
-        rows = None if key is None else self._mrope_rows(positions, query, key)
+        rows = None if key is None else _mrope_rows(self, positions.numel(), query, key)
         if rows is not None:
             mode = "half" if self.is_neox_style else "interleave"
             cache = self._match_cos_sin_cache_dtype(query)
@@ -45,9 +45,6 @@ class AscendRotaryEmbedding(RotaryEmbedding):
             return rotated[0].view(query.shape), rotated[1].view(key.shape)
         cos, sin = self._step_cos_sin(positions, query)
         return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)
-
-    def _mrope_rows(self, positions, query, key):
-        return _mrope_rows(self, positions.numel(), query, key)
 
     def _step_cos_sin(self, positions: torch.Tensor, query: torch.Tensor):
         from vllm.forward_context import get_forward_context, is_forward_context_available
