@@ -37,11 +37,14 @@ verified on Ascend).
 
 from __future__ import annotations
 
+# LMCache 0.5.x: lmcache/v1/platform/devices/{cuda,npu}/device_ops.py.
+_LMCACHE = ("LMCache copies KV with compiled device ops: lmcache.cuda_ops, or on an NPU those of "
+            "the lmcache_ascend plugin (not on PyPI), which ascend-patch has not run")
 _REASONS = {
     "NixlConnector": "NIXL registers device memory for CUDA/UCX transports and the platform names "
                      "no NIXL device (Platform.get_nixl_supported_devices)",
-    "LMCacheConnectorV1": "LMCache's vLLM adapter copies KV with CUDA kernels (lmcache.c_ops)",
-    "LMCacheMPConnector": "LMCache's vLLM adapter copies KV with CUDA kernels (lmcache.c_ops)",
+    "LMCacheConnectorV1": _LMCACHE,
+    "LMCacheMPConnector": _LMCACHE,
     "P2pNcclConnector": "it sends KV over NCCL",
     "MoRIIOConnector": "it moves KV with ROCm's MoRI-IO",
 }
