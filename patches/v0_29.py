@@ -52,6 +52,21 @@ PATCHES = [
                  "with strided [blocks, heads, tokens, K|V] layer views; vllm-project/vllm#51718",
         remove_when="vLLM lets the attention backend name its per-layer layout again",
     ),
+    Patch(
+        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector:"
+        "MooncakeConnectorWorker._validate_head_resharding_layout",
+        reason="fail a Mooncake transfer that would split or gather an Ascend KV page by heads "
+               "(its K and V halves hold heads inside tokens)",
+        vllm=">=0.33",
+        signature=("(self, remote_tp_size, local_regions)",),
+        wrapper="ascend_patch.npu.distributed.kv_transfer:mooncake_resharding",
+        upstream="vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py: "
+                 "a producer and consumer of different tensor-parallel sizes exchange byte "
+                 "ranges of whole heads per block, which the connector asks for with the "
+                 "LBHNC layout (get_required_kvcache_layout) and vLLM drops for a backend "
+                 "without it",
+        remove_when="the Ascend attention backend serves a heads-outermost KV page",
+    ),
     *(Contract(f"vllm.v1.kv_cache_interface:{spec}",
             reason="allocate_kv_cache's wrapper tells MLA layers (one latent per token, no K|V "
                    "split: vLLM's view kept) by their spec",

@@ -155,7 +155,7 @@ class NPUPlatform(Platform):
 
         quantization.register_config()  # a VllmConfig built without EngineArgs skips the hook
         quantization.detect(vllm_config)
-        kv_transfer.check_config(vllm_config)
+        kv_transfer.check_config(vllm_config, emulated=cls.emulated)
         distributed.check_config(vllm_config)
 
         parallel = vllm_config.parallel_config

@@ -13,6 +13,11 @@ Served:
 - ``OffloadingConnector`` (KV offload to host memory, also as ``--kv-offloading-size``) with the
   NPU offloading spec (:mod:`.offload`), which the platform names in its extra config, on a vLLM
   with the offloading worker interface of 0.26-0.33;
+- ``MooncakeConnector`` on vLLM 0.33 (its registration takes each layer's region as block rows
+  of one page, the Ascend page), with the transfer engine's protocol defaulting to ``ascend`` on
+  the NPU (``tcp`` emulated); a plan that would split or gather a block by KV heads (producer and
+  consumer with different tensor-parallel KV splits) fails the transfer instead
+  (:func:`mooncake_resharding`), as the Ascend page holds K then V with heads inside tokens;
 - any connector vLLM does not ship (``kv_connector_module_path``, or registered by a plugin through
   ``KVConnectorFactory``): the deployment's own, such as an NPU transfer connector, which reads the
   layout above.
@@ -25,16 +30,21 @@ kernels read a layer's region as separate latent and rope planes, not the per-to
 connectors index; those two are handed or copy the planes); sleep mode with any connector (sleep frees the KV cache
 storages the connector holds); a KV block size other than the kernel's 128; vLLM 0.20–0.22's
 ``ExampleConnector`` (it reads every backend but Triton's as FlashAttention's ``[2, blocks,
-...]``); every other connector vLLM ships (CUDA transports, or not verified on Ascend).
+...]``); ``MooncakeConnector`` on other releases (0.26-0.28 assert a 4-dim backend cache shape,
+the others are not verified); every other connector vLLM ships (CUDA transports, or not
+verified on Ascend).
 """
 
 from __future__ import annotations
 
+# LMCache 0.5.x: lmcache/v1/platform/devices/{cuda,npu}/device_ops.py.
+_LMCACHE = ("LMCache copies KV with compiled device ops: lmcache.cuda_ops, or on an NPU those of "
+            "the lmcache_ascend plugin (not on PyPI), which ascend-patch has not run")
 _REASONS = {
     "NixlConnector": "NIXL registers device memory for CUDA/UCX transports and the platform names "
                      "no NIXL device (Platform.get_nixl_supported_devices)",
-    "LMCacheConnectorV1": "LMCache's vLLM adapter copies KV with CUDA kernels (lmcache.c_ops)",
-    "LMCacheMPConnector": "LMCache's vLLM adapter copies KV with CUDA kernels (lmcache.c_ops)",
+    "LMCacheConnectorV1": _LMCACHE,
+    "LMCacheMPConnector": _LMCACHE,
     "P2pNcclConnector": "it sends KV over NCCL",
     "MoRIIOConnector": "it moves KV with ROCm's MoRI-IO",
 }
@@ -45,11 +55,15 @@ _SHIPPED_BY_VLLM = {
     "NixlPushConnector", "LMCacheConnectorV1", "LMCacheMPConnector", "P2pNcclConnector",
     "MoRIIOConnector", "DecodeBenchConnector", "ExampleHiddenStatesConnector",
     "FlexKVConnectorV1", "HF3FSKVConnector", "HiSparseConnector"}
-_SERVED = ("ExampleConnector (vLLM 0.23+), OffloadingConnector, MultiConnector of those, or a "
-           "connector of your own through kv_connector_module_path")
+# The release whose MooncakeConnector registration and transfer plan were checked against the
+# Ascend layout (tests/test_kv_transfer.py).
+MOONCAKE_RELEASE = "0.33"
+_SERVED = ("ExampleConnector (vLLM 0.23+), OffloadingConnector, MooncakeConnector (vLLM "
+           f"{MOONCAKE_RELEASE}), MultiConnector of those, or a connector of your own through "
+           "kv_connector_module_path")
 
 
-def check_config(vllm_config) -> None:
+def check_config(vllm_config, emulated: bool = False) -> None:
     """Refuse, in one line, a KV connector or KV offload the platform cannot serve, and point vLLM's
     offloading connector at the NPU offloading spec. Runs in ``check_and_update_config``, before
     vLLM turns ``--kv-offloading-size`` into an ``OffloadingConnector`` (it keeps the extra config
@@ -64,7 +78,7 @@ def check_config(vllm_config) -> None:
         _check_connector("OffloadingConnector", None, transfer.kv_connector_extra_config)
     else:
         _check_connector(transfer.kv_connector, transfer.kv_connector_module_path,
-                         transfer.kv_connector_extra_config)
+                         transfer.kv_connector_extra_config, emulated)
     model = vllm_config.model_config
     if model is not None and model.enable_sleep_mode:
         raise NotImplementedError(
@@ -112,13 +126,13 @@ def _offloads_only(name: str, module_path: str | None, extra: dict) -> bool:
     return name == "OffloadingConnector"
 
 
-def _check_connector(name: str, module_path: str | None, extra: dict) -> None:
+def _check_connector(name: str, module_path: str | None, extra: dict, emulated: bool = False) -> None:
     if module_path is not None or name not in _SHIPPED_BY_VLLM:
         return  # the deployment's own connector: it reads the Ascend layout as documented
     if name == "MultiConnector":
         for child in extra.get("connectors", []):
             _check_connector(child.get("kv_connector"), child.get("kv_connector_module_path"),
-                             child.get("kv_connector_extra_config", {}))
+                             child.setdefault("kv_connector_extra_config", {}), emulated)
         return
     if name == "ExampleConnector":
         from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector
@@ -130,6 +144,12 @@ def _check_connector(name: str, module_path: str | None, extra: dict) -> None:
     elif name == "OffloadingConnector":
         _use_npu_offloading_spec(extra)
         return
+    elif name == "MooncakeConnector":
+        reason = _mooncake_refusal()
+        if reason is None:
+            # vLLM's default is rdma; the Ascend transport moves NPU memory (tcp: host memory).
+            extra.setdefault("mooncake_protocol", "tcp" if emulated else "ascend")
+            return
     else:
         reason = _REASONS.get(name, "it is not verified on Ascend")
     raise NotImplementedError(f"the {name} KV connector is not supported on Ascend by "
@@ -185,3 +205,37 @@ def _offloading_interface() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _mooncake_refusal() -> str | None:
+    """Why this vLLM's MooncakeConnector cannot be served on the Ascend layout, or None."""
+    import vllm
+
+    release = ".".join(vllm.__version__.split(".")[:2])
+    if release == MOONCAKE_RELEASE:
+        return None
+    if release in ("0.26", "0.27", "0.28"):
+        return ("this vLLM's Mooncake connector asserts a 4-dim [blocks, heads, block_size, K|V] "
+                "backend cache shape (TransferTopology), and the Ascend cache is [blocks, 2, "
+                "block_size, heads, head_size]")
+    return (f"ascend-patch verified the Mooncake connector's registration and transfer plan on the "
+            f"Ascend layout with vLLM {MOONCAKE_RELEASE} only")
+
+
+_RESHARDING = ("Mooncake KV-head re-sharding is not supported on Ascend by ascend-patch: an Ascend "
+               "KV page is [2, block_size, heads, head_size] (K then V, heads inside tokens), so "
+               "a block cannot be split or gathered by KV heads; run the producer and the consumer "
+               "with the same tensor-parallel size")
+
+
+def mooncake_resharding(wrapped, instance, args, kwargs):
+    """Wrapper of ``MooncakeConnectorWorker._validate_head_resharding_layout`` (vLLM 0.33): vLLM
+    plans a transfer between different KV-head splits as byte ranges of each block that hold
+    whole heads, true of a heads-outermost page only. Such a plan on the Ascend page would move
+    K and V bytes of other heads and tokens; the error makes vLLM fail the transfer instead."""
+    error = wrapped(*args, **kwargs)
+    remote_tp_size = args[0] if args else kwargs["remote_tp_size"]
+    heads = instance.transfer_topo.total_num_kv_heads
+    if error is None and min(instance.tp_size, heads) != min(remote_tp_size, heads):
+        return _RESHARDING
+    return error
