@@ -47,7 +47,12 @@ engine spec with ``"stale_host_params": true`` runs with the graphs' host-parame
 out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
 those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
-control of the recurrent tests); one with ``"stale_lora_slots": true`` has the LoRA wrapper put
+control of the recurrent tests); one with ``"stale_drafter_inputs": true`` has, once its graphs are
+captured, the EAGLE drafter's input buffers (token ids, positions, hidden states) replaced by
+copies: vLLM writes each step's inputs into the copies, which eager drafter steps read, while the
+drafter's replayed PIECEWISE graphs still read the captured buffers (the negative control of the
+drafter-graph tests); one
+with ``"stale_lora_slots": true`` has the LoRA wrapper put
 each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a
 replayed graph still the capture's: the negative control of the LoRA graph tests).
 An engine whose workers run in processes of their own (``tensor_parallel_size`` > 1 with the "mp"
@@ -187,6 +192,10 @@ def _generate(spec: dict, report_errors: bool) -> dict:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+    if spec.get("stale_drafter_inputs"):
+        drafter = _runner(llm).drafter
+        for name in ("input_ids", "positions", "hidden_states"):
+            setattr(drafter, name, getattr(drafter, name).clone())
     workers = llm.llm_engine.vllm_config.parallel_config.world_size > 1
     ranks = llm.collective_rpc(_worker_graphs) if workers else [_worker_graphs(None, earlier)]
     result["captured_ops"] = [rank["captured_ops"] for rank in ranks]
@@ -252,6 +261,11 @@ def _since(before: dict, after: dict) -> dict:
             "graph_replays_by_size": {str(size): n for size, n in sorted(by_size.items()) if n}}
 
 
+def _runner(llm):
+    """The model runner of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 @contextlib.contextmanager
 def _layer_launches(llm, run: dict):
     """Launches per decoder-layer call while the run runs, or None when not asked for."""
@@ -261,8 +275,7 @@ def _layer_launches(llm, run: dict):
     from ascend_patch.kit import launches
     from ascend_patch.npu import kernels
 
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    with launches.per_layer_call(runner.get_model().model.layers, kernels) as counts:
+    with launches.per_layer_call(_runner(llm).get_model().model.layers, kernels) as counts:
         yield counts
 
 
