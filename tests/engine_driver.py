@@ -25,6 +25,11 @@ RUN, by "kind":
   "zero_offloaded_kv"   zeroes every block the NPU offloading worker holds in host memory (the
                         negative control of the KV offload tests; an in-process engine only), or
                         with "planes": ["rope"] (or "latent") only those planes of MLA layers
+  "stale_drafter_inputs" replaces the EAGLE drafter's input buffers (token ids, positions, hidden
+                        states) by copies: vLLM writes each later step's inputs into the copies,
+                        which eager drafter passes read, while the drafter's replayed PIECEWISE
+                        graphs still read the captured buffers (the negative control of the
+                        drafter-graph tests; an in-process engine only)
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one. A run with "layer_launches": true also
 reports the device launches per decoder-layer call, op by op, as scripts/bench_engine.py counts
@@ -47,11 +52,7 @@ engine spec with ``"stale_host_params": true`` runs with the graphs' host-parame
 out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
 those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
-control of the recurrent tests); one with ``"stale_drafter_inputs": true`` has, once its graphs are
-captured, the EAGLE drafter's input buffers (token ids, positions, hidden states) replaced by
-copies: vLLM writes each step's inputs into the copies, which eager drafter steps read, while the
-drafter's replayed PIECEWISE graphs still read the captured buffers (the negative control of the
-drafter-graph tests); one
+control of the recurrent tests); one
 with ``"stale_lora_slots": true`` has the LoRA wrapper put
 each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a
 replayed graph still the capture's: the negative control of the LoRA graph tests).
@@ -105,6 +106,11 @@ def _run(llm, run: dict) -> dict:
         for host, plane in zip(worker.host_tensors, worker.planes):
             if plane in run.get("planes", (plane,)):
                 host.zero_()
+        return {}
+    if kind == "stale_drafter_inputs":
+        drafter = _runner(llm).drafter
+        for name in ("input_ids", "positions", "hidden_states"):
+            setattr(drafter, name, getattr(drafter, name).clone())
         return {}
     if kind == "beam_search":
         from vllm.inputs import TokensPrompt
@@ -192,10 +198,6 @@ def _generate(spec: dict, report_errors: bool) -> dict:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
-    if spec.get("stale_drafter_inputs"):
-        drafter = _runner(llm).drafter
-        for name in ("input_ids", "positions", "hidden_states"):
-            setattr(drafter, name, getattr(drafter, name).clone())
     workers = llm.llm_engine.vllm_config.parallel_config.world_size > 1
     ranks = llm.collective_rpc(_worker_graphs) if workers else [_worker_graphs(None, earlier)]
     result["captured_ops"] = [rank["captured_ops"] for rank in ranks]

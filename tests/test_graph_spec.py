@@ -109,18 +109,21 @@ def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts
         "mtp graph": ({**ENGINE, **mtp}, deepseek),
         "mtp eager": ({**ENGINE, **mtp, "enforce_eager": True}, deepseek),
         "mtp stale host parameters": ({**ENGINE, **mtp}, {**deepseek, "stale_host_params": True}),
+        # Then the control, in the same engine: its drafter's graphs replaying stale inputs.
         "shifted eagle full and piecewise": ({**ENGINE, **shifted_eagle, **piecewise},
-                                             shifted_target),
+                                             {**shifted_target, "then": [
+                                                 {"kind": "stale_drafter_inputs"}, None]}),
         "shifted eagle eager": ({**ENGINE, **shifted_eagle, "enforce_eager": True}, shifted_target),
-        "shifted eagle stale drafter inputs": ({**ENGINE, **shifted_eagle, **piecewise},
-                                               {**shifted_target, "stale_drafter_inputs": True}),
     }
     prompts_of = {mistral: mistral_prompts, str(mtp_model): mtp_prompts,
                   str(shifted): shifted_prompts}
-    result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, **extra,
-                                      "runs": [{"prompts": prompts_of.get(extra.get("model"),
-                                                                          prompts),
-                                                "sampling": GREEDY}]}
+
+    def runs(extra: dict) -> list[dict]:
+        greedy = {"prompts": prompts_of.get(extra.get("model"), prompts), "sampling": GREEDY}
+        return [greedy] + [run or greedy for run in extra.pop("then", [])]
+
+    result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, "runs": runs(extra),
+                                      **extra}
                                      for kwargs, extra in configs.values()]},
                         tmp_path_factory.mktemp("graph-spec"), timeout=2400)
     engines = dict(zip(configs, result["engines"]))
@@ -264,7 +267,7 @@ def test_the_drafter_replays_its_own_piecewise_graphs(engines, shifted, shifted_
     assert_tracks_hf_logits(shifted, shifted_prompts, run["tokens"])
     counts = run["spec_decode"]
     assert counts == eager_run["spec_decode"]
-    assert 0 < counts["accepted_tokens"] < counts["draft_tokens"]
+    assert counts["draft_tokens"] < 2 * counts["accepted_tokens"] < 2 * counts["draft_tokens"]
     by_model = run["graph_replays_by_model"]
     assert set(by_model) == {"backbone", "eagle_head"}
     full = run["task_updates"] // SHIFTED_LAYERS  # one per FULL replay
@@ -275,16 +278,17 @@ def test_the_drafter_replays_its_own_piecewise_graphs(engines, shifted, shifted_
 
 
 def test_drafter_graphs_replaying_stale_inputs_lose_the_drafts(engines):
-    """The control: the same engine with the drafter's input buffers swapped for copies once
-    its graphs are captured (vLLM refreshes the copies, the replays read the captured buffers).
-    Its replays draft from the capture's tokens: no draft is accepted, while the output stays
-    exact (rejection keeps the target's tokens), which is why the acceptance counters, not the
-    tokens, are what proves the drafter's replays above."""
-    stale, eager = engines["shifted eagle stale drafter inputs"], engines["shifted eagle eager"]
-    run = stale["runs"][0]
+    """The control: the same engine's prompts again once the drafter's input buffers are
+    swapped for copies (vLLM refreshes the copies, the replays read the captured buffers). Its
+    replays draft from stale tokens: almost no draft is accepted (a few by chance; over half
+    above), while the output stays exact (rejection keeps the target's tokens), which is why
+    the acceptance counters, not the tokens, are what proves the drafter's replays above."""
+    engine, eager = engines["shifted eagle full and piecewise"], engines["shifted eagle eager"]
+    run = engine["runs"][2]
     assert run["graph_replays_by_model"]["eagle_head"] > 0
     assert run["tokens"] == eager["runs"][0]["tokens"]
-    assert run["spec_decode"]["draft_tokens"] > 0 and run["spec_decode"]["accepted_tokens"] == 0
+    counts = run["spec_decode"]
+    assert counts["draft_tokens"] > 0 and counts["accepted_tokens"] * 10 < counts["draft_tokens"]
 
 
 def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, soft_cap=None):
