@@ -131,9 +131,9 @@ class NPUGraphWrapper(CUDAGraphWrapper):
         self._host_params: dict[object, list[_HostParamLaunch]] = {}
         self._workspaces: list = []  # the buffers of the latest update, alive while it replays
         # A piece's model, by vLLM's tag of the compiled model ("eagle_head", "draft_model": a
-        # drafter's pieces): the drafter's replays are told from the target's. FULL graphs
-        # wrap the runner's (target) model.
-        self.model_tag = getattr(getattr(runnable, "vllm_backend", None), "prefix", "") or "backbone"
+        # drafter's pieces): the drafter's replays are told from the target's.
+        backend = getattr(runnable, "vllm_backend", None)  # not a seam: FULL graphs wrap a model
+        self.model_tag = backend.prefix if backend is not None else "backbone"
 
     def clear_graphs(self) -> None:
         super().clear_graphs()
