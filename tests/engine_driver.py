@@ -52,8 +52,7 @@ engine spec with ``"stale_host_params": true`` runs with the graphs' host-parame
 out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
 those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
-control of the recurrent tests); one
-with ``"stale_lora_slots": true`` has the LoRA wrapper put
+control of the recurrent tests); one with ``"stale_lora_slots": true`` has the LoRA wrapper put
 each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a
 replayed graph still the capture's: the negative control of the LoRA graph tests).
 An engine whose workers run in processes of their own (``tensor_parallel_size`` > 1 with the "mp"

@@ -91,8 +91,8 @@ def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts
     mistral = str(tiny_models["tiny-mistral"])
     windowed = _speculative("draft_model", model=mistral)
     mtp, deepseek = _speculative("mtp"), {"model": str(mtp_model)}
-    shifted_eagle = {**_speculative("eagle", model=str(
-        tiny_drafts.build(MODELS_DIR)["tiny-llama-shifted-eagle"]))}
+    shifted_eagle = _speculative("eagle", model=str(
+        tiny_drafts.build(MODELS_DIR)["tiny-llama-shifted-eagle"]))
     piecewise = {"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}
     shifted_target = {"model": str(shifted)}
     configs = {
