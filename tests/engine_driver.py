@@ -25,6 +25,11 @@ RUN, by "kind":
   "zero_offloaded_kv"   zeroes every block the NPU offloading worker holds in host memory (the
                         negative control of the KV offload tests; an in-process engine only), or
                         with "planes": ["rope"] (or "latent") only those planes of MLA layers
+  "stale_drafter_inputs" replaces the EAGLE drafter's input buffers (token ids, positions, hidden
+                        states) by copies: vLLM writes each later step's inputs into the copies,
+                        which eager drafter passes read, while the drafter's replayed PIECEWISE
+                        graphs still read the captured buffers (the negative control of the
+                        drafter-graph tests; an in-process engine only)
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one. A run with "layer_launches": true also
 reports the device launches per decoder-layer call, op by op, as scripts/bench_engine.py counts
@@ -100,6 +105,11 @@ def _run(llm, run: dict) -> dict:
         for host, plane in zip(worker.host_tensors, worker.planes):
             if plane in run.get("planes", (plane,)):
                 host.zero_()
+        return {}
+    if kind == "stale_drafter_inputs":
+        drafter = _runner(llm).drafter
+        for name in ("input_ids", "positions", "hidden_states"):
+            setattr(drafter, name, getattr(drafter, name).clone())
         return {}
     if kind == "beam_search":
         from vllm.inputs import TokensPrompt
@@ -252,6 +262,11 @@ def _since(before: dict, after: dict) -> dict:
             "graph_replays_by_size": {str(size): n for size, n in sorted(by_size.items()) if n}}
 
 
+def _runner(llm):
+    """The model runner of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 @contextlib.contextmanager
 def _layer_launches(llm, run: dict):
     """Launches per decoder-layer call while the run runs, or None when not asked for."""
@@ -261,8 +276,7 @@ def _layer_launches(llm, run: dict):
     from ascend_patch.kit import launches
     from ascend_patch.npu import kernels
 
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    with launches.per_layer_call(runner.get_model().model.layers, kernels) as counts:
+    with launches.per_layer_call(_runner(llm).get_model().model.layers, kernels) as counts:
         yield counts
 
 

@@ -15,6 +15,10 @@ often accepted (:mod:`ascend_patch.kit.tiny_drafts`' shifted MTP): its verificat
 FIA's MLA form (1 + k absorbed queries per request, causal, whole batches of them accepted), in
 graphs against the same engine run eagerly and against the same graphs without their
 host-parameter updates.
+The drafter's own graphs: with a target mode that has PIECEWISE graphs (FULL_AND_PIECEWISE
+under torch.compile) vLLM's runner gives the EAGLE drafter PIECEWISE graphs of its own (the
+shifted EAGLE head drafting for its tiny Llama, whose drafts are often accepted), against the
+same pair run eagerly and against the same graphs replaying stale drafter inputs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ SPEC_TOKENS = 3
 ROWS = 1 + SPEC_TOKENS
 LAYERS = 2  # attention layers of the tiny Llama (ascend_patch/kit/tiny_models.py)
 MTP_LAYERS = 1  # the shifted MTP model's target layers (ascend_patch/kit/tiny_drafts.py)
+SHIFTED_LAYERS = 1  # tiny-llama-shifted's layers; its EAGLE head has one more
+PIECES = 2  # PIECEWISE pieces of a one-layer model (split at its attention)
 ENGINE = {"dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4,
           "gpu_memory_utilization": 0.9, "disable_log_stats": False}
 GREEDY = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (24, 15, 9)]
@@ -67,14 +73,28 @@ def mtp_prompts(mtp_model):
 
 
 @pytest.fixture(scope="module")
-def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts,
-            tmp_path_factory):
+def shifted():
+    return tiny_drafts.build(MODELS_DIR)["tiny-llama-shifted"]
+
+
+@pytest.fixture(scope="module")
+def shifted_prompts(shifted):
+    return prompt_token_ids(shifted, [14, 6, 9])
+
+
+@pytest.fixture(scope="module")
+def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts, shifted,
+            shifted_prompts, tmp_path_factory):
     self_draft = _speculative("draft_model", model=str(llama))
     ngram = _speculative("ngram", prompt_lookup_min=1, prompt_lookup_max=3)
     eagle = _speculative("eagle", model=str(tiny_drafts.build(MODELS_DIR)["tiny-llama-eagle"]))
     mistral = str(tiny_models["tiny-mistral"])
     windowed = _speculative("draft_model", model=mistral)
     mtp, deepseek = _speculative("mtp"), {"model": str(mtp_model)}
+    shifted_eagle = _speculative("eagle", model=str(
+        tiny_drafts.build(MODELS_DIR)["tiny-llama-shifted-eagle"]))
+    piecewise = {"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}
+    shifted_target = {"model": str(shifted)}
     configs = {
         "self_draft graph": ({**ENGINE, **self_draft}, {}),
         "self_draft eager": ({**ENGINE, **self_draft, "enforce_eager": True}, {}),
@@ -89,12 +109,21 @@ def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts
         "mtp graph": ({**ENGINE, **mtp}, deepseek),
         "mtp eager": ({**ENGINE, **mtp, "enforce_eager": True}, deepseek),
         "mtp stale host parameters": ({**ENGINE, **mtp}, {**deepseek, "stale_host_params": True}),
+        # Then the control, in the same engine: its drafter's graphs replaying stale inputs.
+        "shifted eagle full and piecewise": ({**ENGINE, **shifted_eagle, **piecewise},
+                                             {**shifted_target, "then": [
+                                                 {"kind": "stale_drafter_inputs"}, None]}),
+        "shifted eagle eager": ({**ENGINE, **shifted_eagle, "enforce_eager": True}, shifted_target),
     }
-    prompts_of = {mistral: mistral_prompts, str(mtp_model): mtp_prompts}
-    result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, **extra,
-                                      "runs": [{"prompts": prompts_of.get(extra.get("model"),
-                                                                          prompts),
-                                                "sampling": GREEDY}]}
+    prompts_of = {mistral: mistral_prompts, str(mtp_model): mtp_prompts,
+                  str(shifted): shifted_prompts}
+
+    def runs(extra: dict) -> list[dict]:
+        greedy = {"prompts": prompts_of.get(extra.get("model"), prompts), "sampling": GREEDY}
+        return [greedy] + [run or greedy for run in extra.pop("then", [])]
+
+    result = run_engine({"engines": [{"model": str(llama), "kwargs": kwargs, "runs": runs(extra),
+                                      **extra}
                                      for kwargs, extra in configs.values()]},
                         tmp_path_factory.mktemp("graph-spec"), timeout=2400)
     engines = dict(zip(configs, result["engines"]))
@@ -213,6 +242,53 @@ def test_without_host_parameter_updates_mtp_replays_diverge(engines):
     assert stale["runs"][0]["graph_replays"] > 0
     diverged = [s != e for s, e in zip(stale["runs"][0]["tokens"], eager["runs"][0]["tokens"])]
     assert all(diverged), diverged
+
+
+def test_the_drafter_replays_its_own_piecewise_graphs(engines, shifted, shifted_prompts):
+    """FULL_AND_PIECEWISE: the target verifies in FULL graphs and prefills in PIECEWISE ones,
+    and vLLM gives the EAGLE drafter PIECEWISE graphs (``initialize_cudagraph_keys``: only
+    PIECEWISE, only when the target's mixed mode has graphs). Each target step here fits a
+    capture size, so vLLM dispatches every drafter pass, the first over the target's tokens and
+    k - 1 over one token per request (padded to the smallest size, 1 + k), to its graphs:
+    pieces × k replays per target step. The drafter's attention runs between its pieces, eagerly
+    on this step's metadata: its pieces hold no host parameters to update (layer norms, rotary,
+    MLP), only the input buffers vLLM refreshes. Tokens and the drafts accepted, position by
+    position, equal the eager pair's; the tokens track HF's logits."""
+    graph, eager = engines["shifted eagle full and piecewise"], engines["shifted eagle eager"]
+    assert graph["cudagraph_mode"] == "FULL_AND_PIECEWISE" and eager["cudagraph_mode"] == "NONE"
+    # Per capture size one PIECEWISE graph per piece of the target and the drafter; FULL
+    # graphs of verification batches up to max_num_seqs requests (4, 8, 16 tokens).
+    sizes = len(graph["capture_sizes"])
+    assert graph["graph_captures"] == 2 * PIECES * sizes + 3
+    (captured,) = graph["captured_ops"]
+    assert captured["FULL"]["fused_infer_attention_score_verify"] == SHIFTED_LAYERS
+    run, eager_run = graph["runs"][0], eager["runs"][0]
+    assert run["tokens"] == eager_run["tokens"]
+    assert_tracks_hf_logits(shifted, shifted_prompts, run["tokens"])
+    counts = run["spec_decode"]
+    assert counts == eager_run["spec_decode"]
+    assert counts["draft_tokens"] < 2 * counts["accepted_tokens"] < 2 * counts["draft_tokens"]
+    by_model = run["graph_replays_by_model"]
+    assert set(by_model) == {"backbone", "eagle_head"}
+    full = run["task_updates"] // SHIFTED_LAYERS  # one per FULL replay
+    target_steps = full + (by_model["backbone"] - full) // PIECES
+    assert target_steps > full > 0  # verification in FULL graphs, the prefill in pieces
+    assert by_model["eagle_head"] == PIECES * SPEC_TOKENS * target_steps
+    assert eager_run["graph_replays"] == 0
+
+
+def test_drafter_graphs_replaying_stale_inputs_lose_the_drafts(engines):
+    """The control: the same engine's prompts again once the drafter's input buffers are
+    swapped for copies (vLLM refreshes the copies, the replays read the captured buffers). Its
+    replays draft from stale tokens: almost no draft is accepted (a few by chance; over half
+    above), while the output stays exact (rejection keeps the target's tokens), which is why
+    the acceptance counters, not the tokens, are what proves the drafter's replays above."""
+    engine, eager = engines["shifted eagle full and piecewise"], engines["shifted eagle eager"]
+    run = engine["runs"][2]
+    assert run["graph_replays_by_model"]["eagle_head"] > 0
+    assert run["tokens"] == eager["runs"][0]["tokens"]
+    counts = run["spec_decode"]
+    assert counts["draft_tokens"] > 0 and counts["accepted_tokens"] * 10 < counts["draft_tokens"]
 
 
 def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, soft_cap=None):

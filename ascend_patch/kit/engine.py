@@ -63,13 +63,15 @@ def fused_batches(kernels):
 def measured():
     """Yield a dict that, once the block ends, holds what the block launched in this process:
     kernel-seam launches by op ("launches"), fused-attention launches by batch kind
-    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size), captures
+    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size and by model tag:
+    "backbone" the target's, "eagle_head" or "draft_model" a drafter's pieces), captures
     ("graph_captures") and the captured launches re-issued before replays ("task_updates")."""
     from ascend_patch.npu import kernels
     from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 
     report: dict = {}
     replays, captures = NPUGraphWrapper.replays.copy(), NPUGraphWrapper.captures
+    by_model = NPUGraphWrapper.replays_by_model.copy()
     updates = NPUGraphWrapper.task_updates
     with kernels.count_launches() as launches, fused_batches(kernels) as batches:
         try:
@@ -80,7 +82,8 @@ def measured():
                           graph_replays=sum(by_size.values()),
                           graph_captures=NPUGraphWrapper.captures - captures,
                           task_updates=NPUGraphWrapper.task_updates - updates,
-                          graph_replays_by_size={str(size): n for size, n in sorted(by_size.items())})
+                          graph_replays_by_size={str(size): n for size, n in sorted(by_size.items())},
+                          graph_replays_by_model=dict(NPUGraphWrapper.replays_by_model - by_model))
 
 
 def freeze_heap() -> None:

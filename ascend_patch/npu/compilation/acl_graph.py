@@ -121,6 +121,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
 
     captures = 0  # process-wide counts, for tests and benchmarks
     replays: Counter[int] = Counter()  # by the replayed batch's (padded) token count
+    replays_by_model: Counter[str] = Counter()  # by the wrapper's model tag (see __init__)
     task_updates = 0  # captured launches re-issued with a replay's host parameters
 
     def __init__(self, runnable, vllm_config, runtime_mode, cudagraph_options=None) -> None:
@@ -129,6 +130,10 @@ class NPUGraphWrapper(CUDAGraphWrapper):
         self._update_stream = None
         self._host_params: dict[object, list[_HostParamLaunch]] = {}
         self._workspaces: list = []  # the buffers of the latest update, alive while it replays
+        # A piece's model, by vLLM's tag of the compiled model ("eagle_head", "draft_model": a
+        # drafter's pieces): the drafter's replays are told from the target's.
+        backend = getattr(runnable, "vllm_backend", None)  # not a seam: FULL graphs wrap a model
+        self.model_tag = backend.prefix if backend is not None else "backbone"
 
     def clear_graphs(self) -> None:
         super().clear_graphs()
@@ -158,6 +163,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
             NPUGraphWrapper.task_updates += len(updates)
         entry.cudagraph.replay()
         NPUGraphWrapper.replays[descriptor.num_tokens] += 1
+        NPUGraphWrapper.replays_by_model[self.model_tag] += 1
         return entry.output
 
     def _capture(self, descriptor, args, kwargs):
