@@ -25,11 +25,14 @@ from pathlib import Path
 import pytest
 
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
-from tests.helpers.engine import assert_tracks_hf_logits
+from tests.helpers.engine import assert_tracks_hf_logits, only_marked_tests
 from tests.helpers.process import ROOT, clean_env, free_port
 from tests.test_serve import serving
 
-ENGINE = {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.9}
+# At most 4 sequences and 512 tokens a step: the prompts fit, and vLLM's profiling run and graph
+# capture sizes (1, 2, 4) stay that small.
+ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 512,
+          "gpu_memory_utilization": 0.9}
 # The offline example's engines run their EngineCore in a process of its own (the DP engine core,
 # which runs the dummy batches); the emulated HBM is per process.
 EMULATED = {"ASCEND_PATCH": "emulate", "ASCEND_PATCH_EMULATED_HBM": "512MiB",
@@ -67,20 +70,36 @@ def test_a_dp_rank_s_worker_runs_on_its_own_npu(monkeypatch, visible, assigned, 
     assert device_index(config, local_rank) == ordinal
 
 
-def _offline_dp(model: Path, dtype: str, tmp: Path, refused_first: bool = False) -> dict:
-    """vLLM's offline DP example on ``model``: two drivers, one per DP rank, at once."""
-    port = free_port()
+# The offline example's engines, in the order both ranks' drivers start them (each DP group needs
+# both ranks): fp32 (rank 0's driver first has an all2all backend refused at configuration), then
+# bf16 with default graphs. One driver per rank runs both, so each rank imports vLLM once; a
+# v0_20-set release (tests marked v0_20_features only) leaves the bf16 one out. (vLLM refuses
+# offline DP for dense models: dense DP is the server's, below.)
+MOE, MOE_GRAPHS = "float32", "bfloat16"
+
+
+def _names(marked_only: bool) -> list:
+    return [MOE] if marked_only else [MOE, MOE_GRAPHS]
+
+
+def _offline_dp(model: Path, names: list, tmp: Path) -> dict:
+    """vLLM's offline DP example on ``model`` in each dtype of ``names``: two drivers, one per DP
+    rank, at once; each engine's DP group on a master port of its own."""
+    ports = {name: free_port() for name in names}
     shares = [(prompt_token_ids(model, lengths), max_tokens) for lengths, max_tokens in SHARES]
     procs = []
-    for rank, (prompts, max_tokens) in enumerate(shares):
-        rank_env = {"VLLM_DP_SIZE": "2", "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
-                    "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
-        kwargs = {**ENGINE, "dtype": dtype, "enable_expert_parallel": True}
-        engines = [{"model": str(model), "kwargs": kwargs, "env": rank_env,
-                    "runs": [{"prompts": prompts, "sampling": [_greedy(max_tokens)]}]}]
-        if refused_first and rank == 0:  # refused at configuration, before the engine that starts
-            engines.insert(0, {"model": str(model), "env": rank_env, "runs": [],
-                               "kwargs": {**kwargs, "all2all_backend": "deepep_low_latency"}})
+    for rank in range(len(SHARES)):
+        engines = []
+        for name in names:
+            rank_env = {"VLLM_DP_SIZE": "2", "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
+                        "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(ports[name])}
+            kwargs = {**ENGINE, "dtype": name, "enable_expert_parallel": True}
+            prompts, max_tokens = shares[rank]
+            if name == MOE and rank == 0:  # refused at configuration, before any engine core starts
+                engines.append({"model": str(model), "env": rank_env, "runs": [],
+                                "kwargs": {**kwargs, "all2all_backend": "deepep_low_latency"}})
+            engines.append({"model": str(model), "kwargs": kwargs, "env": rank_env,
+                            "runs": [{"prompts": prompts, "sampling": [_greedy(max_tokens)]}]})
         spec = tmp / f"rank{rank}.json"
         spec.write_text(json.dumps({"engines": engines}))
         log = tmp / f"rank{rank}.log"
@@ -92,7 +111,7 @@ def _offline_dp(model: Path, dtype: str, tmp: Path, refused_first: bool = False)
     reports = []
     try:
         for proc, log in procs:
-            stdout, _ = proc.communicate(timeout=1200)
+            stdout, _ = proc.communicate(timeout=1800)
             assert proc.returncode == 0, f"DP rank driver failed:\n{log.read_text()[-6000:]}"
             reports.append(json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1]))
     finally:
@@ -100,26 +119,25 @@ def _offline_dp(model: Path, dtype: str, tmp: Path, refused_first: bool = False)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return {"model": model, "shares": shares, "reports": reports}
+    runs = {}
+    for name in names:
+        refused = [reports[0]["engines"].pop(0)] if name == MOE else []
+        runs[name] = {"model": model, "shares": shares, "refused": refused,
+                      "engines": [report["engines"].pop(0) for report in reports]}
+    return runs
 
 
 @pytest.fixture(scope="module")
-def offline_moe(tiny_models, tmp_path_factory):
-    """fp32 (graphs off by default): tokens exactly HF's."""
-    return _offline_dp(tiny_models["tiny-qwen3-moe"], "float32", tmp_path_factory.mktemp("dp_fp32"),
-                       refused_first=True)
-
-
-@pytest.fixture(scope="module")
-def offline_moe_graphs(tiny_models, tmp_path_factory):
-    """bf16, where FULL_DECODE_ONLY ACL graphs are on by default: every rank captures, and the
-    idle rank's dummy batches and the busy rank's decode steps replay at the padded size both
-    agree on."""
-    return _offline_dp(tiny_models["tiny-qwen3-moe"], "bfloat16", tmp_path_factory.mktemp("dp_bf16"))
+def offline(request, tiny_models, tmp_path_factory):
+    """fp32 (graphs off by default): tokens exactly HF's. bf16, where FULL_DECODE_ONLY
+    ACL graphs are on by default: every rank captures, and the idle rank's dummy batches and the
+    busy rank's decode steps replay at the padded size both agree on."""
+    names = _names(only_marked_tests(request))
+    return _offline_dp(tiny_models["tiny-qwen3-moe"], names, tmp_path_factory.mktemp("dp"))
 
 
 def _rank_tokens(run: dict, rank: int) -> list[list[int]]:
-    engine = run["reports"][rank]["engines"][-1]
+    engine = run["engines"][rank]
     assert "error" not in engine, engine["error"]
     return engine["runs"][0]["tokens"]
 
@@ -127,25 +145,27 @@ def _rank_tokens(run: dict, rank: int) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.v0_20_features
 @pytest.mark.parametrize("rank", [0, 1])
-def test_moe_data_parallel_with_expert_parallel_equals_hf(offline_moe, rank):
-    prompts, max_tokens = offline_moe["shares"][rank]
-    assert _rank_tokens(offline_moe, rank) == hf_greedy(offline_moe["model"], prompts, max_tokens)
+def test_moe_data_parallel_with_expert_parallel_equals_hf(offline, rank):
+    run = offline[MOE]
+    prompts, max_tokens = run["shares"][rank]
+    assert _rank_tokens(run, rank) == hf_greedy(run["model"], prompts, max_tokens)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
-def test_moe_data_parallel_with_default_graphs_tracks_hf(offline_moe_graphs, rank):
-    engine = offline_moe_graphs["reports"][rank]["engines"][-1]
+def test_moe_data_parallel_with_default_graphs_tracks_hf(offline, rank):
+    run = offline[MOE_GRAPHS]
+    engine = run["engines"][rank]
     assert any("ACL graphs (FULL_DECODE_ONLY): capturing" in line for line in engine["log"]), engine["log"]
-    prompts, _ = offline_moe_graphs["shares"][rank]
-    assert_tracks_hf_logits(offline_moe_graphs["model"], prompts, _rank_tokens(offline_moe_graphs, rank),
-                            routed=True)
+    prompts, _ = run["shares"][rank]
+    assert_tracks_hf_logits(run["model"], prompts, _rank_tokens(run, rank), routed=True)
 
 
 @pytest.mark.slow
 @pytest.mark.v0_20_features
-def test_an_all2all_backend_of_cuda_kernels_is_refused_in_one_line(offline_moe):
-    error = offline_moe["reports"][0]["engines"][0]["error"]
+def test_an_all2all_backend_of_cuda_kernels_is_refused_in_one_line(offline):
+    [refused] = offline[MOE]["refused"]
+    error = refused["error"]
     message = ("--all2all-backend deepep_low_latency is not supported on Ascend by ascend-patch "
                "(a CUDA/ROCm kernel): data-parallel MoE runs on allgather_reducescatter")
     assert message in error and "\n" not in error, error
@@ -165,6 +185,10 @@ def dp_server(tiny_models, tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
         "--max-model-len", "512", "--gpu-memory-utilization", "0.9", "--data-parallel-size", "2",
+        # One API server (vLLM defaults to one per DP rank) and each engine's worker in its engine
+        # core's process: two fewer interpreters importing vLLM, the same two DP engines.
+        "--api-server-count", "1", "--distributed-executor-backend", "uni",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
     ]
     with serving(command, port, log_path) as (_, base):
         yield {"base": base, "model": model}
@@ -192,6 +216,7 @@ def _requests_served_by_engine(base: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.v0_20_features
 def test_serve_with_data_parallel_size_2_equals_hf(dp_server):
     prompts = prompt_token_ids(dp_server["model"], [5, 33, 70, 140, 200, 260])
     with ThreadPoolExecutor(len(prompts)) as pool:  # at once, so both engines get some
