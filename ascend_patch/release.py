@@ -10,3 +10,8 @@ from __future__ import annotations
 proven_end_to_end = False
 """Whether compat_matrix.yaml records an end-to-end run of this release (emulated-e2e or
 npu-verified): the suite that proves graph mode, which is on by default only then."""
+
+patched: frozenset[str] = frozenset()
+"""The implementations (``module:object``) of the patches the active patch set installs on this
+release (those whose own range admits it): a feature served through one of them is refused where
+the set does not declare it for the release."""

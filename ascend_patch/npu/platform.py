@@ -349,14 +349,10 @@ _HOW = {
 SERVED_RECURRENT_RELEASES = "0.33"
 
 
-MOE_LORA_SINCE = (0, 28)  # FusedMoEWithLoRA over LoRAExpertsMixin, as ascend_patch.npu.lora.moe takes it
-
-
 def moe_lora_release() -> bool:
-    """Whether this vLLM serves LoRA on MoE layers here (ascend_patch.npu.lora.moe)."""
-    import vllm
-
-    return tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= MOE_LORA_SINCE
+    """Whether this vLLM serves LoRA on MoE layers here: the active patch set installs the wrapper
+    of FusedMoEWithLoRA (ascend_patch.npu.lora.moe) on this release (patches/lora.py, MOE_LORA)."""
+    return "ascend_patch.npu.lora.moe:modular_for_lora" in release.patched
 
 
 def recurrent_refusal(vllm_config, recurrent: str) -> str | None:

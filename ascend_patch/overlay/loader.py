@@ -33,7 +33,7 @@ from ascend_patch import env, release
 from ascend_patch.overlay import bootstrap, matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import Decision, decide
-from ascend_patch.overlay.declarations import Declaration, Setting, TargetStatus, TextEnum
+from ascend_patch.overlay.declarations import Declaration, Patch, Setting, TargetStatus, TextEnum
 from ascend_patch.overlay.registry import REGISTRY
 from ascend_patch.overlay.source import SourceTree
 
@@ -249,9 +249,11 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
                 )
             else:
                 act.warnings += _overridden_settings(act)
-                REGISTRY.schedule([d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))])
+                scheduled = [d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))]
+                REGISTRY.schedule(scheduled)
                 entry = act.selection.entry
                 release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
+                release.patched = patched(scheduled)
                 act.state = ActivationState.ACTIVE
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
@@ -277,7 +279,13 @@ def deactivate() -> list[str]:
             _activation.state = ActivationState.REVERTED
         _activation = None
         release.proven_end_to_end = False
+        release.patched = frozenset()
         return restored
+
+
+def patched(declarations: list[Declaration]) -> frozenset[str]:
+    """What :data:`ascend_patch.release.patched` holds once ``declarations`` are scheduled."""
+    return frozenset(d.implementation for d in declarations if isinstance(d, Patch))
 
 
 def on_vllm_imported(module) -> None:

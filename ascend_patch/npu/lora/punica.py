@@ -51,6 +51,18 @@ def refresh_slots(wrapper: "PunicaWrapperNPU") -> None:
     wrapper._request_rows.refresh_(wrapper._sampler_indices)
 
 
+def _write(out, delta, add_inputs) -> None:
+    """``delta`` added into (``add_inputs``) or copied over ``out``'s leading columns, cut to the
+    narrower of the two (vocab paddings of adapter and model may differ)."""
+    width = min(out.shape[1], delta.shape[1])
+    # In place on the view: `out[:, :w] += d` would write the sum back with one more copy.
+    columns = out[:, :width]
+    if add_inputs:
+        columns.add_(delta[:, :width].to(out.dtype))
+    else:
+        columns.copy_(delta[:, :width])
+
+
 class PunicaWrapperNPU(PunicaWrapperBase):
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device, **kwargs):
         super().__init__(max_num_batched_tokens, max_batches, device)
@@ -101,14 +113,7 @@ class PunicaWrapperNPU(PunicaWrapperBase):
 
     def _expand_into(self, out, rows, weight, add_inputs, slots=None):
         slots = self._token_slots(rows.shape[0]) if slots is None else slots
-        delta = gathered_matmul(rows.to(weight.dtype), weight[:, 0], slots)
-        width = min(out.shape[1], delta.shape[1])  # vocab paddings of adapter and model may differ
-        # In place on the view: `out[:, :w] += d` would write the sum back with one more copy.
-        columns = out[:, :width]
-        if add_inputs:
-            columns.add_(delta[:, :width].to(out.dtype))
-        else:
-            columns.copy_(delta[:, :width])
+        _write(out, gathered_matmul(rows.to(weight.dtype), weight[:, 0], slots), add_inputs)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,
                         buffer=None, **kwargs):
@@ -159,15 +164,10 @@ class PunicaWrapperNPU(PunicaWrapperBase):
 
     @staticmethod
     def _add(out, deltas, add_inputs):
+        """The slices' deltas side by side into ``out``'s columns."""
         start = 0
         for delta in deltas:
-            columns = out[:, start: start + delta.shape[1]]
-            if not add_inputs:
-                columns.copy_(delta)
-            elif delta.dtype == out.dtype:
-                columns.add_(delta)
-            else:
-                columns.add_(delta.to(out.dtype))
+            _write(out[:, start:], delta, add_inputs)
             start += delta.shape[1]
 
     def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights,
