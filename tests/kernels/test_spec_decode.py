@@ -169,6 +169,35 @@ def test_eagle_step_slot_mapping_by_hand():
     assert seq_lens.tolist() == [7, 1]
 
 
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_copy_and_expand_eagle_inputs_by_hand(shift):
+    # Two requests, 3 and 4 input tokens; request 0 accepted up to its token 1 (one rejected),
+    # request 1 up to its last. Two slots each: the next (bonus) token and one parallel-drafting
+    # slot; -1 pads, -2 marks parallel drafting. Buffers are longer than the output: the tail stays.
+    i32 = torch.int32
+    ids, positions = torch.full((12,), 99, dtype=i32), torch.full((12,), 99, dtype=torch.int64)
+    rejected, masked = torch.zeros(12, dtype=torch.bool), torch.zeros(12, dtype=torch.bool)
+    new, mapping = torch.full((4,), 99, dtype=i32), torch.full((7,), 99, dtype=i32)
+    kernels.copy_and_expand_eagle_inputs_kernel(
+        torch.tensor([10, 11, 12, 20, 21, 22, 23], dtype=i32), torch.tensor([5, 6, 7, 0, 1, 2, 3]),
+        torch.tensor([100, 200], dtype=i32), ids, positions, rejected, masked, new, mapping,
+        torch.tensor([0, 3, 7], dtype=i32), torch.tensor([1, 6], dtype=i32), -1, -2, 7, 2, shift)
+    if shift:  # each request drops its first token; hidden states map onto the shifted runs
+        assert ids.tolist() == [11, 100, -2, -1, 21, 22, 23, 200, -2] + [99] * 3
+        assert positions.tolist() == [5, 6, 7, 0, 0, 1, 2, 3, 4] + [99] * 3
+        assert rejected.tolist() == [False, False, False, True] + [False] * 8
+        assert masked.tolist() == [False, False, True, False, False, False, False, False, True] + [False] * 3
+        assert new.tolist() == [1, 2, 7, 8]
+        assert mapping.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    else:
+        assert ids.tolist() == [10, 11, 100, -2, -1, 20, 21, 22, 23, 200, -2, 99]
+        assert positions.tolist() == [5, 6, 7, 8, 0, 0, 1, 2, 3, 4, 5, 99]
+        assert rejected.tolist() == [False] * 4 + [True] + [False] * 7
+        assert masked.tolist() == [False, False, False, True] + [False] * 6 + [True, False]
+        assert new.tolist() == [2, 3, 9, 10]
+        assert mapping.tolist() == [99] * 7  # written only with shifted inputs
+
 P = torch.tensor([[0.40, 0.25, 0.15, 0.12, 0.08],  # the target at each draft position
                   [0.10, 0.20, 0.30, 0.25, 0.15],
                   [0.05, 0.05, 0.60, 0.10, 0.20]])
