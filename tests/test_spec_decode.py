@@ -252,6 +252,8 @@ def test_rejected_drafts_are_reported_and_leave_the_output_exact(engines, name):
     counts = _counts(engines[name])
     assert counts["drafts"] > 0
     assert counts["accepted_tokens"] < counts["draft_tokens"]
+    if name == "ngram":  # the repeated prompt's n-grams: some drafts are the model's own tokens
+        assert counts["accepted_tokens"] > 0, counts
 
 
 @pytest.mark.parametrize("name", ["other_draft_async", *_v0_20("shifted_eagle_async")])
