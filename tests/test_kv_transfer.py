@@ -166,25 +166,27 @@ def test_unsupported_serving_is_refused_in_one_line(disaggregated, case, message
     assert message in error and "\n" not in error, error
 
 
-MOONCAKE = Version(version("vllm")).base_version.rsplit(".", 1)[0] == "0.33"
-
-
+@pytest.mark.parametrize("version, served", [("0.28.0", False), ("0.32.0", False), ("0.33.0", True)])
 @pytest.mark.parametrize("emulated", [False, True])
-def test_mooncake_is_served_with_the_ascend_protocol_or_refused(emulated):
+def test_mooncake_is_served_with_the_ascend_protocol_or_refused(emulated, version, served):
     """vLLM 0.33's MooncakeConnector, alone or in a MultiConnector, gets the Ascend transport on
-    the NPU (tcp emulated) unless one is named; other releases refuse it in one line."""
+    the NPU (tcp emulated) unless one is named; releases whose patch set does not install the
+    re-sharding wrapper (patches/v0_29.py) refuse it in one line."""
     from ascend_patch.npu.distributed.kv_transfer import _check_connector
+    from tests.helpers.patch_sets import patched_as_on
 
     extra, named = {}, {"mooncake_protocol": "rdma"}
     multi = {"connectors": [{"kv_connector": "MooncakeConnector"}]}
-    if not MOONCAKE:
-        with pytest.raises(NotImplementedError, match="the MooncakeConnector KV connector is not supported on "
-                                                      "Ascend by ascend-patch: ") as refused:
-            _check_connector("MooncakeConnector", None, extra, emulated)
-        assert "\n" not in str(refused.value)
-        return
-    for name, config in (("MooncakeConnector", extra), ("MooncakeConnector", named), ("MultiConnector", multi)):
-        _check_connector(name, None, config, emulated)
+    with patched_as_on(version):
+        if not served:
+            with pytest.raises(NotImplementedError, match="the MooncakeConnector KV connector is not supported "
+                                                          "on Ascend by ascend-patch: ") as refused:
+                _check_connector("MooncakeConnector", None, extra, emulated)
+            assert "\n" not in str(refused.value)
+            return
+        for name, config in (("MooncakeConnector", extra), ("MooncakeConnector", named),
+                             ("MultiConnector", multi)):
+            _check_connector(name, None, config, emulated)
     protocol = "tcp" if emulated else "ascend"
     assert (extra, named) == ({"mooncake_protocol": protocol}, {"mooncake_protocol": "rdma"})
     assert multi["connectors"][0]["kv_connector_extra_config"] == {"mooncake_protocol": protocol}

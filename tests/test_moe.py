@@ -223,32 +223,20 @@ def test_lora_on_moe_models_is_served_where_the_patch_set_installs_its_patch(ver
     LoRA on a MoE model at start-up in one line (a unit test: no engine)."""
     from types import SimpleNamespace
 
-    from packaging.version import Version
-
-    from ascend_patch import release
     from ascend_patch.npu.platform import NPUPlatform, moe_lora_release
-    from ascend_patch.overlay import loader, matrix
-    from ascend_patch.overlay.decision import load_patch_set
-    from ascend_patch.overlay.declarations import applies_to
+    from tests.helpers.patch_sets import patched_as_on
 
-    table = matrix.load()
-    declarations = [d for d in load_patch_set(table, table.select(version).patch_set.name)
-                    if applies_to(d, Version(version))]
     config = SimpleNamespace(
         speculative_config=None, lora_config=SimpleNamespace(fully_sharded_loras=False),
         model_config=SimpleNamespace(is_moe=True, quantization=None),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, enable_eplb=False))
-    saved, release.patched = release.patched, loader.patched(declarations)
-    try:
+    with patched_as_on(version):
         assert moe_lora_release() is served
         if not served:
             with pytest.raises(NotImplementedError) as refused:
                 NPUPlatform.check_and_update_config(config)
             assert str(refused.value) == ("LoRA on a mixture-of-experts model (vLLM 0.20-0.27, or "
                                           "quantized) is not supported by ascend-patch yet")
-    finally:
-        release.patched = saved
-
 
 def test_moe_lora_decodes_in_bf16_graphs_and_tracks_hf_merged(runs, tiny_models, prompts, merged):
     """bf16: decode replays FULL graphs with the adapters' slots rewritten in place each step;

@@ -56,7 +56,7 @@ _SHIPPED_BY_VLLM = {
     "MoRIIOConnector", "DecodeBenchConnector", "ExampleHiddenStatesConnector",
     "FlexKVConnectorV1", "HF3FSKVConnector", "HiSparseConnector"}
 # The release whose MooncakeConnector registration and transfer plan were checked against the
-# Ascend layout (tests/test_kv_transfer.py).
+# Ascend layout (tests/test_mooncake.py), named in messages; the gate is the declaration.
 MOONCAKE_RELEASE = "0.33"
 _SERVED = ("ExampleConnector (vLLM 0.23+), OffloadingConnector, MooncakeConnector (vLLM "
            f"{MOONCAKE_RELEASE}), MultiConnector of those, or a connector of your own through "
@@ -208,13 +208,15 @@ def _offloading_interface() -> bool:
 
 
 def _mooncake_refusal() -> str | None:
-    """Why this vLLM's MooncakeConnector cannot be served on the Ascend layout, or None."""
+    """Why this vLLM's MooncakeConnector cannot be served on the Ascend layout, or None: it is
+    served where the active patch set installs :func:`mooncake_resharding` (patches/v0_29.py)."""
     import vllm
 
-    release = ".".join(vllm.__version__.split(".")[:2])
-    if release == MOONCAKE_RELEASE:
+    from ascend_patch import release
+
+    if f"{__name__}:{mooncake_resharding.__name__}" in release.patched:
         return None
-    if release in ("0.26", "0.27", "0.28"):
+    if ".".join(vllm.__version__.split(".")[:2]) in ("0.26", "0.27", "0.28"):
         return ("this vLLM's Mooncake connector asserts a 4-dim [blocks, heads, block_size, K|V] "
                 "backend cache shape (TransferTopology), and the Ascend cache is [blocks, 2, "
                 "block_size, heads, head_size]")
