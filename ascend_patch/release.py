@@ -15,3 +15,7 @@ patched: frozenset[str] = frozenset()
 """The implementations (``module:object``) of the patches the active patch set installs on this
 release (those whose own range admits it): a feature served through one of them is refused where
 the set does not declare it for the release."""
+
+runner = "v1"
+"""The vLLM model-runner generation the active patch set serves (its ``RUNNER``): ``"v1"``, the V1
+runner of 0.20-0.33, or ``"v2"``, Model Runner V2 (``vllm/v1/worker/gpu/``), the only one from 0.34."""

@@ -131,6 +131,11 @@ MLA_CONTRACTS = [
             "q_lora_rank, kv_lora_rank, mla_modules, cache_config=..., quant_config=..., prefix=..., "
             "skip_topk=..., non_causal_multi_token_decode=..., "
             "allow_short_prefill_indexer_scoring_skip=..., fuse_qkv_rmsnorm=...)",  # 0.30
+            "(self, hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, "
+            "q_lora_rank, kv_lora_rank, mla_modules, cache_config=..., quant_config=..., prefix=..., "
+            "skip_topk=..., non_causal_multi_token_decode=..., "
+            "allow_short_prefill_indexer_scoring_skip=..., fuse_qkv_rmsnorm=..., "
+            "shardq_eligible=...)",  # 0.34
         ),
         wrapper="ascend_patch.npu.attention.mla:fuse_kv_rope",
         upstream="vllm/model_executor/layers/mla.py: forward always calls "

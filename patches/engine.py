@@ -158,7 +158,7 @@ RUNNER_GLUE = [
         "vllm.model_executor.warmup.kernel_warmup:kernel_warmup",
         reason="CUDA/Triton/FlashInfer kernel autotuning has nothing to tune on Ascend",
         signature=("(worker)", "(worker, *, process_local_only=...)"),  # the keyword: 0.27+
-        replacement="ascend_patch.npu.model_runner:no_kernel_warmup",
+        replacement="ascend_patch.npu.runner.kernel_warmup:no_kernel_warmup",
         upstream="vllm/model_executor/warmup/kernel_warmup.py: DeepGEMM/FlashInfer/Triton "
                  "warm-up runs on every platform; vllm-project/vllm#47288",
         remove_when="kernel_warmup skips platforms that have none of those kernels",

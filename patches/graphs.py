@@ -32,7 +32,8 @@ GRAPH_MODE = [
              pr="vllm-project/vllm#20059"),
     contract("vllm.compilation.monitor:validate_cudagraph_capturing_enabled", "()",
              "NPUGraphWrapper captures only while vLLM allows captures", implementation=_GRAPH_WRAPPER,
-             upstream="vllm/compilation/monitor.py", remove_when=_REMOVE_WITH_WRAPPER),
+             upstream="vllm/compilation/monitor.py (gone in 0.34 with the V1 runner that enabled it)",
+             remove_when=_REMOVE_WITH_WRAPPER, vllm="<0.34"),
     contract("vllm.forward_context:ForwardContext.cudagraph_runtime_mode", None,
              "each step's graph mode, which NPUGraphWrapper dispatches on", implementation=_GRAPH_WRAPPER,
              upstream="vllm/forward_context.py", remove_when=_REMOVE_WITH_WRAPPER,
@@ -49,7 +50,8 @@ GRAPH_MODE = [
     Patch(
         "vllm.distributed.parallel_state:graph_capture",
         reason="capture on the NPU's own stream without the CUDA communicators' capture contexts",
-        signature=("(device)", "(device, graph_capture_context=...)"),  # the context: 0.26-0.30
+        signature=("(device)", "(device, graph_capture_context=...)",  # the context: 0.26-0.30
+                   "(device, stream=...)"),  # a stream to share the pool's blocks: 0.34
         replacement="ascend_patch.npu.distributed.graph_capture:npu_graph_capture",
         upstream="vllm/distributed/parallel_state.py: GroupCoordinator.graph_capture asserts a "
                  "group's device communicator is CUDA's or XPU's (0.22+) and enters their "

@@ -27,9 +27,12 @@ MOE_CONTRACTS = [
              "(self, layer)", "expert weights to the grouped-matmul [experts, in, out] layout, once",
              implementation=_MOE_METHOD, upstream=_MOE_UPSTREAM),
     contract(f"{_MOE}.router.grouped_topk_router:grouped_topk",
-             "(hidden_states, gating_output, topk, renormalize, num_expert_group=..., "
-             "topk_group=..., scoring_func=..., routed_scaling_factor=..., "
-             "e_score_correction_bias=...)",
+             ("(hidden_states, gating_output, topk, renormalize, num_expert_group=..., "
+              "topk_group=..., scoring_func=..., routed_scaling_factor=..., "
+              "e_score_correction_bias=...)",
+              "(hidden_states, gating_output, topk, renormalize, num_expert_group=..., "
+              "topk_group=..., scoring_func=..., routed_scaling_factor=..., "
+              "e_score_correction_bias=..., is_padding=...)"),  # 0.34: padded rows' routing
              "routes, as vLLM's GroupedTopKRouter does, the grouped layers npu_moe_gating_top_k "
              "cannot take (2 or fewer experts per group, sigmoid weights without renormalisation)",
              implementation="ascend_patch.npu.ops.fused_moe:Routing",

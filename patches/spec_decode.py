@@ -66,7 +66,7 @@ KERNEL_REGISTRY = [
         signature=("(overrides)",),
         upstream="vllm/triton_utils/dispatcher.py (0.31+)",
         remove_when="never: vLLM's own extension point; the contract only guards its signature",
-        implementation=f"{_INSTALL}:register_overrides",
+        implementation=f"{_INSTALL}:register",
     ),
 ]
 

@@ -46,7 +46,8 @@ PATCHES = [
         "vllm.v1.worker.utils:allocate_kv_cache",
         reason="view each layer's KV bytes as [blocks, 2, tokens, heads, head_size] block pages, "
                "whose K and V halves the NPU kernels read",
-        signature=("(kv_cache_config, device, layout, kernel_block_sizes=...)",),
+        signature=("(kv_cache_config, device, layout, kernel_block_sizes=...)",
+                   "(kv_cache_config, device, layout, kernel_block_sizes=..., allocate=...)"),  # 0.34
         wrapper="ascend_patch.npu.kv_cache:allocate_kv_cache",
         upstream="vLLM 0.29 moved KV allocation to vllm/v1/worker/utils.py: one int8 buffer "
                  "with strided [blocks, heads, tokens, K|V] layer views; vllm-project/vllm#51718",

@@ -73,11 +73,3 @@ class NPUModelRunner(GPUModelRunner):
             kernel_ids = (ids[:, None] * ratio + torch.arange(ratio, device=self.device)).flatten()
             plane.index_fill_(0, kernel_ids, 0)
 
-
-def no_kernel_warmup(original):
-    """Replacement of ``vllm.model_executor.warmup.kernel_warmup.kernel_warmup``."""
-
-    def kernel_warmup(worker, *, process_local_only=False):
-        return None  # no JIT-compiled CUDA/Triton kernels to tune on the NPU path
-
-    return kernel_warmup

@@ -186,9 +186,11 @@ class NPUPlatform(Platform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         # vLLM 0.31+ asks before any worker code runs (0.20-0.30: the kernel patches).
-        from ascend_patch.npu.spec_decode import install
-
-        install.register_overrides()
+        if release.runner == "v2":
+            from ascend_patch.npu.runner.v2 import kernels
+        else:
+            from ascend_patch.npu.spec_decode import install as kernels
+        kernels.register()
 
     @classmethod
     def check_runner_kv_caches_multi_layer(cls) -> None:

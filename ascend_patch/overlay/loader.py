@@ -254,6 +254,8 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
                 entry = act.selection.entry
                 release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
                 release.patched = patched(scheduled)
+                release.runner = getattr(sys.modules[f"ascend_patch.patches.{act.selection.patch_set.name}"],
+                                         "RUNNER", "v1")
                 act.state = ActivationState.ACTIVE
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
@@ -280,6 +282,7 @@ def deactivate() -> list[str]:
         _activation = None
         release.proven_end_to_end = False
         release.patched = frozenset()
+        release.runner = "v1"
         return restored
 
 

@@ -220,7 +220,7 @@ def _spec_decode_rows(p: torch.Tensor, q: torch.Tensor, rows: int) -> torch.Tens
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
-    install.register_overrides()
+    install.register()
     k, vocab = p.shape
     drafts = torch.multinomial(q, rows, replacement=True,
                                generator=torch.Generator().manual_seed(1)).T.contiguous()
@@ -290,7 +290,7 @@ def test_a_broken_recovered_token_step_fails_the_chi_square_test(monkeypatch):
                                      reason="vLLM 0.31+'s kernel registry")
     from vllm.v1.sample import rejection_sampler
 
-    install.register_overrides()
+    install.register()
     calls = []
 
     def from_target(output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr,

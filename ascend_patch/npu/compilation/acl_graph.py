@@ -36,7 +36,7 @@ from unittest.mock import patch
 import torch
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
-from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+from vllm.compilation import monitor
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.platforms import current_platform
@@ -167,7 +167,8 @@ class NPUGraphWrapper(CUDAGraphWrapper):
         return entry.output
 
     def _capture(self, descriptor, args, kwargs):
-        validate_cudagraph_capturing_enabled()
+        if hasattr(monitor, "validate_cudagraph_capturing_enabled"):  # seam: vLLM < 0.34
+            monitor.validate_cudagraph_capturing_enabled()
         entry = CUDAGraphEntry(batch_descriptor=descriptor)
         entry.input_addresses = [x.data_ptr() for x in args if isinstance(x, torch.Tensor)]
         graph = self._graphs.NPUGraph()

@@ -11,7 +11,7 @@ declared in the patch sets for its releases:
   hands the decorator a :class:`Launch` instead of the kernel;
 - 0.31+: vLLM's own registry (``vllm.triton_utils.dispatcher.register_kernels``), called from
   ``Platform.register_triton_kernel_overrides`` before any worker code runs, rebinds the module
-  globals and the dispatchers' kernels to its ``KernelOverride``: :func:`register_overrides`.
+  globals and the dispatchers' kernels to its ``KernelOverride``: :func:`register`.
 
 Every installer first checks that the kernel's parameters are the implementation's, in order:
 vLLM passes them by name or position, so a renamed or reordered parameter would otherwise feed
@@ -101,7 +101,7 @@ def dispatcher_with_npu_kernel(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def register_overrides() -> None:
+def register() -> None:
     """Register every implementation with vLLM's kernel registry (vLLM 0.31+), once per process:
     a later engine finds the overrides in place."""
     from vllm.triton_utils.dispatcher import register_kernels

@@ -1,0 +1,85 @@
+"""Model Runner V2 (``vllm/v1/worker/gpu/``) on the NPU: what the v0_34 set changes and relies on.
+
+vLLM 0.34 removed the V1 runner; ``gpu_worker.Worker`` always builds MRV2's ``GPUModelRunner``,
+which prepares inputs and samples with Triton kernels. The NPU serves it without Triton:
+
+- the worker's Triton gate is opened (every kernel MRV2 reaches on the served paths runs a
+  registered torch implementation, :mod:`ascend_patch.npu.runner.v2.kernels`);
+- UVA is declared unavailable, so MRV2 stages host data with explicit copies (``NonUvaBuffer``):
+  on a real NPU ``is_uva_available()`` is true and ``UvaBuffer`` would ask for a device view of
+  pinned host memory, which only CUDA, ROCm and XPU give;
+- the block tables' two pointer-table kernels are replaced by methods that read the tensors
+  the pointers address;
+- the NPU worker builds ``NPUModelRunnerV2`` through ``Worker._make_model_runner``, vLLM's
+  documented override point.
+"""
+
+from ascend_patch.overlay.declarations import Patch
+from ascend_patch.patches.platform import contract
+
+RUNNER_V2 = "ascend_patch.npu.runner.v2.model_runner:NPUModelRunnerV2"
+_GPU = "vllm.v1.worker.gpu"
+_MRV2 = "vllm/v1/worker/gpu/model_runner.py: Model Runner V2, which NPUModelRunnerV2 subclasses"
+_BLOCK_TABLES = "ascend_patch.npu.runner.v2.block_tables:NPUBlockTablesMixin"
+_NO_TRITON_ASCEND = "triton-ascend runs MRV2's kernels on every Ascend SoC vLLM serves"
+
+RUNNER = [
+    Patch(
+        "vllm.v1.worker.gpu_worker:HAS_TRITON",
+        reason="open MRV2's Triton gate: every kernel it reaches on the served paths runs a "
+               "registered torch implementation, so the worker needs no Triton",
+        replacement="ascend_patch.npu.runner.v2.kernels:triton_gate",
+        upstream="vllm/v1/worker/gpu_worker.py (0.34): Worker.__init__ raises \"vLLM's model "
+                 "runner requires Triton.\" unless HAS_TRITON or the platform claims the "
+                 "standalone CPU runner, whose config checks refuse speculative decoding",
+        remove_when="vLLM gates on the kernels a platform registered instead of on Triton",
+        rebind=False,  # only the worker's gate: every other HAS_TRITON keeps its value
+    ),
+    Patch(
+        "vllm.utils.platform_utils:is_uva_available",
+        reason="MRV2 stages host data with explicit copies (NonUvaBuffer): the NPU cannot read "
+               "pinned host memory from a kernel without triton-ascend",
+        replacement="ascend_patch.npu.runner.v2.kernels:no_uva",  # no signature: a functools.cache
+        upstream="vllm/utils/platform_utils.py: UVA whenever pinned memory is available, which it "
+                 "is on an NPU; UvaBuffer then asks get_accelerator_view_from_cpu_tensor, which "
+                 "raises for anything but CUDA, ROCm and XPU",
+        remove_when="torch_npu gives a device view of pinned host memory that torch ops can read",
+    ),
+    Patch(
+        f"{_GPU}.block_table:BlockTables",
+        reason="gather block-table rows and compute slot mappings in torch: vLLM's kernels take "
+               "tables of raw device pointers, which the kernel registry cannot stand in for",
+        replacement="ascend_patch.npu.runner.v2.block_tables:npu_block_tables",
+        implementation=_BLOCK_TABLES,
+        upstream="vllm/v1/worker/gpu/block_table.py: _gather_block_tables_kernel and "
+                 "_compute_slot_mappings_kernel read uint64 pointer tables (_make_ptr_tensor)",
+        remove_when=_NO_TRITON_ASCEND,
+    ),
+    *(contract(f"{_GPU}.block_table:BlockTables.{name}", signature,
+               "NPUBlockTables overrides it with the same arguments", implementation=_BLOCK_TABLES,
+               upstream="vllm/v1/worker/gpu/block_table.py", remove_when=_NO_TRITON_ASCEND)
+      for name, signature in (
+          ("gather_block_tables",
+           "(self, idx_mapping, num_reqs_padded, out=..., out_ptrs=..., num_computed_tokens=...)"),
+          ("compute_slot_mappings",
+           "(self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=...)"),
+          ("apply_staged_writes", "(self)"))),
+    contract("vllm.v1.worker.gpu_worker:Worker._make_model_runner", "(self)",
+             "NPUWorker builds NPUModelRunnerV2 through it",
+             implementation="ascend_patch.npu.worker:NPUWorker",
+             upstream="vllm/v1/worker/gpu_worker.py: \"Construct the platform's model runner; "
+                      "subclasses override this\""),
+    contract(f"{_GPU}.model_runner:GPUModelRunner.load_model", None,
+             "NPUModelRunnerV2 reports the attention and routing paths and charges the loaded "
+             "weights to the emulated HBM", implementation=RUNNER_V2, upstream=_MRV2,
+             remove_when="never while the emulated NPU exists"),
+    contract(f"{_GPU}.model_runner:GPUModelRunner.profile_run", "(self, randomize_inputs=...)",
+             "NPUModelRunnerV2 measures the profiling pass's activations", implementation=RUNNER_V2,
+             upstream=_MRV2, remove_when="never while the emulated NPU exists"),
+    contract(f"{_GPU}.model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
+             "NPUModelRunnerV2 zeroes new KV blocks in the Ascend layouts (block pages, MLA "
+             "latent/rope planes)", implementation=RUNNER_V2,
+             upstream=_MRV2 + " (KVBlockZeroer is a Triton kernel over [blocks, ...] caches, "
+                              "addressed by raw pointers)",
+             remove_when="vLLM zeroes blocks through the attention backend"),
+]
