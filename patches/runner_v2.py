@@ -55,6 +55,50 @@ RUNNER = [
                  "_compute_slot_mappings_kernel read uint64 pointer tables (_make_ptr_tensor)",
         remove_when=_NO_TRITON_ASCEND,
     ),
+    Patch(
+        "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
+        reason="mask top-k/top-p through npu_top_k_top_p (k ≤ 1024, and its top-p-only form), "
+               "vLLM's sort for the rest",
+        signature=("(logits, k, p, has_topp_only_rows=...)",),
+        replacement="ascend_patch.npu.runner.v2.sampler:npu_apply_top_k_top_p",
+        upstream="vllm/v1/sample/ops/topk_topp_sampler.py: Triton when it imports (found broken "
+                 "on Ascend for batches of 8 or more, vllm-project/vllm-ascend#12731), else a "
+                 "full-vocabulary sort; MRV2's Sampler and SamplingStates call it by name",
+        remove_when="vLLM dispatches top-k/top-p to a platform implementation",
+    ),
+    Patch(
+        f"{_GPU}.sample.states:SamplingStates.get_top_k_top_p",
+        reason="hand the top-k/top-p mask the host copy of k, so it routes rows between "
+               "npu_top_k_top_p (k ≤ 1024) and vLLM's sort without a per-step device sync",
+        signature=("(self, expanded_idx_mapping, idx_mapping_np, vocab_size)",),
+        wrapper="ascend_patch.npu.runner.v2.sampler:attach_host_top_k",
+        upstream="vllm/v1/worker/gpu/sample/states.py: the k tensor is gathered on the device from "
+                 "top_k.np's copy; the host values never reach apply_top_k_top_p",
+        remove_when="vLLM dispatches top-k/top-p to a platform implementation that is given the "
+                    "host sampling parameters",
+    ),
+    Patch(
+        f"{_GPU}.cudagraph_utils:ModelCudaGraphManager",
+        reason="renew the captured host-parameter launches of a FULL graph (paged attention's "
+               "context lengths) with the step's attention metadata before each replay",
+        replacement="ascend_patch.npu.runner.v2.graphs:npu_graph_manager",
+        implementation="ascend_patch.npu.runner.v2.graphs:NPUModelGraphManagerMixin",
+        upstream="vllm/v1/worker/gpu/cudagraph_utils.py: run_fullgraph replays outside "
+                 "set_forward_context; a CUDA graph reads device lengths and needs no renewal",
+        remove_when="the Ascend attention kernels take device-side lengths",
+    ),
+    *(Patch(
+        f"torch.cuda:{name}",
+        reason=reason,
+        replacement=f"ascend_patch.npu.runner.v2.graphs:{factory}",
+        upstream="vllm/v1/worker/gpu/cudagraph_utils.py: CudaGraphManager.capture calls "
+                 "torch.cuda.CUDAGraph() and torch.cuda.graph(...) directly",
+        remove_when="vLLM captures graphs through the platform (torch.accelerator graphs)",
+        rebind=False,  # torch's own modules keep their references
+    ) for name, factory, reason in (
+        ("CUDAGraph", "npu_graph_class", "MRV2's FULL graphs are the device runtime's NPUGraph"),
+        ("graph", "npu_graph_capture", "capture MRV2's FULL graphs on the device runtime, "
+                                       "collecting the launches each replay renews"))),
     *(contract(f"{_GPU}.block_table:BlockTables.{name}", signature,
                "NPUBlockTables overrides it with the same arguments", implementation=_BLOCK_TABLES,
                upstream="vllm/v1/worker/gpu/block_table.py", remove_when=_NO_TRITON_ASCEND)
@@ -64,6 +108,10 @@ RUNNER = [
           ("compute_slot_mappings",
            "(self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=...)"),
           ("apply_staged_writes", "(self)"))),
+    contract(f"{_GPU}.cudagraph_utils:CudaGraphManager.run_fullgraph", "(self, desc)",
+             "NPUModelGraphManager renews the graph's host parameters, then replays through it",
+             implementation="ascend_patch.npu.runner.v2.graphs:NPUModelGraphManagerMixin",
+             upstream="vllm/v1/worker/gpu/cudagraph_utils.py"),
     contract("vllm.v1.worker.gpu_worker:Worker._make_model_runner", "(self)",
              "NPUWorker builds NPUModelRunnerV2 through it",
              implementation="ascend_patch.npu.worker:NPUWorker",

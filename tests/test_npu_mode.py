@@ -22,11 +22,15 @@ class Recorder:
     def __call__(self, *args, **kwargs):
         return self.name
 
+def recording_class(name):
+    # A class, as torch_npu's are: vLLM 0.34 annotates module globals with `torch.cuda.Stream | None`.
+    return type(name, (), {"__new__": lambda cls, *args, **kwargs: f"torch_npu.npu.{name}"})
+
 npu = types.SimpleNamespace(
     is_available=lambda: True, device_count=lambda: 1,
+    Stream=recording_class("Stream"), Event=recording_class("Event"),
     **{name: Recorder(f"torch_npu.npu.{name}") for name in (
-        "Stream", "Event", "current_stream", "default_stream", "stream", "set_stream",
-        "synchronize", "mem_get_info")},
+        "current_stream", "default_stream", "stream", "set_stream", "synchronize", "mem_get_info")},
 )
 torch_npu = types.ModuleType("torch_npu")
 torch_npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
@@ -63,3 +67,41 @@ def test_a_visible_npu_activates_the_real_platform(mode):
     assert result["cuda_stream"] == "torch_npu.npu.Stream"
     assert result["cuda_event"] == "torch_npu.npu.Event"
     assert result["memory_info"] == "torch_npu.npu.mem_get_info"
+
+
+MRV2_STAND_IN = STAND_IN.split("import torch\n", 1)[0] + """
+import importlib
+import vllm
+import vllm.v1.worker.gpu_worker as gpu_worker
+from vllm.platforms import current_platform
+from vllm.triton_utils.dispatcher import KernelOverride
+from vllm.utils import platform_utils
+from vllm.v1.worker.gpu import buffer_utils
+from ascend_patch.npu.runner.v2 import kernels
+
+current_platform.register_triton_kernel_overrides()
+launches = {}
+for name in kernels.implementations():
+    module, _, attr = name.rpartition(".")
+    launches[name] = type(getattr(importlib.import_module(module), attr)).__name__
+print(json.dumps({
+    "pin_memory": platform_utils.is_pin_memory_available(),
+    "uva_seen_by_mrv2": buffer_utils.is_uva_available(),
+    "worker_gate": gpu_worker.HAS_TRITON,
+    "launches": launches,
+}))
+"""
+
+
+@pytest.mark.mrv2_only
+def test_model_runner_v2_on_an_npu_takes_explicit_copies_and_no_triton_launch():
+    """On a real NPU pinned memory is available, so stock vLLM would pick UvaBuffer (and raise
+    asking torch for a device view of host memory); the emulator has no pinned memory and would
+    take the fallback silently. This checks the NPU-mode decision itself: MRV2 sees no UVA, its
+    worker's Triton gate is open, and every kernel the NPU runner implements launches through
+    vLLM's override, not Triton."""
+    result = run_json(MRV2_STAND_IN, env=clean_env(ASCEND_PATCH="npu"))
+    assert result["pin_memory"] is True
+    assert result["uva_seen_by_mrv2"] is False
+    assert result["worker_gate"] is True
+    assert result["launches"] and set(result["launches"].values()) == {"KernelOverride"}

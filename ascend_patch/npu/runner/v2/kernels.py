@@ -40,9 +40,14 @@ def kernel_parameters(kernel) -> tuple[str, ...]:
     return tuple(names)
 
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+"""Triton launch options a call site may pass beside the kernel's arguments (``kernel[grid](...,
+num_warps=4)``); an implementation that takes one ignores it."""
+
+
 def check_parameters(name: str, kernel, implementation) -> None:
     found = kernel_parameters(kernel)
-    expected = tuple(inspect.signature(implementation).parameters)
+    expected = tuple(p for p in inspect.signature(implementation).parameters if p not in LAUNCH_OPTIONS)
     if found != expected:
         raise RuntimeError(
             f"ascend-patch: vLLM's {name} takes ({', '.join(found)}), but its NPU implementation "

@@ -29,6 +29,21 @@ class NPUModelRunnerV2(GPUModelRunner):
         charged = current_platform.runtime().charge_weights(self.get_model())
         if charged is not None:  # the emulated HBM's figure replaces vLLM's host-side one
             self.model_memory_usage = charged
+        self._record_step_metadata()
+
+    def _record_step_metadata(self) -> None:
+        """Hand each step's attention metadata to the graph manager: MRV2 gives it only to
+        ``set_forward_context``, and replays FULL graphs outside it, whose captured
+        host-parameter launches must be renewed with it (:mod:`.graphs`)."""
+        prepare_attn = self.model_state.prepare_attn
+
+        def prepare_and_record(*args, **kwargs):
+            metadata = prepare_attn(*args, **kwargs)
+            if self.cudagraph_manager is not None:
+                self.cudagraph_manager.step_metadata = metadata
+            return metadata
+
+        self.model_state.prepare_attn = prepare_and_record
 
     def profile_run(self, *args, **kwargs):
         with current_platform.runtime().track_activations():
