@@ -36,6 +36,16 @@ RUNNER = [
         rebind=False,  # only the worker's gate: every other HAS_TRITON keeps its value
     ),
     Patch(
+        "vllm.triton_utils.importing:TritonPlaceholder.__init__",
+        reason="MRV2's host code sizes its launches with triton.next_power_of_2, which vLLM's "
+               "stand-in for a missing Triton lacks",
+        signature=("(self)",),
+        wrapper="ascend_patch.npu.runner.v2.kernels:complete_triton_placeholder",
+        upstream="vllm/triton_utils/importing.py: TritonPlaceholder defines cdiv but not "
+                 "next_power_of_2 (31 calls in vllm/v1/worker/gpu/)",
+        remove_when="vLLM's TritonPlaceholder defines next_power_of_2",
+    ),
+    Patch(
         "vllm.utils.platform_utils:is_uva_available",
         reason="MRV2 stages host data with explicit copies (NonUvaBuffer): the NPU cannot read "
                "pinned host memory from a kernel without triton-ascend",

@@ -83,3 +83,13 @@ def no_uva(original):
         return False
 
     return is_uva_available
+
+
+def complete_triton_placeholder(wrapped, instance, args, kwargs) -> None:
+    """Wrapper of ``TritonPlaceholder.__init__``: the stand-in vLLM binds as ``triton`` without
+    Triton gains ``next_power_of_2``, which MRV2's host code calls to size launches (the
+    placeholder has ``cdiv`` only). vLLM's own helper; it equals Triton's for every n ≥ 1."""
+    from vllm.utils.math_utils import next_power_of_2
+
+    wrapped(*args, **kwargs)
+    instance.next_power_of_2 = next_power_of_2
