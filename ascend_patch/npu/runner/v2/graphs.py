@@ -24,6 +24,7 @@ import weakref
 from vllm.platforms import current_platform
 
 from ascend_patch.npu.compilation import acl_graph
+from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper  # the process's graph counters
 
 _launches_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Each captured graph's host-parameter launches."""
@@ -53,6 +54,7 @@ def npu_graph_capture(original):
                 graphs.graph(cuda_graph, pool=pool, stream=stream):
             yield cuda_graph
         _launches_of[cuda_graph] = launches
+        NPUGraphWrapper.captures += 1
 
     return graph
 
@@ -62,9 +64,6 @@ class NPUModelGraphManagerMixin:
 
     step_metadata: dict | None = None
     """The attention metadata of the step about to replay, by layer name (set by the runner)."""
-
-    replays = 0
-    task_updates = 0
 
     def run_fullgraph(self, desc):
         graph = self.graphs.get(desc)
@@ -76,8 +75,9 @@ class NPUModelGraphManagerMixin:
             # Kept alive until the next replay's update: the replay reads them.
             self._workspaces = acl_graph.renew_host_params(graphs, self._update_stream, launches,
                                                            self.step_metadata)
-            NPUModelGraphManagerMixin.task_updates += len(launches)
-        NPUModelGraphManagerMixin.replays += 1
+            NPUGraphWrapper.task_updates += len(launches)
+        NPUGraphWrapper.replays[desc.num_tokens] += 1
+        NPUGraphWrapper.replays_by_model["backbone"] += 1
         return super().run_fullgraph(desc)
 
 
