@@ -343,8 +343,11 @@ def test_temperature_by_hand_and_against_the_loop():
         temp = F32(temperature[int(mapping[t])])
         if temp not in (0.0, 1.0):
             expected[t] = expected[t].astype(F32) / temp
+    unscaled = logits.clone()
     kernels._temperature_kernel(logits, 3, mapping, temperature, 3, BLOCK_SIZE=2)
     assert torch.equal(logits, torch.from_numpy(expected))
+    # negative control: row 3 taking request 2's temperature (1) would be left as it was
+    assert not torch.equal(logits[3], unscaled[3])
     assert logits[0].tolist() == pytest.approx([4.0, -2.0, 0.6])
     assert logits[1].tolist() == pytest.approx([2.0, -1.0, 0.3])
 
@@ -381,7 +384,10 @@ def test_min_p_by_hand_and_against_the_loop():
     mapping = torch.tensor([0, 1, 2])
     min_p = torch.tensor([0.3, 0.0, 0.9])
     expected = loop_min_p(logits.numpy(), mapping.numpy(), min_p.numpy(), 2)
+    # negative control: the requests' min_p swapped (row 0 takes 0.9) gives other logits
+    wrong = loop_min_p(logits.numpy(), mapping.numpy(), min_p.flip(0).numpy(), 2)
     kernels._min_p_kernel(logits, 4, mapping, min_p, 4, BLOCK_SIZE=2)
+    assert not np.array_equal(np.nan_to_num(logits.numpy()), np.nan_to_num(wrong))
     assert torch.equal(logits.isnan(), torch.from_numpy(np.isnan(expected)))
     assert torch.equal(logits.nan_to_num(), torch.from_numpy(expected).nan_to_num())
     assert logits[0].tolist() == pytest.approx([0.0, -0.69, -1.0, -INF])
@@ -493,8 +499,12 @@ def test_bincount_by_hand_and_against_the_loop():
     mapping = torch.tensor([1, 0], dtype=torch.int32)
     expected = loop_bincount(mapping.numpy(), all_token_ids.numpy(), prompt_len.numpy(),
                              prefill_len.numpy(), prompt_mask.numpy(), counts.numpy())
+    # negative control: a prompt one token shorter moves a token from the prompt to the outputs
+    wrong = loop_bincount(mapping.numpy(), all_token_ids.numpy(), prompt_len.numpy() - 1,
+                          prefill_len.numpy(), prompt_mask.numpy(), counts.numpy())
     kernels._bincount_kernel(mapping, all_token_ids, 9, prompt_len, prefill_len, prompt_mask, 2,
                              counts, 64, BLOCK_SIZE=4)
+    assert not torch.equal(counts, torch.from_numpy(wrong[1]))
     assert torch.equal(prompt_mask, torch.from_numpy(expected[0]))
     assert torch.equal(counts, torch.from_numpy(expected[1]))
     # request 0: prompt {1, 33, 31} -> word 0 bits 1 and 31, word 1 bit 1; outputs 5, 5, 2
@@ -636,6 +646,12 @@ def test_bad_words_by_hand_and_against_the_loop():
     assert torch.equal(logits, torch.from_numpy(expected))
     banned = [sorted(np.flatnonzero(row == -INF).tolist()) for row in logits.numpy()]
     assert banned == [[4, 7], [], [], [1, 2]]
+    # negative control: ignoring the drafts (every row at local position 0) misses row 3's bans
+    wrong = loop_bad_words(np.zeros((4, vocab), dtype=np.float32), mapping.numpy(),
+                           word_tokens.numpy(), offsets.numpy(), num_words.numpy(),
+                           all_token_ids.numpy(), prompt_len.numpy(), total_len.numpy(),
+                           input_ids.numpy(), np.zeros(4, dtype=np.int64))
+    assert not np.array_equal(logits.numpy(), wrong)
 
 
 # --- logprobs -----------------------------------------------------------------------------------
@@ -677,6 +693,9 @@ def test_logprob_kernels_equal_the_loop():
     output = torch.empty(5, 4)
     kernels._topk_log_softmax_kernel(output, logits, 7, ids, 4, 4, 7)
     torch.testing.assert_close(output, torch.from_numpy(expected), rtol=1e-6, atol=1e-6)
+    # negative control: logits minus the row max without the log-sum-exp are caught
+    shifted = logits.gather(1, ids) - logits.amax(dim=1, keepdim=True)
+    assert not torch.allclose(shifted, torch.from_numpy(expected), rtol=1e-6, atol=1e-6)
     ranks = torch.zeros(5, dtype=torch.int64)
     kernels._ranks_kernel(ranks, logits, 7, tokens, 7)
     assert ranks.tolist() == expected_ranks

@@ -24,7 +24,9 @@ parameters are 0.33's too except Gumbel sampling: 0.34's ``_gumbel_sample_kernel
 ``_gumbel_combine_kernel`` is new (0.33 combines the blocks with ``argmax`` + ``gather``).
 Where a Triton reduction is unspecified, torch's rule is used: a vocab block holding a NaN yields
 its first NaN (Triton's ``tl.max(..., return_indices=True)`` depends on its reduction order there),
-and row maxima skip NaNs as CUDA's ``fmaxf`` does. ``tests/kernels/test_mrv2_sample_kernels.py``
+and row maxima skip NaNs (``tl.maximum`` without ``propagate_nan``). Where the kernel keeps a
+vocab block in registers, these keep ``[rows, vocab]`` temporaries (Gumbel noise: int64 hash
+words), the price of having no loop over rows. ``tests/kernels/test_mrv2_sample_kernels.py``
 checks each against a per-row, per-block transliteration of its kernel and vectors derived by hand.
 """
 
