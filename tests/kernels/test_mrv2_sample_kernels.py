@@ -181,6 +181,22 @@ def test_gumbel_sampling_equals_the_kernels_loop(block, apply_temperature):
     assert sampled[3] == 2 and sampled[4] == int(logits[4].argmax())
 
 
+def test_the_sampled_token_is_the_full_rows_noised_argmax_whatever_the_block_size():
+    logits, mapping, temperature, seeds, pos = _gumbel_batch()
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(1))
+    full_row = []
+    for t in range(5):
+        req = int(mapping[t])
+        temp = float(temperature[req]) if req >= 0 else 0.0
+        if temp == 0.0:
+            full_row.append(int(logits[t].argmax()))
+            continue
+        noise = [py_gumbel_noise(int(seeds[req]), int(pos[t]), v) for v in range(3000)]
+        full_row.append(int((logits[t] / temp + torch.tensor(noise)).argmax()))
+    for block in (1024, 256, 7):
+        assert gumbel_sample(logits, mapping, temperature, seeds, pos, block)[2].tolist() == full_row
+
+
 def test_drafting_draws_other_noise_than_the_target():
     logits, mapping, temperature, seeds, pos = _gumbel_batch()
     expected = loop_gumbel_sample(logits.numpy(), mapping.numpy(), temperature.numpy(),
