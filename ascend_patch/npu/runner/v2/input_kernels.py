@@ -12,8 +12,9 @@ emulated, a CPU op). They are registered through vLLM's kernel registry
 - takes the kernel's own parameters, by name and in order (``*_ptr`` is the tensor, the
   ``tl.constexpr`` parameters are keyword defaults), as MRV2 launches it: ``kernel[grid](...)``,
   positionally with the constexprs by keyword, or by keyword from vLLM's dispatcher;
-- ignores the launch grid: the batch it covers is ``idx_mapping``'s rows (the staged writes':
-  ``write_indices``'), and a token buffer is covered whole, masked by ``query_start_loc``;
+- ignores the launch grid: it covers the rows of ``idx_mapping`` (``_apply_write_kernel``: of
+  ``write_indices``), and an output indexed by token or by logit whole, masked by
+  ``query_start_loc`` or ``cu_num_logits``;
 - writes exactly what the kernel writes and leaves the rest of each output alone;
 - never reads a device value on the host (no ``item``, no ``tolist``, no data-dependent shapes,
   no Python loop over requests), so a step keeps the host/device overlap of vLLM's CUDA path.
