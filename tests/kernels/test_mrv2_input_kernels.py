@@ -591,31 +591,62 @@ def test_rope_positions_by_hand():
 # --- Through vLLM's registry and vLLM's own host code ----------------------------------------
 
 
-@pytest.mark.parametrize("fn", [kernels._prepare_pos_seq_lens_kernel, kernels._expand_idx_mapping_kernel],
-                         ids=lambda fn: fn.__name__)
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+LAUNCHES = {  # fn -> (grid, every kernel argument in order, constexprs included): the hand cases
+    kernels._prepare_prefill_inputs_kernel: lambda: ((3,), [
+        torch.full((6,), -1, dtype=torch.int32), torch.full((2, 3), -1, dtype=torch.int32), 3, 2,
+        torch.tensor([2, 0, 1]), _i32([0, 2, 3, 4]), torch.arange(15, dtype=torch.int32).view(3, 5), 5,
+        _i32([3, 4, 5]), _i32([3, 3, 1]), 1024, 2]),
+    kernels._prepare_pos_seq_lens_kernel: lambda: ((3,), [
+        torch.full((6,), -1), torch.full((4,), -1, dtype=torch.int32), torch.tensor([1, 0]),
+        _i32([0, 1, 4, 4, 4]), _i32([0, 5]), 4, 1024]),
+    kernels._combine_sampled_and_draft_tokens_kernel: lambda: ((3,), [
+        _i32([-1, -1, -1, 50, 51, 52, -1]), torch.tensor([1, 0, 2]), torch.tensor([[66], [77], [88]]),
+        _i32([0, 3, 5, 6]), _i32([9, 4, 7]), _i32([6, 5, 7]), torch.tensor([[30, 31], [40, 41], [60, 61]]),
+        2, _i32([0, 3, 4, 5]), torch.full((5,), -1), 4, 1]),
+    kernels._get_num_sampled_and_rejected_kernel: lambda: ((2,), [
+        _i32([2, 1]), _i32([-1, -1]), _i32([9, 4]), _i32([0, 3, 4]), torch.tensor([1, 0]), _i32([6, 5])]),
+    kernels._post_update_kernel: lambda: ((3,), [
+        torch.tensor([1, -1, 0]), _i32([0, 5]), torch.tensor([[1], [2]]), torch.zeros(2, 8, dtype=torch.int32), 8,
+        torch.tensor([[7, 7, 3], [4, 4, 4], [5, 5, 5]]), 3, _i32([2, 3, 0]), _i32([1, 0, 0]),
+        _i32([0, 3, 4, 6]), torch.zeros(2, 5, dtype=torch.int32), 5, _i32([1, 2]), None, None, 0]),
+    kernels._post_update_num_computed_tokens_kernel: lambda: ((2,), [
+        torch.tensor([3, 0]), _i32([10, 20, 30, 40]), _i32([0, 4, 5, 5])]),
+    kernels._expand_idx_mapping_kernel: lambda: ((3,), [
+        torch.tensor([6, 2, 4]), torch.full((5,), -1), torch.full((5,), -1, dtype=torch.int32),
+        _i32([0, 3, 3, 4]), 4]),
+    kernels._apply_write_kernel: lambda: ((2, 1), [
+        torch.zeros(3, 4, dtype=torch.int64), 4, _i32([2, 0]), _i32([1, 0]), torch.tensor([5, 6, 7]),
+        _i32([2, 3]), None, 1024, False]),
+    kernels._prepare_rope_positions_kernel: lambda: ((2,), [
+        torch.full((2, 4), -1), 4, torch.arange(12, dtype=torch.int32).view(4, 3), 6, 3, _i32([-2, 0]),
+        torch.tensor([1, 0]), _i32([0, 2, 3]), _i32([2, 3]), _i32([4, 1]), 1024, 2]),
+}
+
+
+def _clones(values):
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+@pytest.mark.parametrize("fn", ALL, ids=lambda fn: fn.__name__)
 def test_kernel_override_launches_by_the_kernels_names(fn):
-    """vLLM's dispatcher launches ``override[grid](**kwargs)`` keyed by the kernel's names (its
-    JIT warm-up), or positionally: both reach the implementation, which ignores the grid."""
+    """vLLM's ``KernelOverride`` launched as its JIT warm-up does, ``override[grid](**kwargs)``
+    keyed by the kernel's own names, runs the implementation on those arguments: it leaves what
+    a direct positional call leaves, and it writes something."""
     from vllm.triton_utils.dispatcher import KernelOverride
 
     override = KernelOverride(_kernel(fn), fn)
-    data = _batch(5)
-    num_reqs = data["idx_mapping"].shape[0]
-    if fn is kernels._prepare_pos_seq_lens_kernel:
-        values = [torch.full((MAX_TOKENS,), -3), torch.full((MAX_REQS,), -3, dtype=torch.int32),
-                  data["idx_mapping"], data["query_start_loc"], data["num_computed"], MAX_REQS, 1024]
-        grid = (num_reqs + 1,)
-    else:
-        cu = torch.arange(num_reqs + 1, dtype=torch.int32) * 2
-        values = [data["idx_mapping"], torch.full((2 * num_reqs,), -1), torch.full((2 * num_reqs,), -1, dtype=torch.int32), cu, 2]
-        grid = (num_reqs,)
-    by_name = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    grid, values = LAUNCHES[fn]()
+    assert len(values) == len(override.arg_names)
+    before, by_name = _clones(values), _clones(values)
     override[grid](**dict(zip(override.arg_names, by_name)))
     fn(*values)
-    for ours, expected in zip(by_name, values):
-        if isinstance(ours, torch.Tensor):
-            assert torch.equal(ours, expected)
-    assert by_name[0].ne(-3).any() if fn is kernels._prepare_pos_seq_lens_kernel else by_name[1].ne(-1).all()
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(by_name[i], values[i]) for i in tensors)
+    assert any(not torch.equal(by_name[i], before[i]) for i in tensors)
 
 
 @pytest.fixture
