@@ -48,6 +48,20 @@ def test_parameters_are_the_kernels(fn):
         assert ours[option].default is None
 
 
+WRONG = pytest.mark.parametrize("wrong", [False, True], ids=["exact", "off_by_one"])
+"""Each comparison runs twice: on the implementation as it is, which must agree with the loop, and
+as a negative control on an off-by-one slip fed through its inputs (a token read one late, a
+comparison turned from < into <=, ...), which the same comparison must catch."""
+
+
+def _agree(*pairs) -> bool:
+    return all(torch.equal(ours, expected) for ours, expected in pairs)
+
+
+def _late(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor + 1
+
+
 # --- A batch: rows in every state a step can hold -------------------------------------------
 
 
@@ -121,18 +135,19 @@ def _run_prepare_prefill(fn, data, num_lookahead):
     return input_ids, next_prefill
 
 
+@WRONG
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("num_lookahead", [0, 2])
-def test_prepare_prefill_inputs_equals_the_kernels_loop(seed, num_lookahead):
+def test_prepare_prefill_inputs_equals_the_kernels_loop(seed, num_lookahead, wrong):
     data = _batch(seed)
-    input_ids, next_prefill = _run_prepare_prefill(kernels._prepare_prefill_inputs_kernel, data,
+    ours = dict(data, num_computed=_late(data["num_computed"])) if wrong else data
+    input_ids, next_prefill = _run_prepare_prefill(kernels._prepare_prefill_inputs_kernel, ours,
                                                    num_lookahead)
     expected_ids = torch.full((MAX_TOKENS,), -5, dtype=torch.int32)
     expected_next = torch.full((num_lookahead, MAX_REQS), -9, dtype=torch.int32)
     loop_prepare_prefill(expected_ids, expected_next, data["idx_mapping"], data["query_start_loc"],
                          data["all_token_ids"], data["prefill_len"], data["num_computed"])
-    assert torch.equal(input_ids, expected_ids)
-    assert torch.equal(next_prefill, expected_next)
+    assert _agree((input_ids, expected_ids), (next_prefill, expected_next)) is not wrong
 
 
 def test_prepare_prefill_inputs_by_hand():
@@ -164,17 +179,18 @@ def loop_pos_seq_lens(pos, seq_lens, idx_mapping, qsl, num_computed, max_num_req
             pos[start + i] = nc + i
 
 
+@WRONG
 @pytest.mark.parametrize("seed", range(4))
-def test_prepare_pos_seq_lens_equals_the_kernels_loop(seed):
+def test_prepare_pos_seq_lens_equals_the_kernels_loop(seed, wrong):
     data = _batch(seed)
     pos, seq_lens = torch.full((MAX_TOKENS,), -3), torch.full((MAX_REQS,), -3, dtype=torch.int32)
     expected_pos, expected_seq_lens = pos.clone(), seq_lens.clone()
+    num_computed = _late(data["num_computed"]) if wrong else data["num_computed"]
     kernels._prepare_pos_seq_lens_kernel(pos, seq_lens, data["idx_mapping"], data["query_start_loc"],
-                                         data["num_computed"], MAX_REQS, BLOCK_SIZE=1024)
+                                         num_computed, MAX_REQS, BLOCK_SIZE=1024)
     loop_pos_seq_lens(expected_pos, expected_seq_lens, data["idx_mapping"], data["query_start_loc"],
                       data["num_computed"], MAX_REQS)
-    assert torch.equal(pos, expected_pos)
-    assert torch.equal(seq_lens, expected_seq_lens)
+    assert _agree((pos, expected_pos), (seq_lens, expected_seq_lens)) is not wrong
 
 
 def test_prepare_pos_seq_lens_by_hand():
@@ -290,13 +306,16 @@ def test_a_draft_off_by_one_fails_the_comparison():
 # --- _get_num_sampled_and_rejected_kernel ------------------------------------------------------
 
 
-def test_num_sampled_and_rejected_equals_the_kernels_loop():
+@WRONG
+def test_num_sampled_and_rejected_equals_the_kernels_loop(wrong):
     _, args, _ = _combine_case(2, 1)
     num_reqs = args["idx_mapping"].shape[0]
-    num_sampled = torch.randint(0, DRAFTS + 2, (num_reqs,), generator=torch.Generator().manual_seed(3),
+    num_sampled = torch.randint(1, DRAFTS + 2, (num_reqs,), generator=torch.Generator().manual_seed(3),
                                 dtype=torch.int32)
-    # Make one row a chunked prefill for sure: its seq_len below its prefill_len.
-    args["seq_lens"][0] = int(args["prefill_len"][args["idx_mapping"][0]]) - 1
+    # Row 0 a chunked prefill for sure (seq_len below its prefill_len), row 1 the prefill's last
+    # chunk (seq_len equal to it: it samples).
+    prefill_len = args["prefill_len"][args["idx_mapping"]]
+    args["seq_lens"][0], args["seq_lens"][1] = int(prefill_len[0]) - 1, int(prefill_len[1])
     expected_sampled, expected_rejected = num_sampled.clone(), torch.zeros(num_reqs, dtype=torch.int32)
     for b, r in enumerate(args["idx_mapping"].tolist()):
         chunked = int(args["seq_lens"][b]) < int(args["prefill_len"][r])
@@ -305,12 +324,11 @@ def test_num_sampled_and_rejected_equals_the_kernels_loop():
         logits = int(args["cu_num_logits"][b + 1]) - int(args["cu_num_logits"][b])
         expected_rejected[b] = 0 if chunked else logits - n
     rejected = torch.full((num_reqs,), -1, dtype=torch.int32)
-    kernels._get_num_sampled_and_rejected_kernel(num_sampled, rejected, args["seq_lens"],
-                                                 args["cu_num_logits"], args["idx_mapping"],
-                                                 args["prefill_len"])
+    kernels._get_num_sampled_and_rejected_kernel(  # wrong: chunked when seq_len <= prefill_len
+        num_sampled, rejected, args["seq_lens"], args["cu_num_logits"], args["idx_mapping"],
+        _late(args["prefill_len"]) if wrong else args["prefill_len"])
     assert num_sampled[0] == 0 and rejected[0] == 0
-    assert torch.equal(num_sampled, expected_sampled)
-    assert torch.equal(rejected, expected_rejected)
+    assert _agree((num_sampled, expected_sampled), (rejected, expected_rejected)) is not wrong
 
 
 # --- _post_update_kernel ----------------------------------------------------------------------
@@ -430,15 +448,18 @@ def test_post_update_num_computed_tokens_by_hand():
     assert computed.tolist() == [11, 20, 30, 44]
 
 
+@WRONG
 @pytest.mark.parametrize("seed", range(3))
-def test_post_update_num_computed_tokens_equals_the_kernels_loop(seed):
+def test_post_update_num_computed_tokens_equals_the_kernels_loop(seed, wrong):
     data = _batch(seed)
     computed = data["num_computed"].clone()
     expected = computed.clone()
     for b, r, start, end in _rows(data):
         expected[r] += end - start
-    kernels._post_update_num_computed_tokens_kernel(data["idx_mapping"], computed, data["query_start_loc"])
-    assert torch.equal(computed, expected)
+    qsl = data["query_start_loc"]
+    kernels._post_update_num_computed_tokens_kernel(  # wrong: each row the next row's query
+        data["idx_mapping"], computed, qsl[1:] if wrong else qsl)
+    assert _agree((computed, expected)) is not wrong
 
 
 def loop_expand(idx_mapping, expanded, local_pos, cu):
@@ -448,14 +469,16 @@ def loop_expand(idx_mapping, expanded, local_pos, cu):
             local_pos[int(cu[b]) + i] = i
 
 
+@WRONG
 @pytest.mark.parametrize("seed", range(3))
-def test_expand_idx_mapping_equals_the_kernels_loop(seed):
+def test_expand_idx_mapping_equals_the_kernels_loop(seed, wrong):
     _, args, total = _combine_case(seed, 1)
     expanded, local = torch.full((total + 2,), -1), torch.full((total + 2,), -1, dtype=torch.int32)
     expected_expanded, expected_local = expanded.clone(), local.clone()
-    kernels._expand_idx_mapping_kernel(args["idx_mapping"], expanded, local, args["cu_num_logits"], 4)
-    loop_expand(args["idx_mapping"], expected_expanded, expected_local, args["cu_num_logits"])
-    assert torch.equal(expanded, expected_expanded) and torch.equal(local, expected_local)
+    cu = args["cu_num_logits"]
+    kernels._expand_idx_mapping_kernel(args["idx_mapping"], expanded, local, _late(cu) if wrong else cu, 4)
+    loop_expand(args["idx_mapping"], expected_expanded, expected_local, cu)
+    assert _agree((expanded, expected_expanded), (local, expected_local)) is not wrong
 
 
 def test_expand_idx_mapping_by_hand():
@@ -477,20 +500,21 @@ def loop_apply_write(output, stride, indices, starts, contents, cu_lens):
             flat[int(indices[w]) * stride + int(starts[w]) + i] = contents[begin + i]
 
 
+@WRONG
 @pytest.mark.parametrize("seed", range(3))
-def test_apply_write_equals_the_kernels_loop(seed):
+def test_apply_write_equals_the_kernels_loop(seed, wrong):
     g = torch.Generator().manual_seed(seed)
     rows = torch.randperm(MAX_REQS, generator=g)[:5].to(torch.int32)
     lens = torch.randint(1, 6, (5,), generator=g)
-    starts = torch.stack([torch.randint(0, MAX_LEN - int(n) + 1, (1,), generator=g)[0] for n in lens]).to(torch.int32)
+    starts = torch.stack([torch.randint(0, MAX_LEN - int(n), (1,), generator=g)[0] for n in lens]).to(torch.int32)
     cu = lens.cumsum(0).to(torch.int32)
     contents = torch.randint(0, 100, (int(cu[-1]),), generator=g, dtype=torch.int32)
     output = torch.full((MAX_REQS, MAX_LEN), -1, dtype=torch.int32)
     expected = output.clone()
-    kernels._apply_write_kernel(output, MAX_LEN, rows, starts, contents, cu, None,
-                                BLOCK_SIZE=1024, MULTI_GROUP=False)
+    kernels._apply_write_kernel(output, MAX_LEN, rows, _late(starts) if wrong else starts, contents,
+                                cu, None, BLOCK_SIZE=1024, MULTI_GROUP=False)
     loop_apply_write(expected, MAX_LEN, rows, starts, contents, cu)
-    assert torch.equal(output, expected)
+    assert _agree((output, expected)) is not wrong
 
 
 def test_apply_write_by_hand():
@@ -533,8 +557,9 @@ def loop_rope(positions, stride, prefill_positions, stride0, stride1, delta, idx
                 flat_out[d * stride + start + i] = value
 
 
+@WRONG
 @pytest.mark.parametrize("seed", range(3))
-def test_rope_positions_equal_the_kernels_loop(seed):
+def test_rope_positions_equal_the_kernels_loop(seed, wrong):
     data = _batch(seed)
     dims, g = 3, data["g"]
     # RopeState's layout: prefill positions [max_reqs * dims, max_len], positions [dims, tokens + 1]
@@ -544,9 +569,10 @@ def test_rope_positions_equal_the_kernels_loop(seed):
     expected = positions.clone()
     args = (prefill, dims * MAX_LEN, MAX_LEN, delta, data["idx_mapping"], data["query_start_loc"],
             data["prefill_len"], data["num_computed"])
-    kernels._prepare_rope_positions_kernel(positions, MAX_TOKENS + 1, *args, BLOCK_SIZE=1024, NUM_DIMS=dims)
+    ours = args[:-1] + (_late(data["num_computed"]) if wrong else data["num_computed"],)
+    kernels._prepare_rope_positions_kernel(positions, MAX_TOKENS + 1, *ours, BLOCK_SIZE=1024, NUM_DIMS=dims)
     loop_rope(expected, MAX_TOKENS + 1, *args, dims)
-    assert torch.equal(positions, expected)
+    assert _agree((positions, expected)) is not wrong
 
 
 def test_rope_positions_by_hand():
@@ -565,31 +591,62 @@ def test_rope_positions_by_hand():
 # --- Through vLLM's registry and vLLM's own host code ----------------------------------------
 
 
-@pytest.mark.parametrize("fn", [kernels._prepare_pos_seq_lens_kernel, kernels._expand_idx_mapping_kernel],
-                         ids=lambda fn: fn.__name__)
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+LAUNCHES = {  # fn -> (grid, every kernel argument in order, constexprs included): the hand cases
+    kernels._prepare_prefill_inputs_kernel: lambda: ((3,), [
+        torch.full((6,), -1, dtype=torch.int32), torch.full((2, 3), -1, dtype=torch.int32), 3, 2,
+        torch.tensor([2, 0, 1]), _i32([0, 2, 3, 4]), torch.arange(15, dtype=torch.int32).view(3, 5), 5,
+        _i32([3, 4, 5]), _i32([3, 3, 1]), 1024, 2]),
+    kernels._prepare_pos_seq_lens_kernel: lambda: ((3,), [
+        torch.full((6,), -1), torch.full((4,), -1, dtype=torch.int32), torch.tensor([1, 0]),
+        _i32([0, 1, 4, 4, 4]), _i32([0, 5]), 4, 1024]),
+    kernels._combine_sampled_and_draft_tokens_kernel: lambda: ((3,), [
+        _i32([-1, -1, -1, 50, 51, 52, -1]), torch.tensor([1, 0, 2]), torch.tensor([[66], [77], [88]]),
+        _i32([0, 3, 5, 6]), _i32([9, 4, 7]), _i32([6, 5, 7]), torch.tensor([[30, 31], [40, 41], [60, 61]]),
+        2, _i32([0, 3, 4, 5]), torch.full((5,), -1), 4, 1]),
+    kernels._get_num_sampled_and_rejected_kernel: lambda: ((2,), [
+        _i32([2, 1]), _i32([-1, -1]), _i32([9, 4]), _i32([0, 3, 4]), torch.tensor([1, 0]), _i32([6, 5])]),
+    kernels._post_update_kernel: lambda: ((3,), [
+        torch.tensor([1, -1, 0]), _i32([0, 5]), torch.tensor([[1], [2]]), torch.zeros(2, 8, dtype=torch.int32), 8,
+        torch.tensor([[7, 7, 3], [4, 4, 4], [5, 5, 5]]), 3, _i32([2, 3, 0]), _i32([1, 0, 0]),
+        _i32([0, 3, 4, 6]), torch.zeros(2, 5, dtype=torch.int32), 5, _i32([1, 2]), None, None, 0]),
+    kernels._post_update_num_computed_tokens_kernel: lambda: ((2,), [
+        torch.tensor([3, 0]), _i32([10, 20, 30, 40]), _i32([0, 4, 5, 5])]),
+    kernels._expand_idx_mapping_kernel: lambda: ((3,), [
+        torch.tensor([6, 2, 4]), torch.full((5,), -1), torch.full((5,), -1, dtype=torch.int32),
+        _i32([0, 3, 3, 4]), 4]),
+    kernels._apply_write_kernel: lambda: ((2, 1), [
+        torch.zeros(3, 4, dtype=torch.int64), 4, _i32([2, 0]), _i32([1, 0]), torch.tensor([5, 6, 7]),
+        _i32([2, 3]), None, 1024, False]),
+    kernels._prepare_rope_positions_kernel: lambda: ((2,), [
+        torch.full((2, 4), -1), 4, torch.arange(12, dtype=torch.int32).view(4, 3), 6, 3, _i32([-2, 0]),
+        torch.tensor([1, 0]), _i32([0, 2, 3]), _i32([2, 3]), _i32([4, 1]), 1024, 2]),
+}
+
+
+def _clones(values):
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+@pytest.mark.parametrize("fn", ALL, ids=lambda fn: fn.__name__)
 def test_kernel_override_launches_by_the_kernels_names(fn):
-    """vLLM's dispatcher launches ``override[grid](**kwargs)`` keyed by the kernel's names (its
-    JIT warm-up), or positionally: both reach the implementation, which ignores the grid."""
+    """vLLM's ``KernelOverride`` launched as its JIT warm-up does, ``override[grid](**kwargs)``
+    keyed by the kernel's own names, runs the implementation on those arguments: it leaves what
+    a direct positional call leaves, and it writes something."""
     from vllm.triton_utils.dispatcher import KernelOverride
 
     override = KernelOverride(_kernel(fn), fn)
-    data = _batch(5)
-    num_reqs = data["idx_mapping"].shape[0]
-    if fn is kernels._prepare_pos_seq_lens_kernel:
-        values = [torch.full((MAX_TOKENS,), -3), torch.full((MAX_REQS,), -3, dtype=torch.int32),
-                  data["idx_mapping"], data["query_start_loc"], data["num_computed"], MAX_REQS, 1024]
-        grid = (num_reqs + 1,)
-    else:
-        cu = torch.arange(num_reqs + 1, dtype=torch.int32) * 2
-        values = [data["idx_mapping"], torch.full((2 * num_reqs,), -1), torch.full((2 * num_reqs,), -1, dtype=torch.int32), cu, 2]
-        grid = (num_reqs,)
-    by_name = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    grid, values = LAUNCHES[fn]()
+    assert len(values) == len(override.arg_names)
+    before, by_name = _clones(values), _clones(values)
     override[grid](**dict(zip(override.arg_names, by_name)))
     fn(*values)
-    for ours, expected in zip(by_name, values):
-        if isinstance(ours, torch.Tensor):
-            assert torch.equal(ours, expected)
-    assert by_name[0].ne(-3).any() if fn is kernels._prepare_pos_seq_lens_kernel else by_name[1].ne(-1).all()
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(by_name[i], values[i]) for i in tensors)
+    assert any(not torch.equal(by_name[i], before[i]) for i in tensors)
 
 
 @pytest.fixture
@@ -598,7 +655,7 @@ def registered(monkeypatch):
     buffers on the non-UVA path the emulated NPU takes (host tensors copied to the device, here
     the CPU)."""
     from vllm.platforms import current_platform
-    from vllm.triton_utils import dispatcher
+    from vllm.triton_utils import dispatcher, triton
     from vllm.utils import torch_utils
     from vllm.v1.worker.gpu import buffer_utils
 
@@ -606,6 +663,10 @@ def registered(monkeypatch):
     monkeypatch.setattr(buffer_utils, "is_pin_memory_available", lambda: False, raising=False)  # 0.34+
     monkeypatch.setattr(current_platform, "device_type", "cpu", raising=False)
     monkeypatch.setattr(torch_utils, "PIN_MEMORY", False, raising=False)  # 0.33's host staging
+    # The host wrappers size BLOCK_SIZE with triton.next_power_of_2, which vLLM's placeholder for
+    # a missing Triton lacks: the NPU runner must provide it too.
+    monkeypatch.setattr(triton, "next_power_of_2", lambda n: 1 << max(n - 1, 0).bit_length(),
+                        raising=False)
     monkeypatch.setattr(dispatcher, "_registry", dict(dispatcher._registry))
     originals = {}
     for module, functions in kernels.KERNELS.items():
@@ -655,17 +716,23 @@ def test_vllm_staged_writes_run_the_implementation(registered):
     assert not tables[0]._staged_write_indices and not tables[1]._staged_write_indices  # cleared
 
 
-def test_prompt_embeds_overlay_equals_the_kernels_loop():
-    """:func:`apply_prompt_embeds` against the kernel's loop: a request prefilling with embeds
-    and an is-token-ids mask, one with embeds and no mask whose chunk runs past them, one without
-    embeds, one whose embeds are consumed."""
+def test_prompt_embeds_overlay_equals_the_kernels_loop(registered):
+    """:func:`apply_prompt_embeds` on vLLM's ``PromptEmbedsState`` against the kernel's loop: a
+    request prefilling with embeds and an is-token-ids mask, one with embeds and no mask whose
+    chunk runs past them, one without embeds, one whose embeds are consumed."""
     from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.model_states.prompt_embeds import PromptEmbedsState
 
     g = torch.Generator().manual_seed(0)
     hidden = 4
     embeds = {name: torch.randn(n, hidden, generator=g) for name, n in (("a", 5), ("b", 3), ("d", 2))}
     masks = {"a": torch.tensor([0, 1, 0, 0, 1], dtype=torch.uint8), "b": None, "d": None}
-    state = SimpleNamespace(gpu_tensors={k: (embeds[k], masks[k]) for k in embeds})
+    state = PromptEmbedsState(MAX_REQS, hidden, torch.float32, torch.device("cpu"))
+    for index, req in enumerate(("a", "b", "c", "d")):  # the fields add_request reads
+        state.add_request(index, SimpleNamespace(
+            req_id=req, prompt_embeds=embeds.get(req),
+            prompt_is_token_ids=None if masks.get(req) is None else masks[req].bool().tolist()))
     # rows: a -> 1 computed, query 3 (rows 1..3, row 1 a token id); b -> 1 computed, query 4
     # (rows 1..2 only); c -> no embeds; d -> 2 computed of 2 (consumed), query 1.
     req_ids, computed, query = ["a", "b", "c", "d"], [1, 1, 0, 2], [3, 4, 2, 1]
@@ -690,3 +757,78 @@ def test_prompt_embeds_overlay_equals_the_kernels_loop():
     # slots 3 4; everything else stays.
     assert torch.equal(inputs[1:3], embeds["a"][2:4]) and torch.equal(inputs[3:5], embeds["b"][1:3])
     assert torch.equal(inputs[0], original[0]) and torch.equal(inputs[5:], original[5:])
+
+
+def test_vllm_input_preparation_runs_the_implementations(registered):
+    """MRV2's host wrappers (``prepare_inputs``'s calls and the step's bookkeeping) launch the
+    implementations through the registry, positionally with their constexprs by keyword, and
+    leave what the kernels' loops leave."""
+    from vllm.v1.worker.gpu import input_batch
+
+    data, args, total = _combine_case(6, 1)
+    idx, qsl = data["idx_mapping"], data["query_start_loc"]
+    input_ids = torch.full((MAX_TOKENS,), -5, dtype=torch.int32)
+    next_prefill = torch.full((2, MAX_REQS), -9, dtype=torch.int32)
+    expected_ids, expected_next = input_ids.clone(), next_prefill.clone()
+    input_batch.prepare_prefill_inputs(input_ids, next_prefill, idx, qsl, data["all_token_ids"],
+                                       data["prefill_len"], data["num_computed"])
+    loop_prepare_prefill(expected_ids, expected_next, idx, qsl, data["all_token_ids"],
+                         data["prefill_len"], data["num_computed"])
+    assert torch.equal(input_ids, expected_ids) and torch.equal(next_prefill, expected_next)
+
+    pos, seq_lens = torch.full((MAX_TOKENS,), -3), torch.full((MAX_REQS,), -3, dtype=torch.int32)
+    expected_pos, expected_seq_lens = pos.clone(), seq_lens.clone()
+    input_batch.prepare_pos_seq_lens(idx, qsl, data["num_computed"], pos, seq_lens)
+    loop_pos_seq_lens(expected_pos, expected_seq_lens, idx, qsl, data["num_computed"], MAX_REQS)
+    assert torch.equal(pos, expected_pos) and torch.equal(seq_lens, expected_seq_lens)
+
+    logits_indices = input_batch.combine_sampled_and_draft_tokens(
+        input_ids, idx, args["last_sampled"], qsl, args["seq_lens"], args["prefill_len"],
+        args["draft_tokens"], args["cu_num_logits"], total, 1)
+    expected_indices = torch.empty(total, dtype=torch.int64)
+    loop_combine(expected_ids, idx, args["last_sampled"], qsl, args["seq_lens"], args["prefill_len"],
+                 args["draft_tokens"], args["cu_num_logits"], expected_indices, 1)
+    assert torch.equal(logits_indices, expected_indices) and torch.equal(input_ids, expected_ids)
+
+    expanded, local = input_batch.expand_idx_mapping(idx, total, args["cu_num_logits"], DRAFTS + 1)
+    expected_expanded, expected_local = torch.empty_like(expanded), torch.empty_like(local)
+    loop_expand(idx, expected_expanded, expected_local, args["cu_num_logits"])
+    assert torch.equal(expanded, expected_expanded) and torch.equal(local, expected_local)
+
+    num_sampled = torch.ones(idx.shape[0], dtype=torch.int32)
+    sampled, rejected = input_batch.get_num_sampled_and_rejected(
+        num_sampled, args["seq_lens"], args["cu_num_logits"], idx, args["prefill_len"])
+    chunked = args["seq_lens"][: idx.shape[0]] < args["prefill_len"][idx]
+    logits = args["cu_num_logits"][1:] - args["cu_num_logits"][:-1]
+    assert sampled.tolist() == [0 if c else 1 for c in chunked.tolist()]
+    assert rejected.tolist() == [0 if c else n - 1 for c, n in zip(chunked.tolist(), logits.tolist())]
+
+    computed = data["num_computed"].clone()
+    expected_computed = computed.clone()
+    for b, r, start, end in _rows(data):
+        expected_computed[r] += end - start
+    input_batch.post_update_num_computed_tokens(idx, computed, qsl)
+    assert torch.equal(computed, expected_computed)
+
+
+def test_vllm_rope_state_runs_the_implementations(registered):
+    """M-RoPE's ``RopeState``: staged prefill positions land through ``_apply_write_kernel``,
+    ``prepare_positions`` through ``_prepare_rope_positions_kernel``, as the kernels' loops."""
+    from vllm.v1.worker.gpu.mm.rope import RopeState
+
+    data = _batch(7)
+    dims, g = 3, data["g"]
+    rope = RopeState(dims, MAX_REQS, MAX_TOKENS, MAX_LEN, torch.device("cpu"))
+    staged = torch.randint(0, 500, (MAX_REQS * dims, MAX_LEN), generator=g, dtype=torch.int32)
+    for row in range(MAX_REQS * dims):
+        rope.prefill_positions.stage_write(row, 0, staged[row].tolist())
+    rope.prefill_delta.np[:] = torch.randint(-4, 5, (MAX_REQS,), generator=g).numpy()
+    rope.apply_staged_writes()
+    assert torch.equal(rope.prefill_positions.gpu, staged)
+    rope.prepare_positions(data["idx_mapping"], data["query_start_loc"], data["prefill_len"],
+                           data["num_computed"])
+    expected = torch.zeros(dims, MAX_TOKENS + 1, dtype=torch.int64)
+    loop_rope(expected, MAX_TOKENS + 1, staged, dims * MAX_LEN, MAX_LEN,
+              torch.from_numpy(rope.prefill_delta.np.copy()), data["idx_mapping"],
+              data["query_start_loc"], data["prefill_len"], data["num_computed"], dims)
+    assert torch.equal(rope.positions, expected)

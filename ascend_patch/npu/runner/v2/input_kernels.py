@@ -12,16 +12,17 @@ emulated, a CPU op). They are registered through vLLM's kernel registry
 - takes the kernel's own parameters, by name and in order (``*_ptr`` is the tensor, the
   ``tl.constexpr`` parameters are keyword defaults), as MRV2 launches it: ``kernel[grid](...)``,
   positionally with the constexprs by keyword, or by keyword from vLLM's dispatcher;
-- ignores the launch grid: the batch it covers is ``idx_mapping``'s rows (the staged writes':
-  ``write_indices``'), and a token buffer is covered whole, masked by ``query_start_loc``;
+- ignores the launch grid: it covers the rows of ``idx_mapping`` (``_apply_write_kernel``: of
+  ``write_indices``), and an output indexed by token or by logit whole, masked by
+  ``query_start_loc`` or ``cu_num_logits``;
 - writes exactly what the kernel writes and leaves the rest of each output alone;
 - never reads a device value on the host (no ``item``, no ``tolist``, no data-dependent shapes,
   no Python loop over requests), so a step keeps the host/device overlap of vLLM's CUDA path.
 
-Scatters into per-request state (``_post_update_kernel``) assume what the kernels assume: a request
-appears at most once among a batch's rows. Rows whose ``idx_mapping`` is negative (pipeline
+Scatters assume what the kernels assume: a request appears at most once among a batch's rows, and
+queries do not overlap. A scatter's masked lanes (rows whose ``idx_mapping`` is negative: pipeline
 parallelism's filtered rows) add zero through ``index_put_(accumulate=True)`` instead of writing,
-so they cannot collide with a real row's write.
+so they cannot collide with a real write.
 
 Two kernels take device pointer tables, which torch cannot dereference; the runner replaces the
 methods that launch them instead, with the functions at the end of this module:
@@ -45,9 +46,10 @@ import torch
 
 
 def _token_requests(query_start_loc: torch.Tensor, num_reqs: int, num_slots: int):
-    """For each of a token buffer's ``num_slots`` slots: the request whose query holds it
-    (clamped into the batch), its index within that query, and whether any query holds it.
-    Empty queries hold nothing."""
+    """For each of a buffer's ``num_slots`` slots, rows owning consecutive runs of it from
+    ``query_start_loc`` (tokens by query, or logits by ``cu_num_logits``): the row whose run holds
+    it (clamped into the batch), its index within that run, and whether any run holds it. Empty
+    runs hold nothing."""
     bounds = query_start_loc[: num_reqs + 1]
     slots = torch.arange(num_slots, device=bounds.device, dtype=bounds.dtype)
     request = torch.searchsorted(bounds[1:], slots, right=True).clamp_(max=num_reqs - 1)
@@ -61,6 +63,18 @@ def _query_lens(query_start_loc: torch.Tensor, num_reqs: int) -> torch.Tensor:
 
 def _set_where(output: torch.Tensor, covered: torch.Tensor, values: torch.Tensor) -> None:
     output.copy_(torch.where(covered, values.to(output.dtype), output))
+
+
+def _add_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
+    target.index_put_(index, values.to(target.dtype), accumulate=True)
+
+
+def _set_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor,
+            written: torch.Tensor) -> None:
+    """``target[index] = values`` where ``written``; elsewhere (a filtered row, a lane past the
+    batch, whose index may repeat a written one) add zero, so it never undoes a real write. The
+    written indices must be distinct, as the kernels' are."""
+    _add_at(target, index, torch.where(written, values.to(target.dtype) - target[index], 0))
 
 
 def _prepare_prefill_inputs_kernel(
@@ -154,35 +168,33 @@ def _combine_sampled_and_draft_tokens_kernel(
         return
     rows = idx_mapping_ptr
     cu_logits = cu_num_logits_ptr[: num_reqs + 1]
-    query_end = query_start_loc_ptr[1 : num_reqs + 1]
     num_logits = cu_logits[1:] - cu_logits[:-1]
-
-    logit, k, covered = _token_requests(cu_logits, num_reqs, logits_indices_ptr.shape[0])
-    window_start = query_end - num_logits
-    _set_where(logits_indices_ptr, covered, window_start[logit] + k)
-
-    seq_len = seq_lens_ptr[:num_reqs]
-    prefill_len = prefill_len_ptr[rows]
-    generating = seq_len > prefill_len
-    sampled_slot_written = generating & (seq_len - num_logits >= prefill_len)
+    window_start = query_start_loc_ptr[1 : num_reqs + 1] - num_logits
+    # Lanes are the logits (MRV2 sizes logits_indices to the batch's logits): logit k of row b
+    # sits at window_start[b] + k, the only slots the kernel writes in input_ids.
+    row, k, covered = _token_requests(cu_logits, num_reqs, logits_indices_ptr.shape[0])
+    position = window_start[row] + k
+    _set_where(logits_indices_ptr, covered, position)
 
     num_draft_columns = draft_tokens_ptr.shape[-1]
     if NUM_NEW_SAMPLED_TOKENS == 0 and num_draft_columns == 0:
         return  # nothing to write: no sampled token, no drafts
-    request, j, covered = _token_requests(query_start_loc_ptr, num_reqs, input_ids_ptr.shape[0])
-    k = j - (window_start - query_start_loc_ptr[:num_reqs])[request]  # index among the logits
-    in_window = covered & (k >= 0) & generating[request]
-    request_rows = rows[request]
-    tokens = None
-    if num_draft_columns:
-        draft_column = (k - NUM_NEW_SAMPLED_TOKENS).clamp_(0, num_draft_columns - 1)
-        tokens = draft_tokens_ptr[request_rows, draft_column]
+    # A row's first logit written: none before its prefill's end (num_logits: past them all);
+    # the sampled token's slot only once it is past the prompt.
+    seq_len = seq_lens_ptr[:num_reqs]
+    prefill_len = prefill_len_ptr[rows]
+    first_written = torch.where(seq_len - num_logits >= prefill_len, 0, NUM_NEW_SAMPLED_TOKENS)
+    first_written = torch.where(seq_len > prefill_len, first_written, num_logits)
+    # Row b's tokens by logit: its last sampled token (with NUM_NEW_SAMPLED_TOKENS 1), its drafts.
+    columns = []
     if NUM_NEW_SAMPLED_TOKENS > 0:
-        is_sampled = k < NUM_NEW_SAMPLED_TOKENS
-        sampled = last_sampled_tokens_ptr.view(-1)[request_rows]
-        tokens = sampled if tokens is None else torch.where(is_sampled, sampled, tokens)
-        in_window &= ~is_sampled | sampled_slot_written[request]
-    _set_where(input_ids_ptr, in_window, tokens)
+        columns.append(last_sampled_tokens_ptr.view(-1)[rows][:, None])
+    if num_draft_columns:
+        columns.append(draft_tokens_ptr[rows])
+    table = torch.cat(columns, dim=1) if len(columns) > 1 else columns[0]
+    tokens = table[row, k.clamp(0, table.shape[1] - 1)]
+    written = covered & (k >= first_written[row])
+    _set_at(input_ids_ptr, (position.clamp_(0, input_ids_ptr.shape[0] - 1),), tokens, written)
 
 
 def _get_num_sampled_and_rejected_kernel(
@@ -204,17 +216,6 @@ def _get_num_sampled_and_rejected_kernel(
     num_logits = cu_num_logits_ptr[1 : num_reqs + 1] - cu_num_logits_ptr[:num_reqs]
     num_rejected_ptr[:num_reqs] = (num_logits - num_sampled).masked_fill(chunked, 0).to(
         num_rejected_ptr.dtype)
-
-
-def _add_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
-    target.index_put_(index, values.to(target.dtype), accumulate=True)
-
-
-def _set_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor,
-            written: torch.Tensor) -> None:
-    """``target[index] = values`` where ``written``; elsewhere (a filtered row's redirected
-    index) add zero, so a duplicate index never overwrites a real write."""
-    _add_at(target, index, torch.where(written, values.to(target.dtype) - target[index], 0))
 
 
 def _post_update_kernel(
