@@ -1,6 +1,6 @@
 """ACL graphs: the platform's static-graph hooks and what NPUGraphWrapper builds on."""
 
-from ascend_patch.overlay.declarations import Patch
+from ascend_patch.overlay.declarations import Patch, Seam
 from ascend_patch.patches.platform import contract, platform_hook
 
 _GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph:NPUGraphWrapper"
@@ -30,10 +30,6 @@ GRAPH_MODE = [
              "NPUGraphWrapper keeps one entry per batch descriptor, as vLLM's wrapper does",
              implementation=_GRAPH_WRAPPER, upstream=_CUDA_GRAPH, remove_when=_REMOVE_WITH_WRAPPER,
              pr="vllm-project/vllm#20059"),
-    contract("vllm.compilation.monitor:validate_cudagraph_capturing_enabled", "()",
-             "NPUGraphWrapper captures only while vLLM allows captures", implementation=_GRAPH_WRAPPER,
-             upstream="vllm/compilation/monitor.py (gone in 0.34 with the V1 runner that enabled it)",
-             remove_when=_REMOVE_WITH_WRAPPER, vllm="<0.34"),
     contract("vllm.forward_context:ForwardContext.cudagraph_runtime_mode", None,
              "each step's graph mode, which NPUGraphWrapper dispatches on", implementation=_GRAPH_WRAPPER,
              upstream="vllm/forward_context.py", remove_when=_REMOVE_WITH_WRAPPER,
@@ -62,4 +58,12 @@ GRAPH_MODE = [
              "the capture context graph_capture yields",
              implementation="ascend_patch.npu.distributed.graph_capture:graph_capture",
              upstream="vllm/distributed/parallel_state.py"),
+]
+
+# Names that disappear inside the releases the graph code serves; it probes for them at run time.
+SEAMS = [
+    Seam("vllm.compilation.monitor:validate_cudagraph_capturing_enabled",
+         "NPUGraphWrapper captures only while vLLM allows captures, where vLLM still asks (the V1 "
+         "runner that enabled captures went with it)", until="0.34", signature=("()",),
+         implementation=_GRAPH_WRAPPER),
 ]

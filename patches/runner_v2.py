@@ -23,7 +23,138 @@ _MRV2 = "vllm/v1/worker/gpu/model_runner.py: Model Runner V2, which NPUModelRunn
 _BLOCK_TABLES = "ascend_patch.npu.runner.v2.block_tables:NPUBlockTablesMixin"
 _NO_TRITON_ASCEND = "triton-ascend runs MRV2's kernels on every Ascend SoC vLLM serves"
 
+# MRV2's Triton kernels that run a torch implementation (module under vllm/v1/worker/gpu/ -> our
+# module under ascend_patch/npu/runner/v2/, then each kernel's parameters in vLLM 0.34). Declared
+# with their parameters, so a release that changes one fails verification at `import vllm`.
+_KERNELS = {
+    "input_batch": ("input_kernels", {
+        "_prepare_prefill_inputs_kernel":
+            '(input_ids_ptr, next_prefill_tokens_ptr, next_prefill_tokens_stride, num_lookahead, '
+            'idx_mapping_ptr, query_start_loc_ptr, all_token_ids_ptr, all_token_ids_stride, '
+            'prefill_lens_ptr, num_computed_tokens_ptr, BLOCK_SIZE, LOOKAHEAD_BLOCK)',
+        "_prepare_pos_seq_lens_kernel":
+            '(pos_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr, num_computed_tokens_ptr, '
+            'max_num_reqs, BLOCK_SIZE)',
+        "_combine_sampled_and_draft_tokens_kernel":
+            '(input_ids_ptr, idx_mapping_ptr, last_sampled_tokens_ptr, query_start_loc_ptr, '
+            'seq_lens_ptr, prefill_len_ptr, draft_tokens_ptr, draft_tokens_stride, cu_num_logits_ptr, '
+            'logits_indices_ptr, BLOCK_SIZE, NUM_NEW_SAMPLED_TOKENS=...)',
+        "_get_num_sampled_and_rejected_kernel":
+            '(num_sampled_ptr, num_rejected_ptr, seq_lens_ptr, cu_num_logits_ptr, idx_mapping_ptr, '
+            'prefill_len_ptr)',
+        "_post_update_kernel":
+            '(idx_mapping_ptr, num_computed_tokens_ptr, last_sampled_tokens_ptr, '
+            'output_bin_counts_ptr, output_bin_counts_stride, sampled_tokens_ptr, '
+            'sampled_tokens_stride, num_sampled_ptr, num_rejected_ptr, query_start_loc_ptr, '
+            'all_token_ids_ptr, all_token_ids_stride, total_len_ptr, draft_tokens_ptr, '
+            'draft_tokens_out_ptr, num_draft_tokens)',
+        "_post_update_num_computed_tokens_kernel":
+            '(idx_mapping_ptr, num_computed_tokens_ptr, query_start_loc_ptr)',
+        "_expand_idx_mapping_kernel":
+            '(idx_mapping_ptr, expanded_idx_mapping_ptr, expanded_local_pos_ptr, cu_num_logits_ptr, '
+            'BLOCK_SIZE)',
+    }),
+    "buffer_utils": ("input_kernels", {
+        "_apply_write_kernel":
+            '(output_ptr, output_stride, write_indices_ptr, write_starts_ptr, write_contents_ptr, '
+            'write_cu_lens_ptr, write_group_ids_ptr, BLOCK_SIZE, MULTI_GROUP)',
+    }),
+    "mm.rope": ("input_kernels", {
+        "_prepare_rope_positions_kernel":
+            '(positions_ptr, positions_stride, prefill_positions_ptr, prefill_positions_stride0, '
+            'prefill_positions_stride1, prefill_delta_ptr, idx_mapping_ptr, query_start_loc_ptr, '
+            'prefill_lens_ptr, num_computed_tokens_ptr, BLOCK_SIZE, NUM_DIMS)',
+    }),
+    "sample.gumbel": ("sample_kernels", {
+        "_temperature_kernel":
+            '(logits_ptr, logits_stride, expanded_idx_mapping_ptr, temperature_ptr, vocab_size, '
+            'BLOCK_SIZE)',
+        "_gumbel_sample_kernel":
+            '(local_argmax_ptr, local_argmax_stride, local_max_ptr, local_max_stride, '
+            'logits_cache_ptr, logits_cache_stride_0, logits_cache_stride_1, logits_cache_col_ptr, '
+            'logits_cache_source_ptr, logits_cache_source_stride, logits_cache_row_mapping_ptr, '
+            'logits_ptr, logits_stride, bias_ptr, bias_stride, expanded_idx_mapping_ptr, seeds_ptr, '
+            'pos_ptr, temp_ptr, vocab_size, BLOCK_SIZE, IS_DRAFTING, APPLY_TEMPERATURE, USE_FP64, '
+            'PER_TOKEN_COL, HAS_BIAS)',
+        "_gumbel_combine_kernel":
+            '(local_argmax_ptr, local_argmax_stride, local_max_ptr, local_max_stride, sampled_ptr, '
+            'num_blocks, PADDED_NUM_BLOCKS)',
+    }),
+    "sample.min_p": ("sample_kernels", {
+        "_min_p_kernel":
+            '(logits_ptr, logits_stride, expanded_idx_mapping_ptr, min_p_ptr, vocab_size, BLOCK_SIZE)',
+    }),
+    "sample.penalties": ("sample_kernels", {
+        "_penalties_kernel":
+            '(logits_ptr, logits_stride, expanded_idx_mapping_ptr, token_ids_ptr, '
+            'expanded_local_pos_ptr, repetition_penalty_ptr, frequency_penalty_ptr, '
+            'presence_penalty_ptr, prompt_bin_mask_ptr, prompt_bin_mask_stride, '
+            'output_bin_counts_ptr, output_bin_counts_stride, vocab_size, BLOCK_SIZE)',
+        "_bincount_kernel":
+            '(expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr, '
+            'prefill_len_ptr, prompt_bin_mask_ptr, prompt_bin_mask_stride, output_bin_counts_ptr, '
+            'output_bin_counts_stride, BLOCK_SIZE)',
+    }),
+    "sample.logit_bias": ("sample_kernels", {
+        "_bias_kernel":
+            '(logits_ptr, logits_stride, vocab_size, expanded_idx_mapping_ptr, '
+            'num_allowed_token_ids_ptr, allowed_token_ids_ptr, allowed_token_ids_stride, '
+            'num_logit_bias_ptr, bias_token_ids_ptr, bias_token_ids_stride, bias_ptr, bias_stride, '
+            'pos_ptr, min_lens_ptr, num_stop_token_ids_ptr, restore_when_all_masked_ptr, '
+            'stop_token_ids_ptr, stop_token_ids_stride, BLOCK_SIZE, LOGITS_BLOCK_SIZE, '
+            'CHECK_ALL_MASKED_ROWS)',
+    }),
+    "sample.bad_words": ("sample_kernels", {
+        "_bad_words_kernel":
+            '(logits_ptr, logits_stride, expanded_idx_mapping_ptr, bad_word_token_ids_ptr, '
+            'bad_word_token_ids_stride, bad_word_offsets_ptr, bad_word_offsets_stride, '
+            'num_bad_words_ptr, all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr, '
+            'total_len_ptr, input_ids_ptr, expanded_local_pos_ptr)',
+    }),
+    "sample.logprob": ("sample_kernels", {
+        "_topk_log_softmax_kernel":
+            '(output_ptr, logits_ptr, logits_stride, topk_ids_ptr, topk_ids_stride, topk, vocab_size, '
+            'BLOCK_SIZE, TOPK_BLOCK_SIZE)',
+        "_ranks_kernel":
+            '(output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size, BLOCK_SIZE)',
+        "_fill_logprob_token_ids_kernel":
+            '(out_token_ids_ptr, out_token_ids_stride, out_valid_mask_ptr, out_valid_mask_stride, '
+            'sampled_token_ids_ptr, topk_indices_ptr, topk_indices_stride, expanded_idx_mapping_ptr, '
+            'num_per_req_token_ids_ptr, per_req_token_ids_ptr, per_req_token_ids_stride, NUM_TOPK, '
+            'PADDED_COLS)',
+    }),
+    "sample.prompt_logprob": ("sample_kernels", {
+        "_prompt_logprobs_token_ids_kernel":
+            '(prompt_logprobs_token_ids_ptr, query_start_loc_ptr, idx_mapping_ptr, '
+            'num_computed_tokens_ptr, all_token_ids_ptr, all_token_ids_stride, BLOCK_SIZE)',
+    }),
+    "structured_outputs": ("sample_kernels", {
+        "_apply_grammar_bitmask_kernel":
+            '(logits_ptr, logits_stride, logits_indices_ptr, cu_num_logits_ptr, bitmask_ptr, '
+            'bitmask_stride, vocab_size, MASK_STRIDE, BLOCK_SIZE)',
+    }),
+    "metrics.logits": ("sample_kernels", {
+        "_num_nans_kernel":
+            '(logits_ptr, logits_stride, num_nans_ptr, vocab_size, BLOCK_SIZE)',
+    }),
+}
+
+_KERNEL_REGISTRY = ("vllm/triton_utils/dispatcher.py: register_kernels, asked by "
+                    "Platform.register_triton_kernel_overrides before any worker code runs, "
+                    "rebinds the kernel wherever it is bound")
+
+KERNELS = [
+    contract(f"{_GPU}.{module}:{kernel}", signature,
+             "run its torch implementation (same parameters) through vLLM's kernel registry",
+             implementation=f"ascend_patch.npu.runner.v2.{ours}:{kernel}",
+             upstream=f"vllm/v1/worker/gpu/{module.replace('.', '/')}.py: a Triton kernel, which "
+                      "the NPU cannot launch without triton-ascend; " + _KERNEL_REGISTRY,
+             remove_when=_NO_TRITON_ASCEND)
+    for module, (ours, kernels) in _KERNELS.items() for kernel, signature in kernels.items()
+]
+
 RUNNER = [
+    *KERNELS,
     Patch(
         "vllm.v1.worker.gpu_worker:HAS_TRITON",
         reason="open MRV2's Triton gate: every kernel it reaches on the served paths runs a "
@@ -97,18 +228,17 @@ RUNNER = [
                  "set_forward_context; a CUDA graph reads device lengths and needs no renewal",
         remove_when="the Ascend attention kernels take device-side lengths",
     ),
-    *(Patch(
-        f"torch.cuda:{name}",
-        reason=reason,
-        replacement=f"ascend_patch.npu.runner.v2.graphs:{factory}",
-        upstream="vllm/v1/worker/gpu/cudagraph_utils.py: CudaGraphManager.capture calls "
-                 "torch.cuda.CUDAGraph() and torch.cuda.graph(...) directly",
-        remove_when="vLLM captures graphs through the platform (torch.accelerator graphs)",
-        rebind=False,  # torch's own modules keep their references
-    ) for name, factory, reason in (
-        ("CUDAGraph", "npu_graph_class", "MRV2's FULL graphs are the device runtime's NPUGraph"),
-        ("graph", "npu_graph_capture", "capture MRV2's FULL graphs on the device runtime, "
-                                       "collecting the launches each replay renews"))),
+    Patch(
+        f"{_GPU}.model_states.prompt_embeds:PromptEmbedsState.apply",
+        reason="overlay prompt embeddings with torch ops: vLLM's kernel finds each request's "
+               "embeddings through a table of device pointers",
+        signature=("(self, input_batch, num_computed_tokens, inputs_embeds)",),
+        replacement="ascend_patch.npu.runner.v2.input_kernels:npu_prompt_embeds",
+        implementation="ascend_patch.npu.runner.v2.input_kernels:apply_prompt_embeds",
+        upstream="vllm/v1/worker/gpu/model_states/prompt_embeds.py: _apply_prompt_embeds_kernel "
+                 "reads embeds_ptrs/mask_ptrs, uint64 pointer tables",
+        remove_when=_NO_TRITON_ASCEND,
+    ),
     *(contract(f"{_GPU}.block_table:BlockTables.{name}", signature,
                "NPUBlockTables overrides it with the same arguments", implementation=_BLOCK_TABLES,
                upstream="vllm/v1/worker/gpu/block_table.py", remove_when=_NO_TRITON_ASCEND)
@@ -141,3 +271,20 @@ RUNNER = [
                               "addressed by raw pointers)",
              remove_when="vLLM zeroes blocks through the attention backend"),
 ]
+
+GRAPH_DEVICE_API = [
+    *(Patch(
+        f"torch.cuda:{name}",
+        reason=reason,
+        replacement=f"ascend_patch.npu.runner.v2.graphs:{factory}",
+        upstream="vllm/v1/worker/gpu/cudagraph_utils.py: CudaGraphManager.capture calls "
+                 "torch.cuda.CUDAGraph() and torch.cuda.graph(...) directly",
+        remove_when="vLLM captures graphs through the platform (torch.accelerator graphs)",
+        rebind=False,  # torch's own modules keep their references
+    ) for name, factory, reason in (
+        ("CUDAGraph", "npu_graph_class", "MRV2's FULL graphs are the device runtime's NPUGraph"),
+        ("graph", "npu_graph_capture", "capture MRV2's FULL graphs on the device runtime, "
+                                       "collecting the launches each replay renews"))),
+]
+"""torch.cuda's graph API, which MRV2's graph manager calls directly (torch targets, beside the set's
+other device-API stand-ins)."""

@@ -7,7 +7,7 @@
 KV-allocation declarations are v0_29's, less those that name the V1 runner.
 """
 
-from ascend_patch.overlay.declarations import Setting
+from ascend_patch.overlay.declarations import Setting, admits
 from ascend_patch.patches import runner_v2, v0_29
 
 RUNNER = "v2"
@@ -18,8 +18,11 @@ _V1_RUNNER = ("vllm.v1.worker.gpu_model_runner:", "vllm.v1.worker.gpu_input_batc
 
 
 def _serves_mrv2(declaration) -> bool:
-    """Whether a v0_29 declaration holds on MRV2: not one of the V1 runner's modules, and not
-    the setting that pinned the V1 runner (0.34 refuses VLLM_USE_V2_MODEL_RUNNER other than 1)."""
+    """Whether a v0_29 declaration holds on MRV2: not limited to releases before 0.34, not one of
+    the V1 runner's modules, and not the setting that pinned the V1 runner (0.34 refuses
+    VLLM_USE_V2_MODEL_RUNNER other than 1)."""
+    if not admits(declaration, "0.34"):
+        return False
     if isinstance(declaration, Setting):
         return declaration.variable != "VLLM_USE_V2_MODEL_RUNNER"
     return not declaration.target.startswith(_V1_RUNNER)
@@ -27,6 +30,6 @@ def _serves_mrv2(declaration) -> bool:
 
 PATCHES = [*filter(_serves_mrv2, v0_29.PATCHES), *runner_v2.RUNNER]
 
-MANIFEST = [*filter(_serves_mrv2, v0_29.MANIFEST), *runner_v2.RUNNER]
+MANIFEST = [*filter(_serves_mrv2, v0_29.MANIFEST), *runner_v2.RUNNER, *runner_v2.GRAPH_DEVICE_API]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

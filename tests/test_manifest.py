@@ -69,6 +69,25 @@ def test_every_implementation_path_resolves(name):
             _resolve(d.wrapper or d.replacement)
 
 
+def test_every_model_runner_v2_kernel_implementation_is_declared_with_its_parameters():
+    """The torch implementations registered for MRV2's Triton kernels and the manifest's kernel
+    contracts name the same kernels with the same parameters (launch options aside): verification
+    at import vllm then fails on a release whose kernel changed, before any launch could feed an
+    implementation the wrong tensor."""
+    import inspect
+
+    from ascend_patch.npu.runner.v2 import kernels
+    from ascend_patch.patches import runner_v2
+
+    def names(signature: str) -> tuple[str, ...]:
+        return tuple(part.partition("=")[0] for part in signature.strip("()").split(", "))
+
+    declared = {c.target.replace(":", "."): names(c.signature[0]) for c in runner_v2.KERNELS}
+    implemented = {name: tuple(p for p in inspect.signature(fn).parameters if p not in kernels.LAUNCH_OPTIONS)
+                   for name, fn in kernels.implementations().items()}
+    assert declared == implemented
+
+
 @pytest.mark.parametrize("name", SETS)
 def test_sub_ranges_and_seams_lie_inside_the_sets_releases(name):
     spec = TABLE.patch_set(name)

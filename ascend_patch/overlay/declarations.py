@@ -292,3 +292,9 @@ def applies_to(declaration: Declaration, release: Version | None) -> bool:
     if declaration.vllm is None or release is None:
         return True
     return SpecifierSet(declaration.vllm).contains(release, prereleases=True)
+
+
+def admits(declaration: Declaration, release: str) -> bool:
+    """:func:`applies_to` for a release given as text (``"0.34"``), for patch-set modules, which
+    import nothing but this module."""
+    return applies_to(declaration, Version(release))

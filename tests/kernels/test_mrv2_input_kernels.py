@@ -694,26 +694,23 @@ def test_vllm_post_update_runs_the_implementation(registered):
 
 
 def test_vllm_staged_writes_run_the_implementation(registered):
-    """``StagedWriteTensor.apply_write`` launches the single-tensor kernel; a multi-group
-    ``FusedStagedWriter`` applies through :func:`apply_staged_writes_per_tensor` instead of its
-    pointer table; both leave what the kernel's loop leaves."""
-    from vllm.v1.worker.gpu.buffer_utils import FusedStagedWriter, StagedWriteTensor
+    """``StagedWriteTensor.apply_write`` launches the single-tensor kernel and leaves what the
+    kernel's loop leaves (the multi-group fused writer's pointer table is avoided by
+    ``NPUBlockTables.apply_staged_writes``: tests/kernels/test_mrv2_block_tables.py)."""
+    from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 
     cpu = torch.device("cpu")
-    tables = [StagedWriteTensor((4, 6), torch.int32, cpu), StagedWriteTensor((4, 3), torch.int32, cpu)]
+    table = StagedWriteTensor((4, 6), torch.int32, cpu)
     lengths = StagedWriteTensor(4, torch.int32, cpu)
-    tables[0].stage_write(2, 1, [5, 6, 7])
-    tables[0].stage_write(0, 0, [1, 2])
-    tables[1].stage_write(3, 2, [9])
+    table.stage_write(2, 1, [5, 6, 7])
+    table.stage_write(0, 0, [1, 2])
     lengths.stage_write_elem(1, 11)
     lengths.stage_write_elem(3, 13)
     lengths.apply_write()
+    table.apply_write()
     assert lengths.gpu.tolist() == [0, 11, 0, 13]
-    writer = FusedStagedWriter(cpu, 8)
-    kernels.apply_staged_writes_per_tensor(writer, tables, None, None)
-    assert tables[0].gpu.tolist() == [[1, 2, 0, 0, 0, 0], [0] * 6, [0, 5, 6, 7, 0, 0], [0] * 6]
-    assert tables[1].gpu.tolist() == [[0] * 3, [0] * 3, [0] * 3, [0, 0, 9]]
-    assert not tables[0]._staged_write_indices and not tables[1]._staged_write_indices  # cleared
+    assert table.gpu.tolist() == [[1, 2, 0, 0, 0, 0], [0] * 6, [0, 5, 6, 7, 0, 0], [0] * 6]
+    assert not table._staged_write_indices  # cleared
 
 
 def test_prompt_embeds_overlay_equals_the_kernels_loop(registered):

@@ -394,15 +394,6 @@ name). ``model_states.prompt_embeds._apply_prompt_embeds_kernel`` is not among t
 pointer table (see :func:`apply_prompt_embeds`)."""
 
 
-def apply_staged_writes_per_tensor(writer, tensors, output_ptrs, output_strides) -> None:
-    """Replacement of ``vllm.v1.worker.gpu.buffer_utils.FusedStagedWriter.apply`` (same
-    parameters; ``output_ptrs``/``output_strides``, the pointer table, go unused): apply and clear
-    each tensor's staged writes through its own ``apply_write``, one ``_apply_write_kernel``
-    launch per tensor with writes, instead of one launch through the pointer table."""
-    for tensor in tensors:
-        tensor.apply_write()
-
-
 def apply_prompt_embeds(state, input_batch, num_computed_tokens, inputs_embeds) -> None:
     """Replacement of ``vllm.v1.worker.gpu.model_states.prompt_embeds.PromptEmbedsState.apply``
     (same parameters): batch row ``b`` whose request has prompt embeddings still to consume
@@ -444,3 +435,8 @@ def apply_prompt_embeds(state, input_batch, num_computed_tokens, inputs_embeds) 
     current = inputs_embeds.index_select(0, destination)
     inputs_embeds.index_copy_(0, destination,
                               torch.where(is_token_id[:, None], current, source.to(current.dtype)))
+
+
+def npu_prompt_embeds(original):
+    """Replacement factory of ``PromptEmbedsState.apply``: :func:`apply_prompt_embeds`."""
+    return apply_prompt_embeds

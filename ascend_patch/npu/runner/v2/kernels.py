@@ -36,7 +36,8 @@ def kernel_parameters(kernel) -> tuple[str, ...]:
     Triton, where ``@triton.jit`` leaves the function as it is) the function's own."""
     names = getattr(kernel, "arg_names", None)  # not a seam: Triton present or not
     if names is None:
-        names = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+        function = getattr(kernel, "fn", kernel)  # not a seam: Triton present or not
+        names = inspect.signature(function).parameters
     return tuple(names)
 
 
