@@ -60,7 +60,7 @@ GRAPH_MODE = [
              upstream="vllm/distributed/parallel_state.py"),
 ]
 
-# Names that disappear inside the releases the graph code serves; it probes for them at run time.
+# Names the graph code probes for at run time: declared in the set whose releases lack them.
 SEAMS = [
     Seam("vllm.compilation.monitor:validate_cudagraph_capturing_enabled",
          "NPUGraphWrapper captures only while vLLM allows captures, where vLLM still asks (the V1 "

@@ -81,7 +81,6 @@ MANIFEST = [
     *device_api.DEVICE_API,
     *engine.SETTINGS,
     *platform.SEAMS,
-    *graphs.SEAMS,
     *engine.SEAMS,
     *quant.SEAMS,
     Seam("vllm.distributed.kv_transfer.kv_connector.v1.example_connector:TritonAttentionMetadata",

@@ -84,7 +84,6 @@ MANIFEST = [
     *device_api.DEVICE_API,
     *engine.SETTINGS,
     *platform.SEAMS,
-    *graphs.SEAMS,
     *engine.SEAMS,
     *quant.SEAMS,
     Seam("vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner",

@@ -8,7 +8,7 @@ KV-allocation declarations are v0_29's, less those that name the V1 runner.
 """
 
 from ascend_patch.overlay.declarations import Setting, admits
-from ascend_patch.patches import runner_v2, v0_29
+from ascend_patch.patches import graphs, runner_v2, v0_29
 
 RUNNER = "v2"
 
@@ -30,6 +30,7 @@ def _serves_mrv2(declaration) -> bool:
 
 PATCHES = [*filter(_serves_mrv2, v0_29.PATCHES), *runner_v2.RUNNER]
 
-MANIFEST = [*filter(_serves_mrv2, v0_29.MANIFEST), *runner_v2.RUNNER, *runner_v2.GRAPH_DEVICE_API]
+MANIFEST = [*filter(_serves_mrv2, v0_29.MANIFEST), *runner_v2.RUNNER, *runner_v2.GRAPH_DEVICE_API,
+            *graphs.SEAMS]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

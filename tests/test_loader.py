@@ -22,6 +22,7 @@ from ascend_patch.overlay.decision import decide
 from ascend_patch.overlay.source import SourceTree
 from ascend_patch.patches import v0_29
 from tests.helpers.engine import for_installed_vllm
+from tests.helpers.patch_sets import matrix_up_to_installed
 from tests.helpers.process import ascend_patch_lines, clean_env, mirror, run_json, run_python
 
 # Imports every target module and reports, per target, whether the live object is
@@ -415,20 +416,24 @@ def test_unknown_vllm_version_gives_one_line_and_stays_stock(version, expected):
     assert len(lines) == 1 and expected in lines[0]
 
 
-def test_newer_vllm_version_uses_the_newest_set_with_one_warning():
-    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.34.0.dev3+gabc")
+def test_newer_vllm_version_uses_the_newest_set_with_one_warning(tmp_path):
+    table, newest = matrix_up_to_installed(tmp_path)
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_MATRIX=table,
+                    ASCEND_PATCH_VLLM_VERSION=f"{newest.upper}.dev3+gabc")
     proc = run_python(IMPORT_AND_REPORT, env=env)
     assert proc.returncode == 0 and json.loads(proc.stdout) == "EmulatedNPUPlatform"
     lines = ascend_patch_lines(proc.stderr)
-    assert len(lines) == 1 and "newer than every patch set; trying the newest, v0_29" in lines[0]
+    assert len(lines) == 1 and f"newer than every patch set; trying the newest, {newest.name}" in lines[0]
 
 
-def test_strict_mode_turns_deviations_into_errors():
-    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.34.0", ASCEND_PATCH_STRICT="1")
+def test_strict_mode_turns_deviations_into_errors(tmp_path):
+    table, newest = matrix_up_to_installed(tmp_path)
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION=str(newest.upper), ASCEND_PATCH_STRICT="1",
+                    ASCEND_PATCH_MATRIX=table)
     _pass_and_pip_still_work(env)
     proc = run_python(IMPORT_AND_REPORT, env=env)
     assert proc.returncode != 0
-    assert "AscendPatchError: vLLM 0.34.0 is newer than every patch set" in proc.stderr
+    assert f"AscendPatchError: vLLM {newest.upper} is newer than every patch set" in proc.stderr
     assert "(ASCEND_PATCH_STRICT=1)" in proc.stderr.splitlines()[-1]
 
 

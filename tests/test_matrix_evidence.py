@@ -23,7 +23,7 @@ from tests.helpers.process import ROOT, require_pypi
 TABLE = matrix.load()
 # vLLM 0.33.0 is the main test environment (its suite runs in tests/test_engine.py). The longest
 # run first: the pinned runs start one after another (tests/helpers/pinned.py).
-CI_DYNAMIC = ["0.28.0", "0.29.0"]
+CI_DYNAMIC = ["0.28.0", "0.34.0", "0.29.0"]
 
 
 def _record_script():
@@ -89,7 +89,7 @@ def test_every_patch_set_with_feature_tests_has_a_pinned_release_and_marked_test
     record = _record_script()
     for patch_set, marker in record.FEATURES.items():
         assert any(TABLE.versions[v].patch_set == patch_set for v in CI_DYNAMIC), patch_set
-        marked = {f"tests/{path.name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+        marked = {path.relative_to(ROOT).as_posix() for path in sorted((ROOT / "tests").rglob("test_*.py"))
                   if re.search(rf"mark\.{marker}\b", path.read_text())}
         assert marked == set(record.FEATURE_SUITES[marker])
 

@@ -35,6 +35,7 @@ from ascend_patch.overlay import matrix
 from ascend_patch.overlay.decision import load_patch_set
 from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
+from tests.helpers.patch_sets import matrix_up_to_installed
 from tests.helpers.process import ROOT, clean_env, require_pypi, vllm_package_dir
 
 INSTALLED = "0.33.0"  # the vLLM this environment pins (requirements/test-vllm-0.33.0.txt)
@@ -190,7 +191,8 @@ def test_changed_signature_is_a_mismatch(tree, tmp_path, capsys):
     assert code == 1
     target = _target(data, ":allocate_kv_cache")
     assert target["state"] == "mismatch" and target["present"] and target["signature_match"] is False
-    assert target["expected"] == "(kv_cache_config, device, layout, kernel_block_sizes=...)"
+    assert target["expected"] == ("(kv_cache_config, device, layout, kernel_block_sizes=...) or "
+                                  "(kv_cache_config, device, layout, kernel_block_sizes=..., allocate=...)")
     assert target["found"] == "(kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)"
     assert data["summary"]["mismatch"] == 1 and data["would_activate"] is False
     assert data["verdict"].startswith("1 of ") and "would patch nothing" in data["verdict"]
@@ -198,7 +200,8 @@ def test_changed_signature_is_a_mismatch(tree, tmp_path, capsys):
     assert cli.main(["probe", str(tree)]) == 1
     table = capsys.readouterr().out
     assert "vllm.v1.worker.utils:allocate_kv_cache: expected (kv_cache_config, device, layout, " \
-        "kernel_block_sizes=...), found (kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)" in table
+        "kernel_block_sizes=...) or (kv_cache_config, device, layout, kernel_block_sizes=..., allocate=...), " \
+        "found (kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)" in table
     assert "verdict: would NOT activate" in table
 
 
@@ -238,14 +241,16 @@ def test_body_change_is_reported_but_does_not_block(tree, capsys):
 # -- versions and selection -----------------------------------------------------
 
 
-def test_tree_without_version_file(tree, capsys):
+def test_tree_without_version_file(tree, capsys, monkeypatch, tmp_path):
+    # The newest set is assumed: here the newest that serves the tree's release (the installed one).
+    table, newest = matrix_up_to_installed(tmp_path)
+    monkeypatch.setenv("ASCEND_PATCH_MATRIX", table)
     (tree / "_version.py").unlink()
     code, data = run_probe(capsys, str(tree.parent))
     assert code == 0
     assert data["vllm"]["version"] is None and data["vllm"]["release"] is None
     assert data["selection"]["kind"] == "unknown"
-    newest = _all_sets()[-1]
-    assert data["selection"]["patch_set"] == newest
+    assert data["selection"]["patch_set"] == newest.name
     assert "no _version.py" in data["warnings"][0] and "--version X" in data["warnings"][0]
     assert "as assumed" in data["verdict"]
 
@@ -258,7 +263,9 @@ def test_tree_without_version_file(tree, capsys):
     assert data["warnings"] == []
 
 
-def test_newer_and_older_versions(tree, capsys):
+def test_newer_and_older_versions(tree, capsys, monkeypatch, tmp_path):
+    # "Newer" takes the newest set: here the newest that serves the tree's release (the installed one).
+    monkeypatch.setenv("ASCEND_PATCH_MATRIX", matrix_up_to_installed(tmp_path)[0])
     sets = matrix.load().patch_sets
     code, data = run_probe(capsys, str(tree), "--version", "0.40.0")
     assert code == 0
