@@ -15,3 +15,9 @@ patched: frozenset[str] = frozenset()
 """The implementations (``module:object``) of the patches the active patch set installs on this
 release (those whose own range admits it): a feature served through one of them is refused where
 the set does not declare it for the release."""
+
+mode: str | None = None
+"""The device mode the loader decided (``"npu"`` or ``"emulate"``) while the overlay is active."""
+
+runner: str | None = None
+"""The runner generation (``"v1"``, ``"v2"``) the active patch set declares (its ``RUNNER``)."""

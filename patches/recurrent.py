@@ -84,7 +84,7 @@ RECURRENT = [
         vllm=RELEASES,
         upstream="vllm/v1/kv_cache_interface.py: the spec of a recurrent layer's state cache",
         remove_when="never: vLLM's spec class; the contract only guards its presence",
-        implementation="ascend_patch.npu.kv_cache:allocate_kv_cache",
+        implementation="ascend_patch.npu.runner.kv_allocation:allocate_kv_cache",
     ),
     Patch(
         "vllm.engine.arg_utils:EngineArgs._set_default_chunked_prefill_and_prefix_caching_args",

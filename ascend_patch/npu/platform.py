@@ -25,7 +25,6 @@ logger = logging.getLogger("vllm.ascend_patch")
 ATTENTION_BACKEND = "ascend_patch.npu.attention.backend.AscendAttentionBackend"
 MLA_BACKEND = "ascend_patch.npu.attention.mla.AscendMLABackend"
 ENCODER_ONLY_BACKEND = "ascend_patch.npu.attention.encoder.AscendEncoderOnlyBackend"
-WORKER = "ascend_patch.npu.worker.NPUWorker"
 COMMUNICATOR = "ascend_patch.npu.distributed.communicator.NPUCommunicator"
 GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph.NPUGraphWrapper"
 PUNICA_WRAPPER = "ascend_patch.npu.lora.punica.PunicaWrapperNPU"
@@ -116,11 +115,9 @@ class NPUPlatform(Platform):
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode
 
-        from ascend_patch.npu import distributed, quantization
+        from ascend_patch.npu import distributed, quantization, runner, spec_decode
         from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
         from ascend_patch.npu.distributed import kv_transfer
-
-        from ascend_patch.npu import spec_decode
 
         model = vllm_config.model_config
         spec_decode.config.check(vllm_config)
@@ -158,9 +155,7 @@ class NPUPlatform(Platform):
         kv_transfer.check_config(vllm_config, emulated=cls.emulated)
         distributed.check_config(vllm_config)
 
-        parallel = vllm_config.parallel_config
-        if parallel.worker_cls == "auto":
-            parallel.worker_cls = WORKER
+        runner.check_config(vllm_config)
 
         cache = vllm_config.cache_config
         if cache is not None and cache.user_specified_block_size:
@@ -185,10 +180,10 @@ class NPUPlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        # vLLM 0.31+ asks before any worker code runs (0.20-0.30: the kernel patches).
-        from ascend_patch.npu.spec_decode import install
+        # vLLM 0.31+ asks before any worker code runs (0.20-0.30: the V1 kernel patches).
+        from ascend_patch.npu import runner
 
-        install.register_overrides()
+        runner.register_triton_kernel_overrides()
 
     @classmethod
     def check_runner_kv_caches_multi_layer(cls) -> None:
@@ -283,7 +278,7 @@ class NPUPlatform(Platform):
         return cls.runtime().pin_memory_available()
 
     def is_sleep_mode_available(self) -> bool:
-        return True  # offload-and-free, ascend_patch.npu.sleep_mode: no device memory pool needed
+        return True  # offload-and-free, ascend_patch.npu.runner.sleep_mode: no device memory pool needed
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:

@@ -2,7 +2,7 @@
 
 vLLM hands every connector each layer's KV cache tensor as the attention backend shaped it. The
 Ascend cache of a standard attention layer is ``[num_blocks, 2, block_size, kv_heads, head_size]``
-(:mod:`ascend_patch.npu.kv_cache`): block-outermost, which is what vLLM's ``ExampleConnector``
+(:mod:`ascend_patch.npu.attention.kv_layout`): block-outermost, which is what vLLM's ``ExampleConnector``
 indexes from vLLM 0.23 (``layer[slot // block_size, :, slot % block_size]``, the shared-storage
 connector of vLLM's disaggregated-prefill example).
 

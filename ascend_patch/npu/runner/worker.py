@@ -1,4 +1,4 @@
-"""``NPUWorker``: vLLM's own GPU worker on the NPU device.
+"""``NPUWorker``: vLLM's own GPU worker on the NPU device, shared by both runner generations.
 
 It overrides only what is device-specific:
 
@@ -7,10 +7,10 @@ It overrides only what is device-specific:
   platform's backend, seeds, takes vLLM's memory baseline, then builds the model
   runner through vLLM's own ``_init_workspace_and_model_runner`` (0.32+) or the
   same two steps on older releases;
-- ``_make_model_runner``: always :class:`NPUModelRunner`, the V1 runner (Model Runner
-  V2 is unsupported);
-- sleep mode: offload-and-free (:mod:`ascend_patch.npu.sleep_mode`) in place of vLLM's CuMem
-  pool, which is CUDA-only and skipped.
+- ``_make_model_runner``: the NPU runner of the generation the active patch set declares
+  (:func:`ascend_patch.npu.runner.model_runner_cls`), imported on first use;
+- sleep mode: offload-and-free (:mod:`ascend_patch.npu.runner.sleep_mode`) in place of vLLM's
+  CuMem pool, which is CUDA-only and skipped.
 
 Everything else — scheduling glue, input preparation, sampling, KV-cache
 binding, memory profiling — is vLLM's code.
@@ -31,9 +31,9 @@ from vllm.v1.worker.utils import request_memory
 
 from ascend_patch import env
 from ascend_patch.npu import ops, quantization
-from ascend_patch.npu.model_runner import NPUModelRunner
+from ascend_patch.npu import runner
 from ascend_patch.npu.platform import NPUPlatform
-from ascend_patch.npu.sleep_mode import OffloadAndFree
+from ascend_patch.npu.runner.sleep_mode import OffloadAndFree
 
 logger = logging.getLogger("vllm.ascend_patch")
 
@@ -107,8 +107,8 @@ class NPUWorker(Worker):
                 init_workspace_manager(self.device, num_ubatches)
             self.model_runner = self._make_model_runner()
 
-    def _make_model_runner(self) -> NPUModelRunner:
-        return NPUModelRunner(self.vllm_config, self.device)
+    def _make_model_runner(self):
+        return runner.model_runner_cls()(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
         # vLLM's CuMem pool (sleep mode) is CUDA-only.

@@ -20,6 +20,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from ascend_patch.npu.attention.backend import report_attention_paths
 from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 from ascend_patch.npu.ops.fused_moe import report_routing
+from ascend_patch.npu.runner import kv_allocation
 
 
 class NPUModelRunner(GPUModelRunner):
@@ -81,3 +82,14 @@ def no_kernel_warmup(original):
         return None  # no JIT-compiled CUDA/Triton kernels to tune on the NPU path
 
     return kernel_warmup
+
+
+def reshape_kv_cache_tensors(wrapped, instance, args, kwargs):
+    """Wrapper of ``GPUModelRunner._reshape_kv_cache_tensors`` (vLLM 0.20–0.28).
+
+    Charges here rather than at allocation: the raw buffers' tensors die once
+    vLLM has viewed them, the layer caches returned here live with the engine.
+    """
+    caches = wrapped(*args, **kwargs)
+    kv_allocation.charge(caches)
+    return caches
