@@ -92,7 +92,7 @@ RECURRENT = [
                "states the NPU path serves but does not cache (asked for, it is refused)",
         vllm=RELEASES,
         signature=("(self, model_config)",),
-        wrapper="ascend_patch.npu.platform:recurrent_states_uncached_by_default",
+        wrapper="ascend_patch.npu.ops.recurrent_layers:recurrent_states_uncached_by_default",
         upstream="vllm/engine/arg_utils.py: prefix caching defaults to on for hybrid models whose "
                  "Mamba cache mode 'align' checkpoints states (Triton kernels)",
         remove_when="the NPU path caches recurrent states (align mode)",

@@ -250,12 +250,13 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
             else:
                 act.warnings += _overridden_settings(act)
                 scheduled = [d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))]
-                REGISTRY.schedule(scheduled)
+                # the release facts first: a patch applied at once (torch's device API) reads them
                 entry = act.selection.entry
                 release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
                 release.patched = patched(scheduled)
                 release.mode = act.mode
                 release.runner = patch_set_runner(act.selection.patch_set.name)
+                REGISTRY.schedule(scheduled)
                 act.state = ActivationState.ACTIVE
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
