@@ -16,6 +16,8 @@ patched: frozenset[str] = frozenset()
 release (those whose own range admits it): a feature served through one of them is refused where
 the set does not declare it for the release."""
 
-runner = "v1"
-"""The vLLM model-runner generation the active patch set serves (its ``RUNNER``): ``"v1"``, the V1
-runner of 0.20-0.33, or ``"v2"``, Model Runner V2 (``vllm/v1/worker/gpu/``), the only one from 0.34."""
+mode: str | None = None
+"""The device mode the loader decided (``"npu"`` or ``"emulate"``) while the overlay is active."""
+
+runner: str | None = None
+"""The runner generation (``"v1"``, ``"v2"``) the active patch set declares (its ``RUNNER``)."""

@@ -2,7 +2,7 @@
 the KV-cache spec promotion they rely on."""
 
 from ascend_patch.overlay.declarations import Contract, Patch
-from ascend_patch.patches.platform import cite, contract
+from ascend_patch.patches._declare import cite, contract
 
 ATTENTION = "ascend_patch.npu.attention.backend:AscendAttentionImpl"
 

@@ -3,7 +3,7 @@ and events, the torch.accelerator memory API): each name replaced by the active 
 stand-in (``ascend_patch.npu.device_api``)."""
 
 from ascend_patch.overlay.declarations import Patch
-from ascend_patch.patches.platform import cite
+from ascend_patch.patches._declare import cite
 
 _TORCH_DEVICE_API = ("vLLM's GPU worker and V1 model runner call torch.cuda streams/events and the "
                      "torch.accelerator memory API directly (vllm/v1/worker/gpu_model_runner.py, "

@@ -1,7 +1,7 @@
 """ACL graphs: the platform's static-graph hooks and what NPUGraphWrapper builds on."""
 
 from ascend_patch.overlay.declarations import Patch, Seam
-from ascend_patch.patches.platform import contract, platform_hook
+from ascend_patch.patches._declare import contract, platform_hook
 
 _GRAPH_WRAPPER = "ascend_patch.npu.compilation.acl_graph:NPUGraphWrapper"
 _CUDA_GRAPH = ("vllm/compilation/cuda_graph.py: CUDAGraphWrapper, which vLLM's runner builds for FULL "

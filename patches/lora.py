@@ -3,7 +3,7 @@
 patched). ``Platform.get_punica_wrapper`` names it (:mod:`.engine`)."""
 
 from ascend_patch.overlay.declarations import Patch
-from ascend_patch.patches.platform import contract
+from ascend_patch.patches._declare import contract
 
 _WRAPPER = "ascend_patch.npu.lora.punica:PunicaWrapperNPU"
 _BASE = "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase"

@@ -1,7 +1,7 @@
 """Mixture of Experts: the unquantized MoE method replaced, through CustomOp.register_oot, by
 one that routes and runs the experts on the NPU ops."""
 
-from ascend_patch.patches.platform import contract
+from ascend_patch.patches._declare import contract
 
 _MOE = "vllm.model_executor.layers.fused_moe"
 _MOE_METHOD = "ascend_patch.npu.ops.fused_moe:AscendUnquantizedFusedMoEMethod"

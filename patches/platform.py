@@ -3,8 +3,7 @@
 The platform hooks have not changed signature from 0.20 to 0.33, so one platform class serves
 every set. They are *contracts*: ``NPUPlatform`` overrides them, nothing is patched, and a
 signature change in a new vLLM release makes verification fail loudly instead of leaving an
-override that vLLM no longer calls the same way. This module also holds the two helpers the
-other area modules declare with (:func:`platform_hook`, :func:`contract`).
+override that vLLM no longer calls the same way.
 
 Each declaration says what it touches, why, where our side is implemented, the upstream code
 that makes it necessary and when it can go. The releases each set serves live in
@@ -12,40 +11,8 @@ that makes it necessary and when it can go. The releases each set serves live in
 set's releases.
 """
 
-from ascend_patch.overlay.declarations import Contract, Patch, Seam
-
-PLATFORM = "ascend_patch.npu.platform:NPUPlatform"
-
-_PLATFORM_API = "vllm/platforms/interface.py: the out-of-tree platform interface"
-KEEP = "never: vLLM's own extension point; the contract only guards its signature"
-
-
-def cite(upstream: str, pr: str | None) -> str:
-    """The upstream text naming the PR behind it (``owner/repo#number``), where one is known."""
-    return upstream if pr is None else f"{upstream}; {pr}"
-
-
-def platform_hook(name: str, signature: str, reason: str, pr: str | None = None) -> Contract:
-    """A hook of vLLM's platform interface that NPUPlatform overrides."""
-    return Contract(
-        f"vllm.platforms.interface:Platform.{name}",
-        reason=reason,
-        signature=(signature,),
-        upstream=cite(_PLATFORM_API, pr),
-        remove_when=KEEP,
-        implementation=PLATFORM,
-    )
-
-
-def contract(target: str, signature: str | tuple[str, ...] | None, reason: str, *,
-             implementation: str, upstream: str, remove_when: str = KEEP,
-             vllm: str | None = None, pr: str | None = None) -> Contract:
-    """A contract; a single signature may be given bare."""
-    if isinstance(signature, str):
-        signature = (signature,)
-    return Contract(target, reason=reason, signature=signature, upstream=cite(upstream, pr),
-                    remove_when=remove_when, implementation=implementation, vllm=vllm)
-
+from ascend_patch.overlay.declarations import Patch, Seam
+from ascend_patch.patches._declare import platform_hook
 
 DEVICE_SELECTION = [
     Patch(

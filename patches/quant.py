@@ -2,7 +2,7 @@
 experts."""
 
 from ascend_patch.overlay.declarations import Patch, Seam
-from ascend_patch.patches.platform import contract, platform_hook
+from ascend_patch.patches._declare import contract, platform_hook
 
 _QUANT = "vllm.model_executor.layers.quantization"
 _MOE = "vllm.model_executor.layers.fused_moe"

@@ -84,7 +84,7 @@ RECURRENT = [
         vllm=RELEASES,
         upstream="vllm/v1/kv_cache_interface.py: the spec of a recurrent layer's state cache",
         remove_when="never: vLLM's spec class; the contract only guards its presence",
-        implementation="ascend_patch.npu.kv_cache:allocate_kv_cache",
+        implementation="ascend_patch.npu.runner.kv_allocation:allocate_kv_cache",
     ),
     Patch(
         "vllm.engine.arg_utils:EngineArgs._set_default_chunked_prefill_and_prefix_caching_args",
@@ -92,7 +92,7 @@ RECURRENT = [
                "states the NPU path serves but does not cache (asked for, it is refused)",
         vllm=RELEASES,
         signature=("(self, model_config)",),
-        wrapper="ascend_patch.npu.platform:recurrent_states_uncached_by_default",
+        wrapper="ascend_patch.npu.ops.recurrent_layers:recurrent_states_uncached_by_default",
         upstream="vllm/engine/arg_utils.py: prefix caching defaults to on for hybrid models whose "
                  "Mamba cache mode 'align' checkpoints states (Triton kernels)",
         remove_when="the NPU path caches recurrent states (align mode)",

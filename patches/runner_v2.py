@@ -15,7 +15,7 @@ which prepares inputs and samples with Triton kernels. The NPU serves it without
 """
 
 from ascend_patch.overlay.declarations import Patch
-from ascend_patch.patches.platform import contract
+from ascend_patch.patches._declare import contract
 
 RUNNER_V2 = "ascend_patch.npu.runner.v2.model_runner:NPUModelRunnerV2"
 _GPU = "vllm.v1.worker.gpu"
@@ -254,7 +254,7 @@ RUNNER = [
              upstream="vllm/v1/worker/gpu/cudagraph_utils.py"),
     contract("vllm.v1.worker.gpu_worker:Worker._make_model_runner", "(self)",
              "NPUWorker builds NPUModelRunnerV2 through it",
-             implementation="ascend_patch.npu.worker:NPUWorker",
+             implementation="ascend_patch.npu.runner.worker:NPUWorker",
              upstream="vllm/v1/worker/gpu_worker.py: \"Construct the platform's model runner; "
                       "subclasses override this\""),
     contract(f"{_GPU}.model_runner:GPUModelRunner.load_model", None,

@@ -5,7 +5,7 @@ Until 0.29 the V1 model runner allocates one int8 buffer per layer
 backend names (``_reshape_kv_cache_tensors`` calling ``get_kv_cache_shape``).
 ``AscendAttentionBackend`` names ``[blocks, 2, block_size, kv_heads,
 head_size]``, block pages whose K and V halves the NPU kernels read as two contiguous
-caches (``kv_cache.kernel_caches``), so unlike
+caches (``attention.kv_layout.kernel_caches``), so unlike
 v0_29 nothing re-views vLLM's allocation: the KV glue only charges the layer
 caches to the emulated HBM. Everything else comes from the area modules, the
 same platform, engine contracts, runner glue, torch device API, settings and
@@ -19,7 +19,10 @@ asks the platform for free memory (``EmulatedNPUPlatform.mem_get_info``).
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
 from ascend_patch.patches import (attention, device_api, engine, graphs, lora, moe, platform, quant,
-                                  spec_decode)
+                                  runner_v1, spec_decode)
+
+RUNNER = "v1"
+"""The runner generation these declarations are written for (``ascend_patch.npu.runner``)."""
 
 _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer's KV bytes in "
              "the shape AttentionBackend.get_kv_cache_shape names")
@@ -27,15 +30,17 @@ _KV_SHAPE = ("vllm/v1/attention/backend.py (<0.29): the runner views each layer'
 PATCHES = [
     *platform.DEVICE_SELECTION,
     *engine.ENGINE_CONTRACTS,
+    *runner_v1.RUNNER_CONTRACTS,
     *attention.ATTENTION_CONTRACTS,
-    *engine.RUNNER_GLUE,
+    *runner_v1.RUNNER_GLUE,
+    *engine.KERNEL_WARMUP,
     *moe.MOE_CONTRACTS,
     *quant.QUANT_CONTRACTS,
     *attention.MLA_CONTRACTS,
     *graphs.GRAPH_MODE,
     *lora.LORA_CONTRACTS,
     *lora.MOE_LORA,
-    *spec_decode.KERNEL_GLOBALS,
+    *runner_v1.KERNEL_GLOBALS,
     *spec_decode.DRAFT_MODEL,
     attention.hybrid_promotion("kv_cache_utils", pr="vllm-project/vllm#14097"),
     Contract(
@@ -51,7 +56,7 @@ PATCHES = [
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._reshape_kv_cache_tensors",
         reason="charge the layer KV caches (shaped by get_kv_cache_shape) to the emulated HBM",
         signature=("(self, kv_cache_raw_tensors, kernel_block_sizes)",),
-        wrapper="ascend_patch.npu.kv_cache:reshape_kv_cache_tensors",
+        wrapper="ascend_patch.npu.runner.v1.model_runner:reshape_kv_cache_tensors",
         upstream="NPU-only: the emulated HBM's books; " + _KV_SHAPE,
         remove_when="this set is retired",
     ),
@@ -61,7 +66,7 @@ PATCHES = [
         signature=("(self, vllm_config, device)",),
         upstream="vllm/v1/worker/gpu_worker.py (<0.32) builds the runner inline in init_device",
         remove_when="this set is retired (0.32 added Worker._init_workspace_and_model_runner)",
-        implementation="ascend_patch.npu.worker:NPUWorker",
+        implementation="ascend_patch.npu.runner.worker:NPUWorker",
     ),
     Contract(
         "vllm.v1.worker.workspace:init_workspace_manager",
@@ -72,7 +77,7 @@ PATCHES = [
         ),
         upstream="vllm/v1/worker/gpu_worker.py (<0.32) sets the workspace up inline in init_device",
         remove_when="this set is retired",
-        implementation="ascend_patch.npu.worker:NPUWorker",
+        implementation="ascend_patch.npu.runner.worker:NPUWorker",
     ),
 ]
 
@@ -80,8 +85,10 @@ MANIFEST = [
     *PATCHES,
     *device_api.DEVICE_API,
     *engine.SETTINGS,
+    *runner_v1.SETTINGS,
     *platform.SEAMS,
     *engine.SEAMS,
+    *runner_v1.SEAMS,
     *quant.SEAMS,
     Seam("vllm.distributed.kv_transfer.kv_connector.v1.example_connector:TritonAttentionMetadata",
          "refuse ExampleConnector where it reads every cache but Triton's as [2, blocks, ...]; from "

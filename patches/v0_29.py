@@ -5,20 +5,23 @@
 ``[blocks, heads, tokens, K|V]`` views per layer. The NPU kernels read each block's K and
 V as separate halves, so this set's own glue re-views each layer's bytes as ``[blocks, 2,
 tokens, heads, head_size]``
-(``kv_cache.allocate_kv_cache``); everything else is shared with v0_20 through
+(``runner.kv_allocation.allocate_kv_cache``); everything else is shared with v0_20 through
 the area modules.
 """
 
 from ascend_patch.overlay.declarations import Contract, Patch, Seam
 from ascend_patch.patches import (attention, device_api, engine, graphs, lora, moe, platform, quant,
-                                  recurrent, spec_decode)
-from ascend_patch.patches.platform import cite
+                                  recurrent, runner_v1, spec_decode)
+from ascend_patch.patches._declare import cite
 
-PATCHES = [
+RUNNER = "v1"
+"""The runner generation these declarations are written for (``ascend_patch.npu.runner``)."""
+
+NEUTRAL = [
     *platform.DEVICE_SELECTION,
     *engine.ENGINE_CONTRACTS,
     *attention.ATTENTION_CONTRACTS,
-    *engine.RUNNER_GLUE,
+    *engine.KERNEL_WARMUP,
     *moe.MOE_CONTRACTS,
     *quant.QUANT_CONTRACTS,
     *attention.MLA_CONTRACTS,
@@ -38,7 +41,8 @@ PATCHES = [
     *lora.LORA_CONTRACTS,
     *lora.FULL_LINEAR,
     *lora.MOE_LORA,
-    *spec_decode.SPEC_DECODE,
+    *engine.KERNEL_REGISTRY,
+    *spec_decode.DRAFT_MODEL,
     *recurrent.RECURRENT,
     attention.hybrid_promotion("kv_cache_utils", vllm="<0.33", pr="vllm-project/vllm#14097"),
     attention.hybrid_promotion("kv_cache_planning", vllm=">=0.33"),
@@ -48,7 +52,7 @@ PATCHES = [
                "whose K and V halves the NPU kernels read",
         signature=("(kv_cache_config, device, layout, kernel_block_sizes=...)",
                    "(kv_cache_config, device, layout, kernel_block_sizes=..., allocate=...)"),  # 0.34
-        wrapper="ascend_patch.npu.kv_cache:allocate_kv_cache",
+        wrapper="ascend_patch.npu.runner.kv_allocation:allocate_kv_cache",
         upstream="vLLM 0.29 moved KV allocation to vllm/v1/worker/utils.py: one int8 buffer "
                  "with strided [blocks, heads, tokens, K|V] layer views; vllm-project/vllm#51718",
         remove_when="vLLM lets the attention backend name its per-layer layout again",
@@ -74,13 +78,15 @@ PATCHES = [
             upstream=cite("vllm/v1/kv_cache_interface.py: the KV cache specs of a kv_cache_config",
                           pr),
             remove_when="never: vLLM's spec classes; the contract only guards their presence",
-            implementation="ascend_patch.npu.kv_cache:allocate_kv_cache")
+            implementation="ascend_patch.npu.runner.kv_allocation:allocate_kv_cache")
       for spec, pr in (("MLAAttentionSpec", None),
                        ("UniformTypeKVCacheSpecs", "vllm-project/vllm#25101"))),
 ]
+"""What this set changes or relies on whichever runner generation runs (v0_34 starts from it)."""
 
-MANIFEST = [
-    *PATCHES,
+PATCHES = [*NEUTRAL, *runner_v1.RUNNER_CONTRACTS, *runner_v1.RUNNER_GLUE, *runner_v1.SPEC_DECODE_KERNELS]
+
+NEUTRAL_MANIFEST = [
     *device_api.DEVICE_API,
     *engine.SETTINGS,
     *platform.SEAMS,
@@ -88,7 +94,7 @@ MANIFEST = [
     *quant.SEAMS,
     Seam("vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner",
          "build the workspace and model runner through vLLM's own step", since="0.32",
-         implementation="ascend_patch.npu.worker:NPUWorker.init_device"),
+         implementation="ascend_patch.npu.runner.worker:NPUWorker.init_device"),
     Seam("vllm.v1.attention.backend:AttentionBackend.get_kv_cache_shape",
          "AscendAttentionBackend defines get_kv_cache_shape only where vLLM still calls it",
          until="0.29", implementation="ascend_patch.npu.attention.backend:AscendAttentionBackend",
@@ -98,5 +104,7 @@ MANIFEST = [
          "of the release (num_chunks from 0.30, num_blocks before)", since="0.30",
          implementation="ascend_patch.npu.distributed.kv_transfer.offload:NPUOffloadingSpec"),
 ]
+
+MANIFEST = [*PATCHES, *NEUTRAL_MANIFEST, *runner_v1.SETTINGS, *runner_v1.SEAMS]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

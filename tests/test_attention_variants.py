@@ -285,7 +285,7 @@ def test_a_mamba_model_is_refused_at_start_up_in_one_line_naming_it_and_its_laye
     (False, False, ["sliding_attention", "full_attention"], None),
 ])
 def test_a_hybrid_models_recurrent_layers_are_named_as_its_config_names_them(free, hybrid, layer_types, named):
-    from ascend_patch.npu.platform import recurrent_layers
+    from ascend_patch.npu.ops.recurrent_layers import recurrent_layers
 
     model = SimpleNamespace(is_attention_free=free, is_hybrid=hybrid,
                             hf_config=SimpleNamespace(layer_types=layer_types))

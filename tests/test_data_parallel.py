@@ -59,7 +59,7 @@ def test_a_dp_rank_s_worker_runs_on_its_own_npu(monkeypatch, visible, assigned, 
 
     import vllm.platforms.interface as interface
 
-    from ascend_patch.npu.worker import device_index
+    from ascend_patch.npu.runner.worker import device_index
 
     if visible is None:
         monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)

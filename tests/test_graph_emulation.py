@@ -245,11 +245,10 @@ def test_the_workspace_a_captured_launch_is_given_meets_the_kernel_contract():
         kernels.paged_attention_workspace(query, keys, values, 2, 8, 0.125, table, _lengths(0, 9), out)
 
 
-def test_graphs_sharing_a_pool_hold_the_largest_graphs_memory(monkeypatch):
+def test_graphs_sharing_a_pool_hold_the_largest_graphs_memory():
     """The device overlays the graphs of one pool (they never replay together): the emulated
     HBM books charge the pool its largest graph, not the sum."""
-    monkeypatch.setenv("ASCEND_PATCH", "emulate")
-    books = device.active_runtime()
+    books = device.runtime(emulated=True)
     before = books.memory_allocated()
     pool = books.graphs().graph_pool_handle()
     sizes = []

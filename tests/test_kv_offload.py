@@ -37,7 +37,7 @@ import torch
 
 from ascend_patch.kit.oracle import hf_greedy, prompt_token_ids
 from ascend_patch.npu import kernels
-from ascend_patch.npu.kv_cache import kernel_caches, kernel_slots
+from ascend_patch.npu.attention.kv_layout import kernel_caches, kernel_slots
 from tests.helpers.engine import assert_tracks_hf_logits, only_marked_tests, run_engine
 
 PROMPTS, PROMPT_LENGTH, BLOCK = 4, 300, 128

@@ -178,7 +178,8 @@ def test_the_manifest_holds_declarations_only():
     it defines no class: code lives in the NPU wing."""
     arrows, outside = IMPORT_GRAPH.graph()
     manifest = {name for name in arrows if name.startswith("ascend_patch.patches")}
-    allowed = {"ascend_patch.overlay.declarations", *manifest}
+    # the overlay package's __init__ runs first, and imports nothing
+    allowed = {"ascend_patch.overlay", "ascend_patch.overlay.declarations", *manifest}
     for name in sorted(manifest):
         assert arrows[name] <= allowed, f"{name} imports {sorted(arrows[name] - allowed)}"
         assert not outside[name], f"{name} imports {sorted(outside[name])}"
@@ -204,9 +205,54 @@ def test_the_import_graph_sees_lazy_imports_and_arrows_into_the_npu_wing(tmp_pat
     (tmp_path / "ascend_patch" / "npu" / "detect.py").write_text("from ..overlay import loader\n")
     arrows, outside = IMPORT_GRAPH.graph(tmp_path)
     assert IMPORT_GRAPH.wing_violations(arrows, outside) == [
-        "ascend_patch.overlay.loader -> ascend_patch.npu.detect", "ascend_patch.overlay.loader -> torch"]
+        "ascend_patch.overlay.loader -> ascend_patch.npu", "ascend_patch.overlay.loader -> ascend_patch.npu.detect",
+        "ascend_patch.overlay.loader -> torch"]
     assert IMPORT_GRAPH.cycles(arrows) == [
         frozenset({"ascend_patch.overlay.loader", "ascend_patch.npu.detect"})]
+
+
+def test_the_import_graph_counts_a_submodule_import_as_one_of_its_package(tmp_path):
+    """A package whose __init__ imports a module that imports a sibling of the package's is a
+    cycle (import order alone keeps it alive); a package's own modules importing each other are not."""
+    for package in ("ascend_patch", "ascend_patch/kernels", "ascend_patch/kernels/inner", "ascend_patch/refs"):
+        (tmp_path / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "ascend_patch" / "kernels" / "__init__.py").write_text(
+        "from ascend_patch.refs import attention\nfrom ascend_patch.kernels.inner import ops\n")
+    (tmp_path / "ascend_patch" / "kernels" / "limits.py").write_text("")
+    (tmp_path / "ascend_patch" / "kernels" / "inner" / "ops.py").write_text("from ascend_patch.kernels import limits\n")
+    (tmp_path / "ascend_patch" / "refs" / "attention.py").write_text("from ascend_patch.kernels import limits\n")
+    arrows, _ = IMPORT_GRAPH.graph(tmp_path)
+    assert IMPORT_GRAPH.cycles(arrows) == [frozenset({"ascend_patch.kernels", "ascend_patch.refs.attention"})]
+
+
+def test_the_runner_walls_hold():
+    arrows, outside = IMPORT_GRAPH.graph()
+    assert IMPORT_GRAPH.runner_violations(arrows, outside) == []
+
+
+def test_the_runner_walls_see_a_worker_import_and_a_set_without_its_runner(tmp_path):
+    for package in ("ascend_patch", "ascend_patch/npu", "ascend_patch/npu/runner", "patches"):
+        (tmp_path / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "ascend_patch" / "npu" / "platform.py").write_text(
+        "def f():\n    from vllm.v1.worker.gpu_worker import Worker\n")
+    (tmp_path / "ascend_patch" / "npu" / "runner" / "worker.py").write_text(
+        "from vllm.v1.worker.gpu_worker import Worker\n")
+    for runner in ("v1", "v2"):
+        (tmp_path / "patches" / f"runner_{runner}.py").write_text("")
+    (tmp_path / "patches" / "v0_20.py").write_text('from ascend_patch.patches import runner_v1\nRUNNER = "v1"\n')
+    (tmp_path / "patches" / "v0_29.py").write_text(
+        'from ascend_patch.patches import runner_v1, runner_v2\nRUNNER = "v1"\n')
+    (tmp_path / "patches" / "v0_34.py").write_text('from ascend_patch.patches import runner_v1\nRUNNER = "v2"\n')
+    arrows, outside = IMPORT_GRAPH.graph(tmp_path)
+    assert IMPORT_GRAPH.runner_violations(arrows, outside, tmp_path) == [
+        "ascend_patch.npu.platform -> vllm.v1.worker.gpu_worker",
+        "ascend_patch.patches.v0_29 declares RUNNER = 'v1' and composes "
+        "ascend_patch.patches.runner_v1, ascend_patch.patches.runner_v2",
+        "ascend_patch.patches.v0_34 declares RUNNER = 'v2' and composes ascend_patch.patches.runner_v1",
+    ]
 
 
 def test_patch_docs_are_generated_from_the_manifest():

@@ -223,7 +223,8 @@ def test_lora_on_moe_models_is_served_where_the_patch_set_installs_its_patch(ver
     LoRA on a MoE model at start-up in one line (a unit test: no engine)."""
     from types import SimpleNamespace
 
-    from ascend_patch.npu.platform import NPUPlatform, moe_lora_release
+    from ascend_patch.npu.lora import moe_lora_release
+    from ascend_patch.npu.platform import NPUPlatform
     from tests.helpers.patch_sets import patched_as_on
 
     config = SimpleNamespace(

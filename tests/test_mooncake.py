@@ -52,7 +52,7 @@ def _mooncake_worker(engine_id: str):
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from ascend_patch.npu.kv_cache import ascend_layer_view
+    from ascend_patch.npu.attention.kv_layout import ascend_layer_view
 
     class Worker(mooncake.MooncakeConnectorWorker):
         def shutdown(self):
@@ -92,7 +92,7 @@ def test_mooncake_moves_a_block_with_its_keys_and_values(reference_kernels):
 
     from ascend_patch.npu import kernels
     from ascend_patch.npu.distributed.kv_transfer import mooncake_resharding
-    from ascend_patch.npu.kv_cache import kernel_caches, kernel_slots
+    from ascend_patch.npu.attention.kv_layout import kernel_caches, kernel_slots
 
     producer, produced, page = _mooncake_worker("prefill")
     consumer, consumed, _ = _mooncake_worker("decode")

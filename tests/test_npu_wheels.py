@@ -29,7 +29,7 @@ from ascend_patch.kit import quantized_models as quantize
 from ascend_patch.kit.oracle import prompt_token_ids
 from ascend_patch.npu import kernels
 from ascend_patch.npu.attention.encoder import AscendEncoderMetadata, AscendEncoderOnlyImpl
-from ascend_patch.npu.emulation import reference
+from ascend_patch.npu.kernels import reference
 from ascend_patch.npu.kernels import npu
 from ascend_patch.overlay import matrix
 from tests import npu_wheels

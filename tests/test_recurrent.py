@@ -368,7 +368,9 @@ def _config(architecture, prefix_caching=False, speculative=None):
 ])
 def test_recurrent_models_are_refused_in_one_line_where_unsupported(architecture, prefix_caching,
                                                                    speculative, refusal):
-    from ascend_patch.npu.platform import recurrent_refusal
+    from ascend_patch.npu.ops.recurrent_layers import recurrent_refusal
+    from tests.helpers.patch_sets import patched_as_on
 
-    assert recurrent_refusal(_config(architecture, prefix_caching, speculative),
-                             "linear layers") == refusal
+    with patched_as_on(version("vllm")):  # the gate is the declaration: the loader's record of it
+        assert recurrent_refusal(_config(architecture, prefix_caching, speculative),
+                                 "linear layers") == refusal

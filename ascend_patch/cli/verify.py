@@ -43,9 +43,9 @@ def _write(path: Path, data: dict) -> None:
 def _device(emulated: bool) -> tuple[dict, dict]:
     """``(device, what torch_npu says of the stack)`` for the record."""
     if emulated:
-        from ascend_patch.npu.device import active_runtime
+        from ascend_patch.npu.device import runtime
 
-        return {"name": active_runtime().device_name(0), "soc": None, "soc_version": None, "family": None,
+        return {"name": runtime(emulated=True).device_name(0), "soc": None, "soc_version": None, "family": None,
                 "count": EMULATED_DEVICES, "emulated": True}, {}
     from ascend_patch.npu.kernels import npu
 

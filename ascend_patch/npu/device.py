@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ascend_patch import env
+from ascend_patch import env, release
 
 
 class Runtime(Protocol):
@@ -112,8 +112,10 @@ def runtime(emulated: bool) -> Runtime:
 
 
 def active_runtime() -> Runtime:
-    """The runtime of the mode the loader activated (usable before vLLM's platform exists)."""
-    return runtime(emulated=env.mode() == "emulate")
+    """The runtime of the mode the loader decided (usable before vLLM's platform exists)."""
+    if release.mode is None:
+        raise RuntimeError("ascend-patch is not active in this process: no device mode was decided")
+    return runtime(emulated=release.mode == "emulate")
 
 
 def current_runtime() -> Runtime:

@@ -72,7 +72,18 @@ def load_patch_set(table: matrix.Matrix, name: str) -> list[Declaration]:
             f"{table.path}: patch_sets.{name}: ascend_patch.patches.{name}.MANIFEST is not a "
             "list of Patch, Contract, Setting and Seam declarations"
         )
+    if not isinstance(getattr(module, "RUNNER", None), str):
+        raise matrix.MatrixError(
+            f"{table.path}: patch_sets.{name}: ascend_patch.patches.{name} declares no RUNNER "
+            "(the runner generation its declarations are written for, e.g. \"v1\")"
+        )
     return list(declarations)
+
+
+def patch_set_runner(name: str) -> str:
+    """The runner generation patch set ``name`` declares (its ``RUNNER``), once
+    :func:`load_patch_set` has checked it."""
+    return importlib.import_module(f"ascend_patch.patches.{name}").RUNNER
 
 
 def _nearest_set(table: matrix.Matrix, release: Version) -> matrix.PatchSetSpec:

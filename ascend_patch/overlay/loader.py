@@ -32,7 +32,7 @@ from pathlib import Path
 from ascend_patch import env, release
 from ascend_patch.overlay import bootstrap, matrix
 from ascend_patch.overlay import version as versions
-from ascend_patch.overlay.decision import Decision, decide
+from ascend_patch.overlay.decision import Decision, decide, patch_set_runner
 from ascend_patch.overlay.declarations import Declaration, Patch, Setting, TargetStatus, TextEnum
 from ascend_patch.overlay.registry import REGISTRY
 from ascend_patch.overlay.source import SourceTree
@@ -250,12 +250,13 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
             else:
                 act.warnings += _overridden_settings(act)
                 scheduled = [d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))]
-                REGISTRY.schedule(scheduled)
+                # the release facts first: a patch applied at once (torch's device API) reads them
                 entry = act.selection.entry
                 release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
                 release.patched = patched(scheduled)
-                release.runner = getattr(sys.modules[f"ascend_patch.patches.{act.selection.patch_set.name}"],
-                                         "RUNNER", "v1")
+                release.mode = act.mode
+                release.runner = patch_set_runner(act.selection.patch_set.name)
+                REGISTRY.schedule(scheduled)
                 act.state = ActivationState.ACTIVE
                 act.reason = (
                     f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
@@ -282,7 +283,7 @@ def deactivate() -> list[str]:
         _activation = None
         release.proven_end_to_end = False
         release.patched = frozenset()
-        release.runner = "v1"
+        release.mode = release.runner = None
         return restored
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.attention.encoder import AscendEncoderMetadata, AscendEncoderOnlyImpl
-from ascend_patch.npu.emulation import reference
+from ascend_patch.npu.kernels import reference
 from tests.helpers.attention import CAUSAL_MASK, oracle
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}

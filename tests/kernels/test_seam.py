@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.emulation import reference
+from ascend_patch.npu.kernels import reference
 from ascend_patch.npu.kernels import npu
 from tests import npu_wheels
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from ascend_patch.npu.spec_decode import install, kernels
+from ascend_patch.npu.runner.v1.spec_decode import install, kernels
 
 
 def _requests(cu: list[int]):

@@ -37,8 +37,8 @@ time; each builder keeps its own kernel block table and slots.
 KV cache: each layer's cache is ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 (block-outermost, each page its K half then its V half), the layout vLLM's KV connectors and
 offloading read; the kernels get it as two contiguous ND caches over doubled block ids
-(:func:`ascend_patch.npu.kv_cache.kernel_caches`). vLLM 0.20–0.28 shape it from
-``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.kv_cache` carves it out of vLLM's
+(:func:`ascend_patch.npu.attention.kv_layout.kernel_caches`). vLLM 0.20–0.28 shape it from
+``get_kv_cache_shape``; from 0.29 :mod:`ascend_patch.npu.runner.kv_allocation` carves it out of vLLM's
 single allocation.
 
 Graphs: FULL graphs hold uniform single-token decode batches of models whose every layer
@@ -75,7 +75,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu import kv_cache as kv_cache_layout
+from ascend_patch.npu.attention import kv_layout as kv_cache_layout
 from ascend_patch.npu.attention import paths
 from ascend_patch.npu.attention.paths import (
     FUSED_DTYPES,
@@ -162,10 +162,10 @@ class AscendMetadata:
     key_positions: torch.Tensor
     """0 .. block_table columns × KERNEL_BLOCK_SIZE - 1 on the device (built once)."""
     kv_slots: torch.Tensor | None = None
-    """The step's KV-cache slots in :func:`~ascend_patch.npu.kv_cache.kernel_caches`, the missing
+    """The step's KV-cache slots in :func:`~ascend_patch.npu.attention.kv_layout.kernel_caches`, the missing
     ones in a slot of the null block each (built once per step by the builder, for every layer)."""
     kernel_block_table: torch.Tensor | None = None
-    """:attr:`block_table` in :func:`~ascend_patch.npu.kv_cache.kernel_caches`' block ids (built
+    """:attr:`block_table` in :func:`~ascend_patch.npu.attention.kv_layout.kernel_caches`' block ids (built
     like :attr:`kv_slots`)."""
     verification: bool = False
     """Speculative verification rows: every request has 1 + k query tokens."""

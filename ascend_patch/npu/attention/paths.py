@@ -157,3 +157,15 @@ def refuse_unsupported(subject: str, features: dict[str, bool], unknown: dict) -
     missing = [name for name, used in features.items() if used]
     if missing:
         raise NotImplementedError(f"{subject} does not support {', '.join(missing)}")
+
+
+def check_config(vllm_config) -> None:
+    """Refuse, in one line, a KV block size the NPU attention kernels cannot page."""
+    cache = vllm_config.cache_config
+    if cache is not None and cache.user_specified_block_size and cache.block_size % KERNEL_BLOCK_SIZE:
+        raise ValueError(
+            f"--block-size {cache.block_size} is not supported on Ascend: the NPU "
+            f"attention kernels need a KV block size that is a multiple of "
+            f"{KERNEL_BLOCK_SIZE} (npu_fused_infer_attention_score, paged). Use "
+            f"--block-size {KERNEL_BLOCK_SIZE} or leave it unset"
+        )

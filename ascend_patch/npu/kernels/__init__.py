@@ -3,7 +3,7 @@
 Two backends implement the same signatures, and the NPU platform binds one when vLLM resolves it;
 until then every op raises :class:`KernelBackendError` (fail closed, never a silent default):
 
-- ``"reference"`` (emulated, :mod:`ascend_patch.npu.emulation.reference`): plain torch that
+- ``"reference"`` (emulated, :mod:`ascend_patch.npu.kernels.reference`): plain torch that
   enforces each op's documented input contract (:mod:`.limits`) and computes its documented output.
   It runs the emulated engine on CPU and makes contract violations fail loudly off-hardware.
 - ``"npu"`` (:mod:`.npu`): direct calls of the documented torch_npu ops, imported lazily.
@@ -24,9 +24,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ascend_patch.npu.emulation import reference
-
-from . import npu
+from . import npu, reference
 from .contracts import KernelContractError
 
 OPS = (

@@ -2,7 +2,7 @@
 
 Dispatch (the attention paths, the MLA backend, the sampler, the custom ops) decides from these
 which kernel a layer or a batch can take; the reference kernels
-(:mod:`ascend_patch.npu.emulation.reference`) refuse a call outside them by name. The tag in
+(:mod:`ascend_patch.npu.kernels.reference`) refuse a call outside them by name. The tag in
 brackets names the source; the references' module docstrings give each tag's full citation
 (op-plugin is Ascend/op-plugin at 517f2e7d, docs under ``docs/zh/custom_APIs/torch_npu/``).
 """

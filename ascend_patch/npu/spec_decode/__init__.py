@@ -1,8 +1,11 @@
-"""Speculative decoding on the NPU path: what vLLM's V1 runner needs beyond its own drafters.
+"""Speculative decoding on the NPU path: which configurations it serves exactly (:mod:`.config`),
+whichever runner generation runs them.
 
-vLLM builds the drafter (n-gram, draft model) and the rejection sampler itself. The platform
-supplies the Triton kernels of that path (:mod:`.kernels`, installed per release by
-:mod:`.install`) and settles which configurations it can serve exactly (:mod:`.config`).
+vLLM builds the drafter (n-gram, draft model, EAGLE, MTP) and the rejection sampler itself; the
+NPU implementations of the Triton kernels on that path belong to a runner generation
+(:mod:`ascend_patch.npu.runner.v1.spec_decode`).
+
+Docs: README.md, "What the overlay does on the NPU".
 """
 
 from ascend_patch.npu.spec_decode import config

@@ -8,8 +8,8 @@ logger = logging.getLogger("vllm.ascend_patch")
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 """The methods served: their drafters are vLLM's own and reach only the kernels of
-:mod:`.kernels` and the Ascend attention builders (EAGLE, EAGLE-3 and MTP drafters attend through
-them, with the device KV lengths copied to the host). Suffix decoding, DFlash and the rest are
+:mod:`ascend_patch.npu.runner.v1.spec_decode.kernels` and the Ascend attention builders (EAGLE,
+EAGLE-3 and MTP drafters attend through them, with the device KV lengths copied to the host). Suffix decoding, DFlash and the rest are
 not ported."""
 
 MTP_MODEL_TYPES = ("deepseek_mtp",)

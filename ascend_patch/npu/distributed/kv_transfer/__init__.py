@@ -2,7 +2,7 @@
 
 vLLM hands every connector each layer's KV cache tensor as the attention backend shaped it. The
 Ascend cache of a standard attention layer is ``[num_blocks, 2, block_size, kv_heads, head_size]``
-(:mod:`ascend_patch.npu.kv_cache`): block-outermost, which is what vLLM's ``ExampleConnector``
+(:mod:`ascend_patch.npu.attention.kv_layout`): block-outermost, which is what vLLM's ``ExampleConnector``
 indexes from vLLM 0.23 (``layer[slot // block_size, :, slot % block_size]``, the shared-storage
 connector of vLLM's disaggregated-prefill example).
 
@@ -210,18 +210,14 @@ def _offloading_interface() -> bool:
 def _mooncake_refusal() -> str | None:
     """Why this vLLM's MooncakeConnector cannot be served on the Ascend layout, or None: it is
     served where the active patch set installs :func:`mooncake_resharding` (patches/v0_29.py)."""
-    import vllm
-
     from ascend_patch import release
 
     if f"{__name__}:{mooncake_resharding.__name__}" in release.patched:
         return None
-    if ".".join(vllm.__version__.split(".")[:2]) in ("0.26", "0.27", "0.28"):
-        return ("this vLLM's Mooncake connector asserts a 4-dim [blocks, heads, block_size, K|V] "
-                "backend cache shape (TransferTopology), and the Ascend cache is [blocks, 2, "
-                "block_size, heads, head_size]")
     return (f"ascend-patch verified the Mooncake connector's registration and transfer plan on the "
-            f"Ascend layout with vLLM {MOONCAKE_RELEASE} only")
+            f"Ascend layout with vLLM {MOONCAKE_RELEASE} only (the connector of 0.26-0.28 also "
+            "asserts a 4-dim [blocks, heads, block_size, K|V] backend cache shape, and the Ascend "
+            "cache is [blocks, 2, block_size, heads, head_size])")
 
 
 _RESHARDING = ("Mooncake KV-head re-sharding is not supported on Ascend by ascend-patch: an Ascend "

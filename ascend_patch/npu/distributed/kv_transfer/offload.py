@@ -14,7 +14,7 @@ What the worker copies: vLLM hands it each layer's cache as ``[num_blocks, page_
 rows over the layer's region (``OffloadingConnectorWorker.register_kv_caches``; 0.33's
 ``canonical_mapping`` certifies an MLA page as ``block_size`` rows of ``kv_lora_rank + rope``).
 The Ascend cache of a standard attention layer is block-outermost (``[num_blocks, 2, block_size,
-kv_heads, head_size]``, :mod:`ascend_patch.npu.kv_cache`), so row ``b`` is all of block ``b``: its
+kv_heads, head_size]``, :mod:`ascend_patch.npu.attention.kv_layout`), so row ``b`` is all of block ``b``: its
 K half, then its V half. An MLA layer's region is not: the NPU MLA kernels take the latent and
 rope caches as two contiguous tensors under one block table, so the region holds every block's
 latent rows, then every block's rope rows (:func:`ascend_patch.npu.attention.mla.latent_planes`),

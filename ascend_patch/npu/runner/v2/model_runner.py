@@ -1,10 +1,10 @@
 """``NPUModelRunnerV2``: vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``) on the NPU device.
 
 vLLM 0.34 removed the V1 runner; MRV2 is the only one. This subclass overrides only what is
-device-specific, as the V1 runner's does: once the model is loaded it reports which attention
-layers run composed rather than fused and how MoE layers route, charges the weights to the
-emulated HBM, measures the profiling pass's activations, and zeroes new KV blocks in the Ascend
-layouts. Everything MRV2 launches as a Triton kernel runs a registered torch implementation
+device-specific, as the V1 runner's does: what every generation's NPU runner adds
+(:class:`~ascend_patch.npu.runner.device_runner.NPURunnerMixin`), new KV blocks zeroed in the
+Ascend layouts, and each step's attention metadata handed to the graph manager. Everything MRV2
+launches as a Triton kernel runs a registered torch implementation
 (:mod:`ascend_patch.npu.runner.v2.kernels`), and its pointer-table block tables run
 :mod:`ascend_patch.npu.runner.v2.block_tables`; input preparation, attention metadata, sampling
 and output processing stay vLLM's.
@@ -12,23 +12,15 @@ and output processing stay vLLM's.
 
 from __future__ import annotations
 
-from vllm.platforms import current_platform
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-from ascend_patch.npu.attention.backend import report_attention_paths
-from ascend_patch.npu.ops.fused_moe import report_routing
+from ascend_patch.npu.runner.device_runner import NPURunnerMixin
 from ascend_patch.npu.runner.kv_zeroing import AscendKVBlockZeroer
 
 
-class NPUModelRunnerV2(GPUModelRunner):
+class NPUModelRunnerV2(NPURunnerMixin, GPUModelRunner):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        report_attention_paths(self.compilation_config.static_forward_context,
-                               self.model_config.dtype, self.model_config.model)
-        report_routing(self.get_model(), self.model_config.model)
-        charged = current_platform.runtime().charge_weights(self.get_model())
-        if charged is not None:  # the emulated HBM's figure replaces vLLM's host-side one
-            self.model_memory_usage = charged
         self._record_step_metadata()
 
     def _record_step_metadata(self) -> None:
@@ -44,10 +36,6 @@ class NPUModelRunnerV2(GPUModelRunner):
             return metadata
 
         self.model_state.prepare_attn = prepare_and_record
-
-    def profile_run(self, *args, **kwargs):
-        with current_platform.runtime().track_activations():
-            return super().profile_run(*args, **kwargs)
 
     def _init_kv_zero_meta(self) -> None:
         self.kv_block_zeroer = AscendKVBlockZeroer(self.compilation_config.static_forward_context,

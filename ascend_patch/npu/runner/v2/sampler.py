@@ -4,14 +4,14 @@ MRV2 masks logits with ``apply_top_k_top_p`` (``vllm/v1/sample/ops/topk_topp_sam
 Triton when it imports, else a full-vocabulary sort. On the NPU the mask comes from
 ``npu_top_k_top_p`` for rows whose k the op takes (k ≤ 1024), from its top-p-only form for rows
 without top-k, and from vLLM's sort for the rest, as on the V1 runner
-(:func:`ascend_patch.npu.sample.sampler.filter_top_k_top_p`). Which rows go where is decided from
+(:func:`ascend_patch.npu.runner.top_k_top_p.filter_top_k_top_p`). Which rows go where is decided from
 the host copy of k that MRV2's ``SamplingStates`` keeps (``top_k.np``): the wrapper of
 ``get_top_k_top_p`` hands it to the k tensor it builds, so a step reads no device value.
 """
 
 from __future__ import annotations
 
-from ascend_patch.npu.sample.sampler import HOST_TOP_K, filter_top_k_top_p
+from ascend_patch.npu.runner.top_k_top_p import HOST_TOP_K, filter_top_k_top_p
 
 
 def npu_apply_top_k_top_p(original):

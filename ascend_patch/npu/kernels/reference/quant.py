@@ -2,7 +2,7 @@
 
 Like the other references, each function enforces its torch_npu op's documented input contract and
 computes the documented output; :mod:`ascend_patch.npu.kernels.npu` holds the real twins and
-:mod:`ascend_patch.npu.emulation.reference` re-exports
+:mod:`ascend_patch.npu.kernels.reference` re-exports
 these. Only the forms the W8A8 path uses are implemented; other documented forms (int4, int8
 output, batched operands, smoothing) raise ``NotImplementedError`` naming what was asked for.
 

@@ -1,23 +1,15 @@
-"""Top-k/top-p sampling on the kernel seam.
+"""Top-k/top-p masking on the kernel seam, for both runner generations.
 
-vLLM's ``TopKTopPSampler`` picks its forward in ``__init__`` by platform and gives
-out-of-tree platforms ``forward_native``. The wrapper below lets that run, then
-routes the instance to :func:`forward_npu`: the top-k/top-p mask comes from
-``npu_top_k_top_p`` and everything after it — processed-logprob modes, softmax and
-the exponential-noise sampling that needs no host sync — is vLLM's own
-``forward_native`` with the filters already applied.
-
-``npu_top_k_top_p`` takes k in [1, 1024] only, while vLLM gives a request without
-top-k k = vocab size. Which rows the op can take is decided from the host copy of
-k that vLLM's ``InputBatch`` already keeps (``top_k_cpu``): :func:`attach_host_top_k`
-hands it to the k tensor of each new sampling metadata, and the first step that
-samples with that tensor turns it into a :class:`TopKRoute` kept on the tensor. A
-step therefore reads no device value, and routing costs a few attribute lookups.
+``npu_top_k_top_p`` takes k in [1, 1024] only, while vLLM gives a request without top-k k = vocab
+size. Which rows the op can take is decided from a host copy of k that each runner generation hands
+to the k tensor it builds (:data:`HOST_TOP_K`: the V1 runner's ``InputBatch.top_k_cpu``, Model
+Runner V2's ``SamplingStates.top_k.np``); the first mask with that tensor turns it into a
+:class:`TopKRoute` kept on the tensor. A step therefore reads no device value, and routing costs a
+few attribute lookups. Rows beyond the op's k limit take vLLM's sort-based torch path.
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +22,7 @@ from ascend_patch.npu.kernels import limits
 # npu_top_k_top_p: k is int32 in [1, 1024].
 MAX_NPU_TOP_K = limits.TOP_K_MAX
 
-# Attributes set on vLLM's per-metadata top_k tensor (a fresh view for each SamplingMetadata).
+# Attributes set on the k tensor a runner builds for one step (a fresh tensor each time).
 HOST_TOP_K = "_ascend_host_top_k"
 _ROUTE = "_ascend_top_k_route"
 
@@ -99,24 +91,3 @@ def filter_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
             logits.index_select(0, rows), k.index_select(0, rows),
             None if p is None else p.index_select(0, rows)))
     return filtered
-
-
-def forward_npu(self, logits, generators, k, p):
-    if k is not None or p is not None:
-        logits = filter_top_k_top_p(logits, k, p)
-    return self.forward_native(logits, generators, None, None)
-
-
-def init_wrapper(wrapped, instance, args, kwargs):
-    """Wrapper of ``TopKTopPSampler.__init__``."""
-    wrapped(*args, **kwargs)
-    instance.forward = types.MethodType(forward_npu, instance)
-
-
-def attach_host_top_k(wrapped, instance, args, kwargs):
-    """Wrapper of ``InputBatch._make_sampling_metadata``: the metadata's top_k tensor carries
-    the host values it was just copied from, so the sampler can route rows without a sync."""
-    metadata = wrapped(*args, **kwargs)
-    if metadata.top_k is not None:
-        setattr(metadata.top_k, HOST_TOP_K, instance.top_k_cpu[: instance.num_reqs].copy())
-    return metadata

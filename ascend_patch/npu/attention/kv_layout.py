@@ -1,4 +1,4 @@
-"""KV-cache allocation and layout for the Ascend attention backend.
+"""The KV-cache page layout of the Ascend attention backend, beside the code that reads it.
 
 Every standard attention layer's cache is ``[num_blocks, 2, block_size, kv_heads, head_size]``,
 contiguous: block-outermost, each block's page its K half then its V half. vLLM's connector code
@@ -23,13 +23,13 @@ vLLM 0.20–0.28 view each layer's buffer in the shape the backend's ``get_kv_ca
 names, which is this one. From 0.29 vLLM allocates one int8 backing buffer and hands each layer a
 strided ``[blocks, kv_heads, block_tokens, K|V content]`` view; the backend asks for a
 layer-outermost layout (LBNHC), so each layer owns one dense region whose pages are each
-block's bytes, and this module re-views that region in the layout above. vLLM still decides
+block's bytes, and :mod:`ascend_patch.npu.runner.kv_allocation` re-views that region in
+the layout above (:func:`ascend_layer_view`). vLLM still decides
 sizes, placement and sharing; only the interpretation inside a page changes (the cache is empty
 at this point). MLA layers keep vLLM's view: their one latent vector per token has no K/V split,
 and the MLA backend reads the region as two planes (:mod:`ascend_patch.npu.attention.mla`), which
 is why only the connectors that read the planes serve them: the NPU offloading spec and the
 Ascend example connector (:mod:`ascend_patch.npu.distributed.kv_transfer`).
-On the emulated NPU the buffer is also charged against the emulated HBM.
 """
 
 from __future__ import annotations
@@ -100,90 +100,3 @@ def _dense_region(view: torch.Tensor) -> torch.Tensor:
     if not dense:
         raise ValueError(_NOT_DENSE.format(strides=view.stride(), shape=tuple(view.shape)))
     return view.as_strided((numel,), (1,), view.storage_offset())
-
-
-def _charge(layer_caches: dict[str, torch.Tensor]) -> None:
-    """Charge the buffers behind the layer caches to the device, until the first
-    layer cache dies (the layer caches keep their buffers alive)."""
-    from ascend_patch.npu import device
-    from ascend_patch.npu.storage import unique_storages
-
-    if layer_caches:
-        device.current_runtime().charge_storages("KV cache", unique_storages(layer_caches.values()),
-                                                 next(iter(layer_caches.values())))
-
-
-def allocate_kv_cache(wrapped, instance, args, kwargs):
-    """Wrapper of ``vllm.v1.worker.utils.allocate_kv_cache`` (vLLM 0.29+). A recurrent layer's
-    ``[blocks, 1, 1, page]`` state pages stay as vLLM views them: the layer unpacks its conv
-    and SSM states from each page itself (``MambaBase.bind_kv_cache``)."""
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
-
-    specs = _layer_specs(args[0] if args else kwargs["kv_cache_config"])
-    views = {}
-    for name, view in wrapped(*args, **kwargs).items():
-        spec = specs.get(name)
-        if isinstance(spec, MLAAttentionSpec):
-            views[name] = latent_layer_view(view)
-        elif isinstance(spec, MambaSpec):
-            views[name] = view
-        else:
-            views[name] = ascend_layer_view(view)
-    _charge(views)
-    return views
-
-
-def _layer_specs(kv_cache_config) -> dict:
-    """Each layer's KV-cache spec, by layer name."""
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    specs = {}
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        specs.update(spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs)
-                     else dict.fromkeys(group.layer_names, spec))
-    return specs
-
-
-def reshape_kv_cache_tensors(wrapped, instance, args, kwargs):
-    """Wrapper of ``GPUModelRunner._reshape_kv_cache_tensors`` (vLLM 0.20–0.28).
-
-    Charges here rather than at allocation: the raw buffers' tensors die once
-    vLLM has viewed them, the layer caches returned here live with the engine.
-    """
-    caches = wrapped(*args, **kwargs)
-    _charge(caches)
-    return caches
-
-
-def compute_slot_mapping(original):
-    """Replacement for ``BlockTable.compute_slot_mapping``: vLLM's is a Triton kernel.
-
-    Token ``t`` of request ``r`` at position ``p`` goes to slot
-    ``block_table[r, p // block_size] * block_size + p % block_size``; the rest
-    of the buffer is padding (-1), which the attention backend never passes on.
-    """
-
-    def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
-        if hasattr(self, "slot_mapping_mode"):  # seam SlotMappingMode: vLLM 0.26+
-            from vllm.v1.worker.block_table import SlotMappingMode
-
-            if self.slot_mapping_mode == SlotMappingMode.NONE:
-                return
-            context_parallel = self.dcp_world_size
-        else:  # before 0.26 prefill context parallelism interleaves the slots too
-            context_parallel = self.dcp_world_size * self.pcp_world_size
-        if context_parallel != 1:
-            raise NotImplementedError("context parallelism is not supported on Ascend yet")
-        num_tokens = positions.shape[0]
-        ends = query_start_loc[1 : num_reqs + 1]
-        tokens = torch.arange(num_tokens, device=positions.device)
-        request = torch.searchsorted(ends.to(torch.int64), tokens, right=True).clamp_(max=max(num_reqs - 1, 0))
-        table = self.block_table.gpu
-        slots = table[request, positions // self.block_size].to(torch.int64) * self.block_size
-        slots += positions % self.block_size
-        out = self.slot_mapping.gpu
-        out[:num_tokens] = torch.where(tokens < ends[-1], slots, -1) if num_reqs else -1
-        out[num_tokens:].fill_(-1)
-
-    return compute_slot_mapping

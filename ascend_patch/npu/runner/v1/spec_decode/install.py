@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from ascend_patch.npu.spec_decode import kernels
+from ascend_patch.npu.runner.v1.spec_decode import kernels
 
 IMPLEMENTATIONS = {f"{module}.{fn.__name__}": fn
                    for module, functions in kernels.KERNELS.items() for fn in functions}

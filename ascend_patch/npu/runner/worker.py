@@ -1,4 +1,4 @@
-"""``NPUWorker``: vLLM's own GPU worker on the NPU device.
+"""``NPUWorker``: vLLM's own GPU worker on the NPU device, shared by both runner generations.
 
 It overrides only what is device-specific:
 
@@ -7,10 +7,10 @@ It overrides only what is device-specific:
   platform's backend, seeds, takes vLLM's memory baseline, then builds the model
   runner through vLLM's own ``_init_workspace_and_model_runner`` (0.32+) or the
   same two steps on older releases;
-- ``_make_model_runner``: the runner of the generation the active patch set serves: the V1
-  runner up to vLLM 0.33, Model Runner V2 from 0.34;
-- sleep mode: offload-and-free (:mod:`ascend_patch.npu.sleep_mode`) in place of vLLM's CuMem
-  pool, which is CUDA-only and skipped.
+- ``_make_model_runner``: the NPU runner of the generation the active patch set declares
+  (:func:`ascend_patch.npu.runner.model_runner_cls`), imported on first use;
+- sleep mode: offload-and-free (:mod:`ascend_patch.npu.runner.sleep_mode`) in place of vLLM's
+  CuMem pool, which is CUDA-only and skipped.
 
 Everything else — scheduling glue, input preparation, sampling, KV-cache
 binding, memory profiling — is vLLM's code.
@@ -29,10 +29,11 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
-from ascend_patch import env, release
+from ascend_patch import env
 from ascend_patch.npu import ops, quantization
+from ascend_patch.npu import runner
 from ascend_patch.npu.platform import NPUPlatform
-from ascend_patch.npu.sleep_mode import OffloadAndFree
+from ascend_patch.npu.runner.sleep_mode import OffloadAndFree
 
 logger = logging.getLogger("vllm.ascend_patch")
 
@@ -107,12 +108,7 @@ class NPUWorker(Worker):
             self.model_runner = self._make_model_runner()
 
     def _make_model_runner(self):
-        # The runner generation the active patch set serves; each imports only its own vLLM runner.
-        if release.runner == "v2":
-            from ascend_patch.npu.runner.v2.model_runner import NPUModelRunnerV2 as runner_cls
-        else:
-            from ascend_patch.npu.model_runner import NPUModelRunner as runner_cls
-        return runner_cls(self.vllm_config, self.device)
+        return runner.model_runner_cls()(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
         # vLLM's CuMem pool (sleep mode) is CUDA-only.

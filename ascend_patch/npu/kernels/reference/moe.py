@@ -2,7 +2,7 @@
 
 Like the other references, each function enforces its torch_npu op's documented input contract and
 computes the documented output; :mod:`ascend_patch.npu.kernels.npu` holds the real twins and
-:mod:`ascend_patch.npu.emulation.reference` re-exports
+:mod:`ascend_patch.npu.kernels.reference` re-exports
 these, so both backends bind the same names. Signatures (names, argument names, defaults) are the
 documented torch_npu ones. Work is vectorised over tokens; grouped matmul loops over experts.
 

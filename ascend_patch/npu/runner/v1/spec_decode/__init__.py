@@ -1,0 +1,4 @@
+"""The V1 runner's speculative-decoding Triton kernels on the NPU: the implementations
+(:mod:`.kernels`, plain torch) and how each release reaches them (:mod:`.install`). Which
+configurations are served is runner-neutral (:mod:`ascend_patch.npu.spec_decode.config`).
+"""

@@ -1,1 +1,0 @@
-"""Sampling on the NPU."""
