@@ -316,6 +316,11 @@ def _batch(seed=0, vocab=10, temperatures=(0.0, 0.8, 1.0, 1.3), steps=3,
     num_logits = int(cu[-1])
     target = torch.randn(num_logits, vocab, generator=g) * 2
     draft = torch.randn(max_reqs, steps, vocab, generator=g) * 2 if draft_logits else None
+    if draft is not None:  # a draft model close to the target: long accepted runs occur
+        for r, req in enumerate(idx_mapping.tolist()):
+            start = int(cu[r])
+            target[start : start + drafts[r]] = (draft[req, : drafts[r]]
+                                                 + 0.3 * target[start : start + drafts[r]])
     draft_sampled = torch.zeros(num_logits, dtype=torch.int64)
     expanded_idx = torch.zeros(num_logits, dtype=torch.int64)
     local_pos = torch.zeros(num_logits, dtype=torch.int64)
@@ -372,6 +377,28 @@ def test_rejection_sampling_equals_the_kernels_loop(seed, vocab_block, resample_
 def test_block_verification_equals_the_kernels_loop(seed, draft_logits):
     batch = _batch(seed + 10, draft_logits=draft_logits)
     _check_against_loop(batch, block=True, vocab_block=4, resample_block=4)
+
+
+def test_the_loop_comparison_sees_every_request_and_a_wrong_seed():
+    # Coverage: the batches hold fully accepted, partially accepted and rejected requests of
+    # every kind; negative control: the loop with other seeds disagrees with the kernels.
+    outcomes, agreements = set(), []
+    for seed in range(4):
+        batch = _batch(seed)
+        sampled, num_sampled, rejected, *_ = rejection_sample(**batch, vocab_block=4)
+        drafts = (batch["cu_num_logits"][1:] - batch["cu_num_logits"][:-1] - 1).tolist()
+        temps = batch["temperature"][batch["idx_mapping"]].tolist()
+        for n, accepted, temp in zip(drafts, rejected.tolist(), temps):
+            if n:
+                outcomes.add((temp == 0.0, "all" if accepted == n else "some" if accepted
+                              else "none"))
+        batch["seed"] = batch["seed"] + 1
+        expected, expected_num = _loop(batch)
+        agreements.append(num_sampled.tolist() == expected_num.tolist() and all(
+            sampled[r, :n].tolist() == expected[r, :n].tolist()
+            for r, n in enumerate(expected_num.tolist())))
+    assert not all(agreements)
+    assert outcomes == {(g, k) for g in (True, False) for k in ("all", "some", "none")}
 
 
 def test_synthetic_acceptance_equals_the_kernels_loop():
