@@ -802,7 +802,7 @@ def loop_standalone_prefill(ids, positions, last_sampled, idx_mapping, qsl, seq_
 def test_standalone_prefill_inputs_equal_the_loop_and_hand_values():
     ids = torch.tensor([10, 11, 12, 20, 21, 30], dtype=torch.int32)
     positions = torch.tensor([5, 6, 7, 3, 4, 62])
-    last = torch.tensor([0, 99, 88, 77], dtype=torch.int32)
+    last = torch.tensor([[0], [99], [88], [77]], dtype=torch.int32)  # MRV2's [max_reqs, 1]
     idx_mapping = torch.tensor([3, 1, 2])
     qsl = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
     seq_lens = torch.tensor([8, 5, 63], dtype=torch.int32)
@@ -814,7 +814,8 @@ def test_standalone_prefill_inputs_equal_the_loop_and_hand_values():
     kernels.standalone_ar_prepare_prefill_inputs(
         ids, positions, last, idx_mapping, *outs.values(), qsl, seq_lens, rejected, 5, 64,
         BLOCK_SIZE=8)
-    loop_standalone_prefill(ids.numpy(), positions.numpy(), last.numpy(), idx_mapping.numpy(),
+    loop_standalone_prefill(ids.numpy(), positions.numpy(), last.view(-1).numpy(),
+                            idx_mapping.numpy(),
                             qsl.numpy(), seq_lens.numpy(), rejected.numpy(), 5, 64,
                             *expected.values())
     for name, value in outs.items():

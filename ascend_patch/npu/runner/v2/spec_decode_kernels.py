@@ -972,7 +972,7 @@ def standalone_ar_prepare_prefill_inputs(
     row, j, covered = _token_requests(out_start, num_reqs, out_input_ids_ptr.shape[0])
     num_valid = (query_start[1:] - query_start[:-1]
                  - num_rejected_ptr[:num_reqs].long())
-    correction = last_sampled_ptr[idx_mapping_ptr.long()].int()
+    correction = last_sampled_ptr.view(-1)[idx_mapping_ptr.long()].int()  # [max_reqs, 1]
     source = (query_start[row] + j).clamp(0, target_input_ids_ptr.shape[0] - 1)
     token = torch.where(j < num_valid[row], target_input_ids_ptr[source].int(), 0)
     token = torch.where(j == num_valid[row], correction[row], token)
