@@ -54,13 +54,18 @@ No kernel of these methods takes a device pointer table, so every one is registe
 here replaces a method. The rejection kernels' FLy window (``FLY_WINDOW_SIZE`` > 0) and
 watermark (``WATERMARK``) modes raise instead of computing.
 
-Randomness is vLLM's: the acceptance test draws ``tl.rand`` (Triton's Philox, 4x64-10 for vLLM's int64 positions,
-here :func:`philox_uniform`) at ``(seed, pos)``, and resampling draws ``gumbel.py``'s murmur3 Gumbel
-noise (:mod:`~ascend_patch.npu.runner.v2.sample_kernels`). Reductions over vocab blocks follow
-the sampling kernels' rules: a block's argmax is its first NaN, else its first maximum, and maxima
-skip NaNs. 0.33 has the same kernels except that the rejection kernels take no
-``draft_logits_row_mapping_ptr`` and ``_resample_kernel`` no ``SKIP_MASKED_BLOCKS``
-(``tests/kernels/test_mrv2_spec_decode_kernels.py`` checks every function against a per-request
+Randomness is vLLM's: the acceptance test draws ``tl.rand`` at ``(seed, pos)`` (Triton's Philox,
+4x64-10 for vLLM's int64 positions: :func:`philox_uniform`), and resampling draws ``gumbel.py``'s
+murmur3 Gumbel noise (:mod:`~ascend_patch.npu.runner.v2.sample_kernels`). Reductions over vocab
+blocks follow the sampling kernels' rules: a block's argmax is its first NaN, else its first
+maximum, and maxima skip NaNs. Block verification's running joint ratio is computed as a scan
+(fp64) where the kernel rounds each step in fp32.
+
+vLLM 0.33 has the same kernels except: the five rejection kernels that read draft logits take no
+``draft_logits_row_mapping_ptr``, ``_resample_kernel`` no ``SKIP_MASKED_BLOCKS``,
+``_update_draft_inputs_kernel`` takes the model length as a host int (``max_model_len``, 0.34: the
+device scalar ``max_model_len_ptr``), and ``draft_logits.py`` does not exist. These functions are
+0.34's (``tests/kernels/test_mrv2_spec_decode_kernels.py`` checks each against a per-request
 transcription of its kernel and vectors derived by hand).
 """
 
