@@ -506,24 +506,31 @@ TARGET = torch.tensor([1.5, 0.2, -0.3, 0.9, -1.2, 0.4])
 DRAFT = torch.tensor([0.1, 1.4, 0.3, -0.8, 0.9, -0.2])
 
 
-def _one_step_verification(n, draft_logits=DRAFT, believed=None, temperature=1.0, seed=7):
-    """n requests, one draft each, drawn from softmax(draft_logits); verification told the draft
-    distribution ``believed`` (default: the true one). Returns each request's first token and,
-    for requests whose draft was accepted, the bonus token."""
+def _verification(n, steps=1, believed=None, block=False, seed=7):
+    """n requests at temperature 1 with ``steps`` drafts each, drawn from softmax(DRAFT); the
+    target's logits are TARGET and TARGET reversed in turn (a target that ignores its context);
+    verification is told the draft distribution ``believed`` (default: the true one). Returns
+    ``sampled`` and ``num_sampled``."""
     g = torch.Generator().manual_seed(seed)
-    drafts = torch.multinomial(torch.softmax(draft_logits, 0), n, replacement=True, generator=g)
-    cu = torch.arange(n + 1, dtype=torch.int32) * 2
-    target = torch.stack((TARGET, TARGET.flip(0))).repeat(n, 1) * temperature
-    draft_sampled = torch.stack((torch.zeros(n, dtype=torch.int64), drafts), 1).flatten()
-    cache = (draft_logits if believed is None else believed).repeat(n, 1, 1) * temperature
+    drafts = torch.multinomial(torch.softmax(DRAFT, 0), n * steps, replacement=True,
+                               generator=g).view(n, steps)
+    width = steps + 1
+    cu = torch.arange(n + 1, dtype=torch.int32) * width
+    target = torch.stack([TARGET if i % 2 == 0 else TARGET.flip(0) for i in range(width)])
+    draft_sampled = torch.cat((torch.zeros(n, 1, dtype=torch.int64), drafts), 1).flatten()
+    cache = (DRAFT if believed is None else believed).repeat(n, steps, 1)
     sampled, num_sampled, *_ = rejection_sample(
-        target, cache, None, draft_sampled, cu, torch.arange(2 * n), torch.arange(n),
-        torch.arange(n).repeat_interleave(2), torch.tensor([0, 1]).repeat(n),
-        torch.full((n,), temperature), torch.arange(n) * 7919 + seed, 1, vocab_block=4,
-        resample_block=4)
-    first = sampled[:, 0]
-    bonus = sampled[num_sampled == 2, 1]
-    return first, bonus
+        target.repeat(n, 1), cache, None, draft_sampled, cu, torch.arange(width * n),
+        torch.arange(n), torch.arange(n).repeat_interleave(width),
+        torch.arange(width).repeat(n), torch.ones(n), torch.arange(n) * 7919 + seed, steps,
+        block=block, vocab_block=4, resample_block=4)
+    return sampled, num_sampled
+
+
+def _one_step_verification(n, believed=None):
+    """Each request's first token and, for requests whose draft was accepted, the bonus."""
+    sampled, num_sampled = _verification(n, believed=believed)
+    return sampled[:, 0], sampled[num_sampled == 2, 1]
 
 
 def test_verified_tokens_follow_the_target_distribution():
@@ -532,6 +539,15 @@ def test_verified_tokens_follow_the_target_distribution():
     assert p_value > SIGNIFICANCE, (statistic, p_value)
     statistic, p_value = _chi_square(bonus, torch.softmax(TARGET.flip(0), 0))
     assert p_value > SIGNIFICANCE, (statistic, p_value)
+
+
+@pytest.mark.parametrize("believed,preserved", [(None, True), (torch.zeros(6), False)],
+                         ids=["true_draft_distribution", "wrong_residual"])
+def test_block_verification_keeps_the_target_distribution(believed, preserved):
+    # Two drafts per request; the first emitted token must follow the target's first step.
+    sampled, _ = _verification(6000, steps=2, believed=believed, block=True)
+    statistic, p_value = _chi_square(sampled[:, 0], torch.softmax(TARGET, 0))
+    assert (p_value > SIGNIFICANCE) == preserved, (statistic, p_value)
 
 
 def test_one_hot_drafts_keep_the_target_distribution():
