@@ -137,6 +137,118 @@ _KERNELS = {
         "_num_nans_kernel":
             '(logits_ptr, logits_stride, num_nans_ptr, vocab_size, BLOCK_SIZE)',
     }),
+    "spec_decode.rejection_sampler": ("spec_decode_kernels", {
+        "_flatten_sampled_kernel":
+            '(flat_sampled_ptr, sampled_ptr, sampled_stride, num_sampled_ptr, cu_num_logits_ptr)',
+        "_gather_draft_sampled_kernel":
+            '(draft_sampled_ptr, pos_ptr, input_ids_ptr, positions_ptr, logits_indices_ptr, '
+            'expanded_idx_mapping_ptr, expanded_local_pos_ptr, prefill_len_ptr, num_logits, '
+            'BLOCK_SIZE)',
+    }),
+    "spec_decode.rejection_sampler_utils": ("spec_decode_kernels", {
+        "_compute_local_logits_stats_kernel":
+            '(target_local_argmax_ptr, target_local_argmax_stride, target_local_max_ptr, '
+            'target_local_max_stride, target_local_sumexp_ptr, target_local_sumexp_stride, '
+            'draft_local_max_ptr, draft_local_max_stride, draft_local_sumexp_ptr, '
+            'draft_local_sumexp_stride, target_logits_ptr, target_logits_stride, draft_logits_ptr, '
+            'draft_logits_stride_0, draft_logits_stride_1, draft_logits_row_mapping_ptr, '
+            'expanded_idx_mapping_ptr, expanded_local_pos_ptr, temp_ptr, vocab_size, num_logits, '
+            'BLOCK_SIZE, HAS_DRAFT_LOGITS)',
+        "_compute_cumulative_log_p_kernel":
+            '(cumulative_log_p_ptr, target_logits_ptr, target_logits_stride, target_local_max_ptr, '
+            'target_local_max_stride, target_local_sumexp_ptr, target_local_sumexp_stride, '
+            'draft_sampled_ptr, draft_logits_ptr, draft_logits_stride_0, draft_logits_stride_1, '
+            'draft_logits_row_mapping_ptr, draft_local_max_ptr, draft_local_max_stride, '
+            'draft_local_sumexp_ptr, draft_local_sumexp_stride, cu_num_logits_ptr, idx_mapping_ptr, '
+            'temp_ptr, vocab_num_blocks, PADDED_VOCAB_NUM_BLOCKS, HAS_DRAFT_LOGITS)',
+        "_compute_local_residual_mass_kernel":
+            '(local_residual_mass_ptr, local_residual_mass_stride, cumulative_log_p_ptr, '
+            'target_logits_ptr, target_logits_stride, target_local_max_ptr, target_local_max_stride, '
+            'target_local_sumexp_ptr, target_local_sumexp_stride, draft_logits_ptr, '
+            'draft_logits_stride_0, draft_logits_stride_1, draft_logits_row_mapping_ptr, '
+            'draft_local_max_ptr, draft_local_max_stride, draft_local_sumexp_ptr, '
+            'draft_local_sumexp_stride, draft_sampled_ptr, expanded_idx_mapping_ptr, '
+            'expanded_local_pos_ptr, temp_ptr, vocab_size, num_logits, vocab_num_blocks, BLOCK_SIZE, '
+            'PADDED_VOCAB_NUM_BLOCKS)',
+        "_rejection_kernel":
+            '(sampled_ptr, sampled_stride, rejected_steps_ptr, target_rejected_logsumexp_ptr, '
+            'draft_rejected_logsumexp_ptr, target_logits_ptr, target_logits_stride, '
+            'target_local_argmax_ptr, target_local_argmax_stride, target_local_max_ptr, '
+            'target_local_max_stride, target_local_sumexp_ptr, target_local_sumexp_stride, '
+            'draft_sampled_ptr, draft_logits_ptr, draft_logits_stride_0, draft_logits_stride_1, '
+            'draft_logits_row_mapping_ptr, draft_local_max_ptr, draft_local_max_stride, '
+            'draft_local_sumexp_ptr, draft_local_sumexp_stride, cu_num_logits_ptr, idx_mapping_ptr, '
+            'temp_ptr, seed_ptr, pos_ptr, synthetic_conditional_rates_ptr, cumulative_log_p_ptr, '
+            'local_residual_mass_ptr, local_residual_mass_stride, fly_entropy_ptr, '
+            'fly_entropy_threshold, vocab_num_blocks, PADDED_VOCAB_NUM_BLOCKS, HAS_DRAFT_LOGITS, '
+            'SYNTHETIC_MODE, USE_BLOCK_VERIFICATION, FLY_WINDOW_SIZE)',
+        "_resample_kernel":
+            '(resampled_local_argmax_ptr, resampled_local_argmax_stride, resampled_local_max_ptr, '
+            'resampled_local_max_stride, target_logits_ptr, target_logits_stride, '
+            'target_rejected_logsumexp_ptr, draft_logits_ptr, draft_logits_stride_0, '
+            'draft_logits_stride_1, draft_logits_row_mapping_ptr, draft_rejected_logsumexp_ptr, '
+            'rejected_step_ptr, cu_num_logits_ptr, expanded_idx_mapping_ptr, draft_sampled_ptr, '
+            'temp_ptr, seed_ptr, pos_ptr, cumulative_log_p_ptr, contexts_ptr, contexts_stride, '
+            'watermarking_ptr, watermarking_skip_mask_ptr, watermark_key_0, watermark_key_1, '
+            'vocab_size, BLOCK_SIZE, HAS_DRAFT_LOGITS, USE_FP64, USE_BLOCK_VERIFICATION, '
+            'CONTEXT_WIDTH, WATERMARK, DEDUPLICATE_CONTEXTS, SKIP_MASKED_BLOCKS)',
+        "_insert_resampled_kernel":
+            '(sampled_ptr, sampled_stride, num_sampled_ptr, resampled_local_argmax_ptr, '
+            'resampled_local_argmax_stride, resampled_local_max_ptr, resampled_local_max_stride, '
+            'resample_num_blocks, cu_num_logits_ptr, expanded_idx_mapping_ptr, temp_ptr, '
+            'PADDED_RESAMPLE_NUM_BLOCKS)',
+    }),
+    "spec_decode.draft_logits": ("spec_decode_kernels", {
+        "_assign_rows_kernel":
+            '(idx_mapping_ptr, shard_mapping_ptr, row_mapping_ptr, inverse_row_mapping_ptr, '
+            'num_reqs, NUM_SHARDS, SHARD_IDX, BLOCK_SIZE)',
+        "_stale_drafts_kernel":
+            '(stale_ptr, expanded_idx_mapping_ptr, expanded_local_pos_ptr, row_mapping_ptr, '
+            'inverse_row_mapping_ptr, num_logits, BLOCK_SIZE)',
+    }),
+    "spec_decode.ngram.speculator": ("spec_decode_kernels", {
+        "_ngram_scan_kernel":
+            '(token_ids_ptr, token_ids_stride, idx_mapping_ptr, total_len_ptr, num_sampled_ptr, '
+            'scratch_ptr, scratch_stride, L, MIN_N, MAX_N, MAX_N_PO2, BLOCK_L)',
+        "_ngram_finalize_kernel":
+            '(token_ids_ptr, token_ids_stride, idx_mapping_ptr, total_len_ptr, num_sampled_ptr, '
+            'last_sampled_ptr, scratch_ptr, scratch_stride, drafts_ptr, L, N_BLOCKS, K, K_PO2, '
+            'N_BLOCKS_PO2)',
+    }),
+    "spec_decode.standalone_ar.speculator": ("spec_decode_kernels", {
+        "_prepare_prefill_inputs_kernel":
+            '(target_input_ids_ptr, target_positions_ptr, last_sampled_ptr, idx_mapping_ptr, '
+            'out_input_ids_ptr, out_positions_ptr, last_token_indices_ptr, out_query_start_loc_ptr, '
+            'out_seq_lens_ptr, query_start_loc_ptr, seq_lens_ptr, num_rejected_ptr, max_num_reqs, '
+            'max_model_len, BLOCK_SIZE)',
+    }),
+    "spec_decode.target_dependent_ar.speculator": ("spec_decode_kernels", {
+        "_prepare_prefill_inputs_kernel":
+            '(last_token_indices_ptr, draft_current_step_ptr, draft_input_ids_ptr, '
+            'draft_positions_ptr, draft_query_start_loc_ptr, draft_seq_lens_ptr, '
+            'target_input_ids_ptr, target_positions_ptr, idx_mapping_ptr, last_sampled_ptr, '
+            'next_prefill_tokens_ptr, num_sampled_ptr, num_rejected_ptr, query_start_loc_ptr, '
+            'seq_lens_ptr, max_num_reqs, BLOCK_SIZE)',
+        "_prepare_decode_inputs_kernel":
+            '(draft_tokens_ptr, draft_tokens_stride, target_seq_lens_ptr, num_rejected_ptr, '
+            'input_ids_ptr, positions_ptr, sample_src_positions_ptr, query_start_loc_ptr, '
+            'seq_lens_ptr, max_model_len, max_num_reqs, BLOCK_SIZE, ADVANCE_DRAFT_POSITIONS)',
+        "_update_draft_inputs_kernel":
+            '(output_draft_tokens_ptr, output_draft_tokens_stride, next_input_hidden_states_ptr, '
+            'next_input_hidden_states_stride, input_ids_ptr, positions_ptr, sample_src_positions_ptr, '
+            'seq_lens_ptr, draft_tokens_ptr, current_draft_step_ptr, hidden_states_ptr, '
+            'hidden_states_stride, hidden_size, max_model_len_ptr, num_speculative_steps, BLOCK_SIZE, '
+            'ADVANCE_DRAFT_POSITIONS)',
+    }),
+}
+
+# Implementations whose attribute differs from the kernel's name: two speculators each define a
+# `_prepare_prefill_inputs_kernel` (and so does input_batch), one module holds both here.
+_IMPLEMENTED_AS = {
+    ("spec_decode.standalone_ar.speculator", "_prepare_prefill_inputs_kernel"):
+        "standalone_ar_prepare_prefill_inputs",
+    ("spec_decode.target_dependent_ar.speculator", "_prepare_prefill_inputs_kernel"):
+        "target_dependent_ar_prepare_prefill_inputs",
 }
 
 _KERNEL_REGISTRY = ("vllm/triton_utils/dispatcher.py: register_kernels, asked by "
@@ -146,7 +258,8 @@ _KERNEL_REGISTRY = ("vllm/triton_utils/dispatcher.py: register_kernels, asked by
 KERNELS = [
     contract(f"{_GPU}.{module}:{kernel}", signature,
              "run its torch implementation (same parameters) through vLLM's kernel registry",
-             implementation=f"ascend_patch.npu.runner.v2.{ours}:{kernel}",
+             implementation=f"ascend_patch.npu.runner.v2.{ours}:"
+                            f"{_IMPLEMENTED_AS.get((module, kernel), kernel)}",
              upstream=f"vllm/v1/worker/gpu/{module.replace('.', '/')}.py: a Triton kernel, which "
                       "the NPU cannot launch without triton-ascend; " + _KERNEL_REGISTRY,
              remove_when=_NO_TRITON_ASCEND)
@@ -165,6 +278,16 @@ RUNNER = [
                  "standalone CPU runner, whose config checks refuse speculative decoding",
         remove_when="vLLM gates on the kernels a platform registered instead of on Triton",
         rebind=False,  # only the worker's gate: every other HAS_TRITON keeps its value
+    ),
+    Patch(
+        f"{_GPU}.spec_decode.ngram.speculator:HAS_TRITON",
+        reason="open the n-gram speculator's Triton gate: its scan and finalize kernels run "
+               "registered torch implementations",
+        replacement="ascend_patch.npu.runner.v2.kernels:triton_gate",
+        upstream="vllm/v1/worker/gpu/spec_decode/ngram/speculator.py: NgramGPUSpeculator "
+                 "raises \"ngram_gpu speculative decoding requires Triton.\" unless HAS_TRITON",
+        remove_when="vLLM gates on the kernels a platform registered instead of on Triton",
+        rebind=False,  # only the speculator's gate
     ),
     Patch(
         "vllm.triton_utils.importing:TritonPlaceholder.__init__",

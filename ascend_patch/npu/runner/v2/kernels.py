@@ -19,9 +19,9 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from ascend_patch.npu.runner.v2 import input_kernels, sample_kernels
+from ascend_patch.npu.runner.v2 import input_kernels, sample_kernels, spec_decode_kernels
 
-FAMILIES = (input_kernels, sample_kernels)
+FAMILIES = (input_kernels, sample_kernels, spec_decode_kernels)
 
 
 def implementations() -> dict[str, object]:
