@@ -15,7 +15,7 @@ from __future__ import annotations
 from vllm.platforms import current_platform
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-from ascend_patch.npu.attention.backend import report_attention_paths
+from ascend_patch.npu.attention.backend import dummy_forward, report_attention_paths
 from ascend_patch.npu.ops.fused_moe import report_routing
 from ascend_patch.npu.runner.kv_zeroing import AscendKVBlockZeroer
 
@@ -44,6 +44,12 @@ class NPUModelRunnerV2(GPUModelRunner):
             return metadata
 
         self.model_state.prepare_attn = prepare_and_record
+
+    def _dummy_run(self, *args, **kwargs):
+        # Unlike the V1 runner's warm-up, MRV2's runs attention over all-PAD slots (and an idle
+        # data-parallel rank's step is one too): the backend keeps their KV writes in the null block.
+        with dummy_forward():
+            return super()._dummy_run(*args, **kwargs)
 
     def profile_run(self, *args, **kwargs):
         with current_platform.runtime().track_activations():
