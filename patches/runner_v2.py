@@ -387,6 +387,12 @@ RUNNER = [
     contract(f"{_GPU}.model_runner:GPUModelRunner.profile_run", "(self, randomize_inputs=...)",
              "NPUModelRunnerV2 measures the profiling pass's activations", implementation=RUNNER_V2,
              upstream=_MRV2, remove_when="never while the emulated NPU exists"),
+    contract(f"{_GPU}.model_runner:GPUModelRunner._dummy_run", None,
+             "NPUModelRunnerV2 marks its dummy passes, whose attention over all-PAD slots the "
+             "backend keeps out of the KV cache beyond the null block", implementation=RUNNER_V2,
+             upstream=_MRV2 + " (unlike the V1 runner's warm-up, a dummy pass builds attention "
+                              "metadata, every slot PAD)",
+             remove_when="never while the NPU's KV write takes no PAD slots"),
     contract(f"{_GPU}.model_runner:GPUModelRunner._init_kv_zero_meta", "(self)",
              "NPUModelRunnerV2 zeroes new KV blocks in the Ascend layouts (block pages, MLA "
              "latent/rope planes)", implementation=RUNNER_V2,

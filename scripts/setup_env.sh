@@ -33,6 +33,19 @@ if [[ ! -x "$VENV/bin/python" && -n "$BASE" && -f "$BASE/.ascend-patch-stamp" \
     base_site="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     rm -rf "$site"
     cp -al "$base_site" "$site"
+    # The packages' console scripts (ray, vllm, ...) live in bin/, with the base's interpreter in
+    # their first line: each gets this venv's interpreter instead (a binary is linked as it is).
+    bin="$(cd "$VENV/bin" && pwd)"
+    for script in "$BASE"/bin/*; do
+        name="$(basename "$script")"
+        [[ -f "$script" && ! -L "$script" && ! -e "$bin/$name" ]] || continue
+        if head -c 2 "$script" | grep -q '^#!'; then
+            sed "1s|^#!$BASE/bin/python[0-9.]*\$|#!$bin/python|" "$script" > "$bin/$name"
+            chmod +x "$bin/$name"
+        else
+            cp -l "$script" "$bin/$name"
+        fi
+    done
     gone="$(comm -23 <(pins "$BASE/.ascend-patch-requirements") <(pins "$REQUIREMENTS") | cut -d= -f1)"
     if [[ -n "$gone" ]]; then
         # shellcheck disable=SC2086  # one name per word

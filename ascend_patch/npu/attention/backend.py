@@ -60,6 +60,7 @@ speculative decoding) over vLLM's null block (block 0), and every token without 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -162,8 +163,9 @@ class AscendMetadata:
     key_positions: torch.Tensor
     """0 .. block_table columns × KERNEL_BLOCK_SIZE - 1 on the device (built once)."""
     kv_slots: torch.Tensor | None = None
-    """The step's KV-cache slots in :func:`~ascend_patch.npu.attention.kv_layout.kernel_caches`, the missing
-    ones in a slot of the null block each (built once per step by the builder, for every layer)."""
+    """The step's KV-cache slots in :func:`~ascend_patch.npu.attention.kv_layout.kernel_caches`, the
+    missing ones in a slot of the null block each (built once per step by the builder, for every
+    layer); None in a dummy pass wider than the null block, which writes no KV."""
     kernel_block_table: torch.Tensor | None = None
     """:attr:`block_table` in :func:`~ascend_patch.npu.attention.kv_layout.kernel_caches`' block ids (built
     like :attr:`kv_slots`)."""
@@ -185,6 +187,23 @@ class AscendMetadata:
         return mask
 
 
+_dummy_forward = False
+
+
+@contextlib.contextmanager
+def dummy_forward():
+    """A runner's dummy forward pass (sampler warm-up, an idle data-parallel rank): its tokens
+    have no KV to keep. Model Runner V2 builds attention metadata for them with every slot PAD,
+    which the builder sends to the null block's slots; a pass with more tokens than the null block
+    has slots writes no KV at all (npu_scatter_pa_kv_cache refuses a slot given twice)."""
+    global _dummy_forward
+    previous, _dummy_forward = _dummy_forward, True
+    try:
+        yield
+    finally:
+        _dummy_forward = previous
+
+
 class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -192,7 +211,8 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         self._key_positions = torch.empty(0, dtype=torch.int64, device=device)
         # Slot i of the null block for token i (block 0, which vLLM never hands to a request).
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self._null_slots = torch.arange(tokens, device=device) % kv_cache_spec.block_size
+        self._null_block_size = kv_cache_spec.block_size
+        self._null_slots = torch.arange(tokens, device=device) % self._null_block_size
         # The kernels' slots and block table, rebuilt in place every step: a FULL graph's captured
         # kernels read them where the capture found them.
         self._kv_slots = torch.empty(tokens, dtype=torch.int64, device=device)
@@ -237,6 +257,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
                                out=self._kv_slots[:n])
         table = kv_cache_layout.kernel_block_table(
             batch.block_table, out=self._table_rows(*batch.block_table.shape))
+        if _dummy_forward and n > self._null_block_size:
+            # More slotless tokens than the null block has slots: the write would hit some twice.
+            kv_slots = None
         return dataclasses.replace(batch, kv_slots=kv_slots, kernel_block_table=table)
 
     def _table_rows(self, rows: int, width: int) -> torch.Tensor:
@@ -361,7 +384,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         meta = attn_metadata
         n = meta.num_tokens
         key_cache, value_cache = kv_cache_layout.kernel_caches(kv_cache)
-        if self.kv_sharing_target_layer_name is None and key is not None:
+        if self.kv_sharing_target_layer_name is None and key is not None and meta.kv_slots is not None:
             kernels.scatter_pa_kv_cache(
                 key[:n].contiguous(),
                 value[:n].contiguous(),

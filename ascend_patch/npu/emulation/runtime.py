@@ -26,11 +26,14 @@ from ascend_patch.npu.storage import unique_storages
 from ascend_patch.npu.emulation import graph
 
 
-class _EmulatedStream:
-    """One in-order stream: waiting and synchronising are already satisfied."""
+class _EmulatedStream(torch.Stream):
+    """One in-order stream: waiting and synchronising are already satisfied. A ``torch.Stream``
+    (of the CPU), so that ``Tensor.record_stream`` takes it (Model Runner V2's pipeline-parallel
+    broadcast marks its tensors for a side stream); :func:`_cpu_record_stream` gives that op the
+    CPU kernel torch lacks."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        self.device = torch.device("cpu")
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls, device="cpu")
 
     def wait_stream(self, stream) -> None: ...
     def wait_event(self, event) -> None: ...
@@ -41,6 +44,19 @@ class _EmulatedStream:
 
     def record_event(self, event=None):
         return event if event is not None else _EmulatedEvent()
+
+
+_RECORD_STREAM: list = []
+
+
+def _cpu_record_stream() -> None:
+    """Register a no-op CPU kernel for ``aten::record_stream``, once per process: on one
+    in-order stream no allocation can be reused early, so there is nothing to record. torch has
+    none (the op exists for device allocators), and a tensor of the emulated NPU is a CPU tensor."""
+    if not _RECORD_STREAM:
+        library = torch.library.Library("aten", "IMPL")
+        library.impl("record_stream", lambda tensor, stream: None, "CPU")
+        _RECORD_STREAM.append(library)  # the registration lasts as long as its Library object
 
 
 class _EmulatedEvent:
@@ -219,6 +235,7 @@ class EmulatedRuntime:
         torch.compile's dynamo registers a handler per torch API it knows, keyed by function,
         so two APIs sharing one object collide.
         """
+        _cpu_record_stream()
         return {
             "torch.cuda:Stream": _EmulatedStream,
             "torch.cuda:Event": _EmulatedEvent,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+from ascend_patch.npu.attention.backend import dummy_forward
 from ascend_patch.npu.runner.device_runner import NPURunnerMixin
 from ascend_patch.npu.runner.kv_zeroing import AscendKVBlockZeroer
 
@@ -36,6 +37,12 @@ class NPUModelRunnerV2(NPURunnerMixin, GPUModelRunner):
             return metadata
 
         self.model_state.prepare_attn = prepare_and_record
+
+    def _dummy_run(self, *args, **kwargs):
+        # Unlike the V1 runner's warm-up, MRV2's runs attention over all-PAD slots (and an idle
+        # data-parallel rank's step is one too): the backend keeps their KV writes in the null block.
+        with dummy_forward():
+            return super()._dummy_run(*args, **kwargs)
 
     def _init_kv_zero_meta(self) -> None:
         self.kv_block_zeroer = AscendKVBlockZeroer(self.compilation_config.static_forward_context,
