@@ -148,6 +148,7 @@ def run(emulate: bool, output: Path, models_dir: Path | None) -> int:
     with tempfile.TemporaryDirectory(prefix="ascend-patch-verify-") as workdir:
         models = {**models, "tiny-qwen2-w8a8": checks.w8a8_checkpoint(models, Path(workdir))}
         for family in checks.families(models):
+            print(f"ascend-patch verify: starting the {family.name} engine ({family.model})...", flush=True)
             facts = data["families"].setdefault(family.name, {})
             for result in checks.run(family, models[family.model], device["count"], facts):
                 data["checks"].append(result.as_dict())

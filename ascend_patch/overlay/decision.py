@@ -75,6 +75,12 @@ def load_patch_set(table: matrix.Matrix, name: str) -> list[Declaration]:
     return list(declarations)
 
 
+def runner_generation(name: str) -> str:
+    """The model-runner generation patch set ``name`` drives: the ``RUNNER_GENERATION`` its
+    module declares ("V2" for Model Runner V2), else "V1" (every set written before MRV2)."""
+    return getattr(importlib.import_module(f"ascend_patch.patches.{name}"), "RUNNER_GENERATION", "V1")
+
+
 def _nearest_set(table: matrix.Matrix, release: Version) -> matrix.PatchSetSpec:
     """For a release no set covers: the oldest set above it (the one it would have to
     join), else the newest."""

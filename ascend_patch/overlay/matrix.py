@@ -98,6 +98,10 @@ class Matrix:
                 return spec
         raise KeyError(name)
 
+    def served_range(self) -> str:
+        """The vLLM releases some patch set serves, as a pip specifier (``>=0.20,<0.34``)."""
+        return f">={self.patch_sets[0].lower},<{self.patch_sets[-1].upper}"
+
     def set_for_release(self, release: Version) -> PatchSetSpec | None:
         return next((s for s in self.patch_sets if s.contains(release)), None)
 
@@ -129,7 +133,7 @@ class Matrix:
                 None,
                 "older",
                 f"vLLM {version_text} is older than every patch set (oldest: "
-                f"{oldest.name}, {oldest.vllm})",
+                f"{oldest.name}, {oldest.range})",
                 entry,
             )
         return Selection(
@@ -328,4 +332,18 @@ def render_markdown(table: Matrix) -> str:
         lines.append("")
         lines.append("Known limitations:")
         lines.extend(f"- **{lim.id}** (`{lim.vllm}`): {lim.summary}" for lim in table.limitations)
+    return "\n".join(lines)
+
+
+def render_constraints(table: Matrix) -> str:
+    """A pip constraints file (``pip install -c FILE vllm``): the vLLM releases some patch set
+    serves, so ``pip install -U vllm`` cannot move a working host past them; the torch and
+    torch-npu each listed release pairs with, as comments (pip cannot express a pairing)."""
+    from ascend_patch import __version__
+
+    lines = [f"# ascend-patch {__version__}: the vLLM releases its patch sets serve ({table.path.name})",
+             f"vllm{table.served_range()}",
+             "# torch-npu must be the release built for the torch your vLLM pins:"]
+    for e in sorted(table.versions.values(), key=lambda e: Version(e.vllm), reverse=True):
+        lines.append(f"#   vllm=={e.vllm}: torch=={e.torch}, torch-npu=={e.torch_npu}, CANN {e.cann} ({e.status})")
     return "\n".join(lines)
