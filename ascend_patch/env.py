@@ -111,17 +111,21 @@ def validate() -> None:
     variable, the value and the accepted forms (never a silent fallback)."""
     mode(), strict(), debug(), emulated_hbm_bytes()
     override = vllm_version_override()
-    if override is not None and _version_or_none(override) is None:
+    if override is not None and not _is_version(override):
         raise SettingError(
             f"ASCEND_PATCH_VLLM_VERSION={override!r} is not a version; expected a PEP 440 "
             "version such as 0.33.0 or 0.33.1.dev12+gabc"
         )
 
 
-def _version_or_none(text: str):
-    from ascend_patch.overlay.version import parse_or_none  # it reads this module's settings
+def _is_version(text: str) -> bool:
+    from packaging.version import InvalidVersion, Version
 
-    return parse_or_none(text)
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
 
 
 def unknown_names() -> list[str]:

@@ -76,12 +76,15 @@ DEVICE_SELECTION = [
                   "layers a KV-cache group per layer of its pattern, and the windowed groups free the blocks "
                   "before their windows (the attention hides those keys)"),
     platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
-    contract("vllm.platforms.interface:Platform.log_warnings", "(cls)",
-             "log ascend-patch's activation line once vLLM has configured logging in the process",
-             implementation=PLATFORM, upstream="vllm/logger.py (0.33+): configure_logging calls "
-             "current_platform.log_warnings() right after it configures logging in each process",
-             vllm=">=0.33"),
 ]
+
+LOG_WARNINGS = contract(
+    "vllm.platforms.interface:Platform.log_warnings", "(cls)",
+    "log ascend-patch's activation line once vLLM has configured logging in the process",
+    implementation=PLATFORM, upstream="vllm/logger.py (0.33+): configure_logging calls "
+    "current_platform.log_warnings() right after it configures logging in each process",
+    vllm=">=0.33",
+)
 
 # Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
 SEAMS = [

@@ -148,12 +148,10 @@ def report(apply: bool = False) -> dict:
         )
     would_activate = act.state in ("verified", "active")
     entry = selection.entry if selection else None
-    problems = [f"{t['target']}: expected {t['expected']}, found {t['found']}"
-                for t in targets if t["state"] in (State.MISSING, State.MISMATCH, State.UNREADABLE)]
-    if evaluation_error:
-        problems.append(evaluation_error)
-    elif selection is not None and selection.patch_set is None:
-        problems.append(selection.reason)
+    problems = ([evaluation_error] if evaluation_error else
+                [selection.reason] if selection is not None and selection.patch_set is None else [])
+    problems += [f"{t['target']}: expected {t['expected']}, found {t['found']}"
+                 for t in targets if t["state"] in (State.MISSING, State.MISMATCH, State.UNREADABLE)]
     problems += [f"import failed: {failure}" for failure in import_failures]
     return output.document("doctor", {
         "ok": would_activate or requested in ("auto", "off"),

@@ -180,10 +180,10 @@ def _decide_mode(act: Activation) -> Activation | None:
         act.mode_reason = f"ASCEND_PATCH={act.requested} and {device.detail}"
         return None
     if act.requested == "npu":
-        raise AscendPatchError(
-            f"ASCEND_PATCH=npu but no NPU is usable: {device.detail}. Install the CANN toolkit and "
-            "the torch-npu release matching your torch (`ascend-patch doctor` shows both), "
-            "or use ASCEND_PATCH=emulate to run the NPU code path on CPU"
+        return _deviation(
+            act, f"ASCEND_PATCH=npu but no NPU is usable: {device.detail}",
+            "install the CANN toolkit and the torch-npu release matching your torch, or use "
+            "ASCEND_PATCH=emulate to run the NPU code path on CPU",
         )
     act.state, act.reason = ActivationState.INERT, f"ASCEND_PATCH=auto and no NPU: {device.detail}"
     if device.torch_npu_unusable:
