@@ -30,7 +30,8 @@ _KINDS = {
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Table-cell text: escaped so ``kernel[grid](...)`` in a reason is not read as a link."""
+    return text.replace("|", "\\|").replace("[", "\\[").replace("]", "\\]").replace("\n", " ")
 
 
 def render(table: matrix.Matrix) -> str:

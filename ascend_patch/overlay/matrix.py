@@ -67,6 +67,12 @@ class VersionEntry:
     date: str | None = None
     evidence: dict = field(default_factory=dict)
 
+    @property
+    def torch_run(self) -> str | None:
+        """The torch the emulated end-to-end run used (its recorded environment), which is
+        not the torch the release pins: CI runs the CPU build it can install."""
+        return ((self.evidence.get("e2e") or {}).get("environment") or {}).get("torch")
+
 
 @dataclass(frozen=True)
 class Limitation:
@@ -234,6 +240,9 @@ def parse(data: object, path: Path) -> Matrix:
                 raise _fail(path, f"{where}.date", f"required for status {entry.status}")
             if not isinstance(body.get("evidence"), dict) or not body["evidence"]:
                 raise _fail(path, f"{where}.evidence", f"required for status {entry.status}")
+        if entry.status == "emulated-e2e" and not isinstance(entry.torch_run, str):
+            raise _fail(path, f"{where}.evidence.e2e.environment.torch",
+                        "required for status emulated-e2e: the torch the run used")
         if entry.status == "npu-verified":
             # Only rows that claim hardware pay for this import (standard library only).
             from ascend_patch.kit import record
@@ -297,6 +306,7 @@ def to_jsonable(table: Matrix) -> dict:
                 "patch_set": e.patch_set,
                 "torch": e.torch,
                 "torch_npu": e.torch_npu,
+                "torch_run": e.torch_run,
                 "cann": e.cann,
                 "status": e.status,
                 "date": str(e.date) if e.date else None,
@@ -311,16 +321,18 @@ def to_jsonable(table: Matrix) -> dict:
     }
 
 
-def render_markdown(table: Matrix) -> str:
-    """The compatibility table the README embeds (a test keeps them identical)."""
+def render_markdown(table: Matrix, compact: bool = False) -> str:
+    """The compatibility table: in full for docs/compatibility.md and ``ascend-patch matrix``;
+    ``compact`` (the README's) names each limitation and leaves its text to the docs. A test
+    keeps both files identical to what this renders."""
     lines = [
-        "| vLLM | patch set | torch | torch-npu | CANN | status | date |",
-        "|---|---|---|---|---|---|---|",
+        "| vLLM | patch set | torch (pinned) | torch (run) | torch-npu | CANN | status | date |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ordered = sorted(table.versions.values(), key=lambda e: Version(e.vllm), reverse=True)
     for e in ordered:
         lines.append(
-            f"| {e.vllm} | {e.patch_set} | {e.torch} | {e.torch_npu} | {e.cann} | "
+            f"| {e.vllm} | {e.patch_set} | {e.torch} | {e.torch_run or '-'} | {e.torch_npu} | {e.cann} | "
             f"{e.status} | {e.date or ''} |"
         )
     lines.append("")
@@ -330,8 +342,45 @@ def render_markdown(table: Matrix) -> str:
         lines.append(f"| {s.name} | `{s.range}` | {s.summary} |")
     if table.limitations:
         lines.append("")
-        lines.append("Known limitations:")
-        lines.extend(f"- **{lim.id}** (`{lim.vllm}`): {lim.summary}" for lim in table.limitations)
+        if compact:
+            lines.append("Known limitations ([what each means](docs/compatibility.md#known-limitations)): "
+                         + ", ".join(f"`{lim.id}`" for lim in table.limitations) + ".")
+        else:
+            lines.append("### Known limitations")
+            lines.append("")
+            lines.extend(f"- **{lim.id}** (`{lim.vllm}`): {lim.summary}" for lim in table.limitations)
+    return "\n".join(lines)
+
+
+STATUS_LEGEND = {
+    "npu-verified": "`ascend-patch verify` passed on Ascend hardware with this exact vLLM (none yet)",
+    "emulated-e2e": "the emulated end-to-end suite passed with this exact vLLM installed (CPU, no NPU)",
+    "static-probe": "every target verified against the release's source; nothing was run",
+    "untested": "nothing has been run against this release",
+    "unsupported": "known not to work; the evidence says why",
+}
+
+
+def render_features(table: Matrix) -> str:
+    """docs/features.md's table: per release line (patch set), the statuses its releases
+    carry, and each known limitation: where it applies."""
+    sets = list(reversed(table.patch_sets))
+    head = "| | " + " | ".join(f"{s.name} (`{s.range}`)" for s in sets) + " |"
+    lines = [head, "|---" * (len(sets) + 1) + "|"]
+
+    def statuses(spec: PatchSetSpec) -> str:
+        found = [e for e in table.versions.values() if e.patch_set == spec.name]
+        return ", ".join(f"{status} x{n}" for status in STATUSES
+                         if (n := sum(e.status == status for e in found))) or "none listed"
+
+    lines.append("| releases by status | " + " | ".join(statuses(s) for s in sets) + " |")
+    for lim in table.limitations:
+        cells = ["limited" if any(lim.vllm.contains(Version(e.vllm), prereleases=True)
+                                  for e in table.versions.values() if e.patch_set == s.name) else "-"
+                 for s in sets]
+        lines.append(f"| [{lim.id}](compatibility.md#known-limitations) | " + " | ".join(cells) + " |")
+    lines += ["", "Status legend:", ""]
+    lines += [f"- `{status}`: {meaning}" for status, meaning in STATUS_LEGEND.items()]
     return "\n".join(lines)
 
 
