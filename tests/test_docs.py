@@ -132,7 +132,11 @@ def test_readme_main_command_generates_on_the_emulated_npu():
         env=clean_env(), capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "verdict: would activate" in result.stdout
+    assert re.search(r"^verdict\s+would activate \(emulate mode\)$", result.stdout, re.MULTILINE)
+    built = [line for line in result.stderr.splitlines() if line.startswith("building /")]
+    assert all("/tiny-llama (" in line for line in built), "only the model it runs"
+    assert "The text is noise because the tiny model's weights are random" in result.stdout
+    assert re.search(r"^    PASS: \d+/72 tokens are HF fp32's argmax", result.stdout, re.MULTILINE)
     assert "platform: EmulatedNPUPlatform (Ascend NPU (emulated on CPU, 1.0 GiB HBM))" in result.stdout
     generations = re.findall(r"^    token ids: \[([\d, ]+)\]$", result.stdout, re.MULTILINE)
     assert [len(ids.split(", ")) for ids in generations] == [24, 24, 24]
