@@ -32,7 +32,8 @@ if __name__ == "__main__":
             sys.argv[1], [list(o.prompt_token_ids) for o in outputs],
             [list(o.outputs[0].token_ids) for o in outputs], dtype)
         print(f"\nThe text is noise because the tiny model's weights are random (there is no model hub "
-              f"here).\nWhat says the engine is right: its token ids, scored against HF transformers "
-              f"greedy decoding on the same weights (fp32):\n    {'PASS' if tracking.ok else 'FAIL'}: "
+              f"here).\nWhat says the engine is right: its token ids, scored against HF transformers on "
+              f"the same weights (fp32, teacher-forced: each token is HF's best, or short of it by no "
+              f"more than {dtype} rounding explains):\n    {'PASS' if tracking.ok else 'FAIL'}: "
               f"{tracking.message}")
         sys.exit(0 if tracking.ok else 1)

@@ -289,3 +289,10 @@ def test_version_and_no_abbreviations_with_a_suggestion():
     assert command.returncode == 2 and command.stderr.strip().endswith("did you mean doctor?")
     flag = _cli("doctor", "--target")
     assert flag.returncode == 2 and flag.stderr.strip().endswith("did you mean --targets?")
+
+
+def test_no_argument_parser_in_the_repository_accepts_abbreviations():
+    """``verify --emulat`` ran the whole kit once: every parser, the scripts' too, refuses prefixes."""
+    for path in [*ROOT.glob("scripts/*.py"), *ROOT.glob("ascend_patch/**/*.py")]:
+        for call in re.findall(r"ArgumentParser\((.*)", path.read_text()):
+            assert "allow_abbrev=False" in call, (path, call)

@@ -602,7 +602,7 @@ def test_damaged_cache_entry_gives_no_verdict_and_is_replaced(damage, tree, tmp_
 
     # Offline: no verdict from the damaged copy, and the copy is kept until one replaces it.
     code, data, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
-    assert code == 2 and set(data) == {"schema", "error"} and data["error"].startswith("cannot reach")
+    assert code == 2 and set(data) == {"schema", "kind", "error"} and data["error"].startswith("cannot reach")
     assert f"the cached {entry} is damaged ({problem}); fetching the release again" in err
     assert cached_names(cache) == [entry.name]
 
@@ -863,7 +863,7 @@ def test_an_index_url_that_is_not_http_fails_in_one_line(index_url, cache, capsy
         f"index such as {releases.DEFAULT_INDEX}\n"
     )
     code, data = run_probe(capsys, INSTALLED, "--index-url", index_url)
-    assert code == 2 and set(data) == {"schema", "error"}
+    assert code == 2 and set(data) == {"schema", "kind", "error"}
 
 
 @pytest.mark.parametrize("document", [[], {"files": "x"}, {"files": [{"url": "x"}]},
