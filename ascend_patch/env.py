@@ -4,8 +4,8 @@ Nothing else in the package reads ``os.environ`` for these names, except the ``.
 bootstrap, which must not import this module at interpreter start: it reads
 ``ASCEND_PATCH``, ``ASCEND_PATCH_STRICT`` and ``ASCEND_PATCH_DEBUG`` with the same
 parsers (:func:`~ascend_patch.overlay.bootstrap.read_mode`,
-:func:`~ascend_patch.overlay.bootstrap.read_flag`), defined there. The README's table of
-variables is checked against :data:`VARIABLES` by the test suite.
+:func:`~ascend_patch.overlay.bootstrap.read_flag`), defined there. The table of variables in
+docs/reference.md is checked against :data:`VARIABLES` by the test suite.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "ASCEND_PATCH_EMULATED_HBM",
         "4GiB",
-        "Device memory of the emulated NPU, e.g. `8GiB`, `512MiB`; vLLM sizes the KV cache "
+        "Device memory of the emulated NPU, with a unit: `8GiB`, `512MiB`; vLLM sizes the KV cache "
         "from it, and the KV cache is real host memory. Only used with `ASCEND_PATCH=emulate`.",
     ),
     Variable(

@@ -74,7 +74,7 @@ def ascend_stack() -> dict:
 
 def _limitations(decision) -> list[dict]:
     """The matrix's known limitations for this release: what a user must not expect to run here
-    (the same entries ``probe`` and the README's matrix section show)."""
+    (the same entries ``probe`` and docs/compatibility.md lists)."""
     release = decision.release if decision else None
     if release is None:
         return []
@@ -161,7 +161,9 @@ def report(apply: bool = False) -> dict:
                     for state in (State.VERIFIED, State.APPLIED, State.MISSING, State.MISMATCH,
                                   State.UNCHECKED)}},
         "problems": problems,
-        "next_step": _next_step(act, requested, would_activate, decision, problems),
+        "next_step": _next_step(act, requested, would_activate, decision, problems) if vllm or evaluation_error
+                     else "install vLLM in this environment (`ascend-patch matrix --constraints` lists the "
+                          "releases this ascend-patch serves)",
         "ascend_patch": __version__,
         "python": host.python_version(),
         "versions": {
