@@ -150,6 +150,9 @@ def report(apply: bool = False) -> dict:
     entry = selection.entry if selection else None
     problems = ([evaluation_error] if evaluation_error else
                 [selection.reason] if selection is not None and selection.patch_set is None else [])
+    cause = act.reason.splitlines()[0].removesuffix("; ascend-patch stays inert") if act.deviation else None
+    if cause and cause not in problems:
+        problems.insert(0, cause)  # what stops the loader here: no NPU in npu mode, targets that differ, ...
     problems += [f"{t['target']}: expected {t['expected']}, found {t['found']}"
                  for t in targets if t["state"] in (State.MISSING, State.MISMATCH, State.UNREADABLE)]
     problems += [f"import failed: {failure}" for failure in import_failures]
@@ -216,7 +219,8 @@ def _next_step(act, requested: str, would_activate: bool, decision, problems: li
     if would_activate:
         return None
     if act.deviation and act.fix:
-        return act.fix[0].upper() + act.fix[1:] + f"; details: `{act.details}`"
+        details = "" if act.details == "ascend-patch doctor" else f"; details: `{act.details}`"
+        return act.fix[0].upper() + act.fix[1:] + details
     if problems and decision is not None and decision.failed:
         return "this vLLM does not match its patch set: `ascend-patch matrix --constraints` gives the releases that work"
     if requested == "off":
