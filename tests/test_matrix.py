@@ -232,3 +232,15 @@ def test_npu_verified_needs_exactly_the_record_of_a_passing_hardware_run(tmp_pat
     with pytest.raises(matrix.MatrixError, match=r"versions\.0\.33\.0\.evidence\.npu: ") as err:
         matrix.load(_write(tmp_path, _npu_verified(edit)))
     assert problem in str(err.value)
+
+
+def test_the_feature_page_says_which_suites_passed_on_which_line(tmp_path):
+    data = _valid()
+    data["versions"]["0.33.0"]["evidence"]["e2e"].update(
+        suite="tests/test_engine.py", features={"suites": ["tests/test_moe.py"]})
+    text = matrix.render_features(matrix.load(_write(tmp_path, data)))
+    assert "| | new (`>=0.29,<0.34`) | old (`>=0.20,<0.29`) |" in text
+    assert "| releases by status | emulated-e2e x1 | untested x1 |" in text
+    assert "| `tests/test_engine.py` passed, emulated | 0.33.0 | - |" in text
+    assert "| `tests/test_moe.py` passed, emulated | 0.33.0 | - |" in text
+    assert "| [x](compatibility.md#known-limitations) | limited | - |" in text

@@ -352,6 +352,18 @@ def render_markdown(table: Matrix, compact: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _suites_of(entry: VersionEntry) -> list[str]:
+    """The test suites an emulated-e2e row's evidence records as passed."""
+    if entry.status != "emulated-e2e":
+        return []
+    e2e = entry.evidence.get("e2e") or {}
+    return [e2e["suite"], *((e2e.get("features") or {}).get("suites") or [])] if "suite" in e2e else []
+
+
+def _recorded_suites(table: Matrix) -> list[str]:
+    return list(dict.fromkeys(suite for e in table.versions.values() for suite in _suites_of(e)))
+
+
 STATUS_LEGEND = {
     "npu-verified": "`ascend-patch verify` passed on Ascend hardware with this exact vLLM (none yet)",
     "emulated-e2e": "the emulated end-to-end suite passed with this exact vLLM installed (CPU, no NPU)",
@@ -363,7 +375,8 @@ STATUS_LEGEND = {
 
 def render_features(table: Matrix) -> str:
     """docs/features.md's table: per release line (patch set), the statuses its releases
-    carry, and each known limitation: where it applies."""
+    carry, the releases each recorded test suite passed on (emulated), and each known
+    limitation: where it applies."""
     sets = list(reversed(table.patch_sets))
     head = "| | " + " | ".join(f"{s.name} (`{s.range}`)" for s in sets) + " |"
     lines = [head, "|---" * (len(sets) + 1) + "|"]
@@ -374,6 +387,10 @@ def render_features(table: Matrix) -> str:
                          if (n := sum(e.status == status for e in found))) or "none listed"
 
     lines.append("| releases by status | " + " | ".join(statuses(s) for s in sets) + " |")
+    for suite in _recorded_suites(table):
+        cells = [", ".join(e.vllm for e in table.versions.values()
+                           if e.patch_set == s.name and suite in _suites_of(e)) or "-" for s in sets]
+        lines.append(f"| `{suite}` passed, emulated | " + " | ".join(cells) + " |")
     for lim in table.limitations:
         cells = ["limited" if any(lim.vllm.contains(Version(e.vllm), prereleases=True)
                                   for e in table.versions.values() if e.patch_set == s.name) else "-"
