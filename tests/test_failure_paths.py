@@ -147,7 +147,7 @@ def test_every_ascend_patch_name_the_repository_uses_is_known():
     from ascend_patch import env
 
     used = set()
-    for path in [*ROOT.glob("scripts/*"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("ascend_patch/**/*.py"),
+    for path in [*ROOT.glob("scripts/*.*"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("ascend_patch/**/*.py"),
                  ROOT / ".ci" / "run"]:
         used |= set(re.findall(r"\bASCEND_PATCH_[A-Z_]*[A-Z]\b", path.read_text()))
     used.discard("ASCEND_PATCH_EMULATED_HMB")  # the misspelling the test above sets

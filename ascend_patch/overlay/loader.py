@@ -130,10 +130,10 @@ def _deviation(act: Activation, message: str, fix: str, details: str = "ascend-p
     return act
 
 
-def _releases_fix(table: matrix.Matrix | None = None) -> str:
+def _releases_fix() -> str:
     """The refusal's fix for a vLLM this ascend-patch does not serve."""
     try:
-        served = f"pip install 'vllm{(table or matrix.load()).served_range()}'"
+        served = f"pip install 'vllm{matrix.load().served_range()}'"
     except matrix.MatrixError:
         served = "`ascend-patch matrix` lists them"
     return (f"install a vLLM release this ascend-patch serves ({served}), upgrade ascend-patch, "
@@ -169,10 +169,7 @@ def _decide_mode(act: Activation) -> Activation | None:
             f"vllm-ascend {device.vllm_ascend} is installed too; ascend-patch takes over because "
             f"ASCEND_PATCH={act.requested}"
         )
-    if act.requested == "emulate":
-        if device.mode is None:  # a malformed HBM size is reported now, not mid-engine
-            return _deviation(act, f"{device.detail}; ascend-patch stays inert",
-                              "correct the setting, or set ASCEND_PATCH=off for stock vLLM")
+    if act.requested == "emulate":  # its one setting, the HBM size, was validated by plan()
         act.mode, act.mode_reason = "emulate", "ASCEND_PATCH=emulate"
         return None
     if device.mode == "npu":
