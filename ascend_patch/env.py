@@ -4,12 +4,13 @@ Nothing else in the package reads ``os.environ`` for these names, except the ``.
 bootstrap, which must not import this module at interpreter start: it reads
 ``ASCEND_PATCH``, ``ASCEND_PATCH_STRICT`` and ``ASCEND_PATCH_DEBUG`` with the same
 parsers (:func:`~ascend_patch.overlay.bootstrap.read_mode`,
-:func:`~ascend_patch.overlay.bootstrap.read_flag`), defined there. The README's table of
-variables is checked against :data:`VARIABLES` by the test suite.
+:func:`~ascend_patch.overlay.bootstrap.read_flag`), defined there. The table of variables in
+docs/reference.md is checked against :data:`VARIABLES` by the test suite.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "ASCEND_PATCH_EMULATED_HBM",
         "4GiB",
-        "Device memory of the emulated NPU, e.g. `8GiB`, `512MiB`; vLLM sizes the KV cache "
+        "Device memory of the emulated NPU, with a unit: `8GiB`, `512MiB`; vLLM sizes the KV cache "
         "from it, and the KV cache is real host memory. Only used with `ASCEND_PATCH=emulate`.",
     ),
     Variable(
@@ -72,6 +73,16 @@ VARIABLES: tuple[Variable, ...] = (
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}
+
+SCRIPT_VARIABLES = (
+    "ASCEND_PATCH_BASE_VENV",
+    "ASCEND_PATCH_MODELINFO_CACHE",
+    "ASCEND_PATCH_RELEASE_CACHE",
+    "ASCEND_PATCH_REQUIREMENTS",
+    "ASCEND_PATCH_WHEEL_CACHE",
+)
+"""Names the repository's own scripts (scripts/setup_env.sh, scripts/test.sh, the test
+suite) read; the package never does, and does not warn about them (docs/contributing.md)."""
 
 
 class SettingError(DeliberateError, ValueError):
@@ -94,6 +105,42 @@ def mode() -> str:
     return value
 
 
+def validate() -> None:
+    """The one rule for malformed values: every ``ASCEND_PATCH*`` variable with a format is
+    read now, and a value it cannot mean anything by is a :class:`SettingError` naming the
+    variable, the value and the accepted forms (never a silent fallback)."""
+    mode(), strict(), debug(), emulated_hbm_bytes()
+    override = vllm_version_override()
+    if override is not None and not _is_version(override):
+        raise SettingError(
+            f"ASCEND_PATCH_VLLM_VERSION={override!r} is not a version; expected a PEP 440 "
+            "version such as 0.33.0 or 0.33.1.dev12+gabc"
+        )
+
+
+def _is_version(text: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
+
+
+def unknown_names() -> list[str]:
+    """One warning per ``ASCEND_PATCH*`` name in the environment that nothing reads (a typo
+    would otherwise be ignored in silence), with the nearest known name."""
+    known = [v.name for v in VARIABLES]
+    warnings = []
+    for name in sorted(os.environ):
+        if name.startswith("ASCEND_PATCH") and name not in _BY_NAME and name not in SCRIPT_VARIABLES:
+            near = difflib.get_close_matches(name, known, n=1)
+            warnings.append(f"unknown setting {name} ignored" + (f"; did you mean {near[0]}?" if near else
+                            f"; known: {', '.join(known)}"))
+    return warnings
+
+
 def _flag(name: str) -> bool:
     value = read_flag(raw(name))
     if value is None:
@@ -113,20 +160,22 @@ def vllm_version_override() -> str | None:
     return raw("ASCEND_PATCH_VLLM_VERSION") or None
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 _MAX_SIZE = 1 << 60  # 1 EiB: far beyond any device, small enough for every size computation
 
 
 def parse_size(text: str) -> int:
-    """``8GiB`` → bytes. Binary units; ``G``, ``GB`` and ``GiB`` all mean 2**30."""
+    """``8GiB`` → bytes. Binary units; ``G``, ``GB`` and ``GiB`` all mean 2**30. The unit is
+    required: a bare ``4`` could mean bytes or GiB."""
     match = _SIZE.match(text) if len(text) < 64 else None
     if not match:
-        raise SettingError(f"{text[:64]!r} is not a size; write it like 8GiB or 512MiB")
+        raise SettingError(f"{text[:64]!r} is not a size; write it with a unit like 8GiB or 512MiB "
+                           "(B, KiB, MiB, GiB, TiB)")
     number, unit = match.groups()
-    size = float(number) * _UNITS[(unit or "")[:1].upper()]
+    size = float(number) * _UNITS[unit[:1].upper()]
     if not 1 <= size <= _MAX_SIZE:
         raise SettingError(f"{text!r} is not a usable device size; give one between 1B and 1EiB")
     return int(size)
@@ -136,7 +185,7 @@ def emulated_hbm_bytes() -> int:
     try:
         return parse_size(raw("ASCEND_PATCH_EMULATED_HBM"))
     except SettingError as exc:
-        raise SettingError(f"ASCEND_PATCH_EMULATED_HBM: {exc}") from None
+        raise SettingError(f"ASCEND_PATCH_EMULATED_HBM={exc}") from None
 
 
 def matrix_path() -> str | None:

@@ -7,6 +7,8 @@ so each has its own, correct value.
 
 from __future__ import annotations
 
+import logging
+
 proven_end_to_end = False
 """Whether compat_matrix.yaml records an end-to-end run of this release (emulated-e2e or
 npu-verified): the suite that proves graph mode, which is on by default only then."""
@@ -21,3 +23,18 @@ mode: str | None = None
 
 runner: str | None = None
 """The runner generation (``"v1"``, ``"v2"``) the active patch set declares (its ``RUNNER``)."""
+
+activation_line = ""
+"""The INFO line announcing the overlay (version, vLLM, patch set, mode, runner) where it is
+active in this process; empty elsewhere."""
+
+_announced = False
+
+
+def announce() -> None:
+    """Log :data:`activation_line` through vLLM's logger, once per process: called once vLLM's
+    logging is configured (by the loader, or by the platform's ``log_warnings`` hook)."""
+    global _announced
+    if activation_line and not _announced:
+        _announced = True
+        logging.getLogger("vllm.ascend_patch").info(activation_line)

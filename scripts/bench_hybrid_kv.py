@@ -61,7 +61,7 @@ def _groups(plan: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", action="append", help="a windowed model of ascend_patch/kit/tiny_models.py "
                         f"(repeatable; default: {', '.join(NAMES)})")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")

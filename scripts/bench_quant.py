@@ -49,7 +49,7 @@ print(json.dumps(result))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     args = parser.parse_args()
     models = make_tiny_models.build(bench_engine.MODELS)

@@ -53,7 +53,7 @@ def timed(fn, iters):
 
 def main():
     kernels.use("reference")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()

@@ -144,7 +144,7 @@ def _engines(tokens: int, k: int) -> dict[str, dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     args = parser.parse_args()

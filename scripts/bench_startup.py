@@ -67,7 +67,7 @@ print(elapsed, *sorted(set(sys.modules) - before))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--runs", type=int, default=30, help="python -c pass runs per configuration")
     parser.add_argument("--vllm-runs", type=int, default=3, help="vLLM import runs per configuration")
     args = parser.parse_args()

@@ -166,7 +166,7 @@ def _declared_runner(path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--strict", action="store_true", help="fail on the known cycles too")
     parser.add_argument("--edges", action="store_true", help="print every arrow")
     args = parser.parse_args(argv)

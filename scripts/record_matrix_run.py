@@ -215,7 +215,7 @@ def write(version: str, status: str, evidence: dict, date: str | None = None) ->
 
 def main() -> int:
     global MATRIX
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("versions", nargs="*")
     parser.add_argument("--static-only", action="store_true", help="probe only, build no environment")
     parser.add_argument("--check", action="store_true", help="compare with the matrix instead of writing it")

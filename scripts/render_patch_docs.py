@@ -30,7 +30,8 @@ _KINDS = {
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Table-cell text: escaped so ``kernel[grid](...)`` in a reason is not read as a link."""
+    return text.replace("|", "\\|").replace("[", "\\[").replace("]", "\\]").replace("\n", " ")
 
 
 def render(table: matrix.Matrix) -> str:
@@ -81,7 +82,7 @@ def render(table: matrix.Matrix) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--check", action="store_true", help="only report whether the page is current")
     args = parser.parse_args()
     wanted = render(matrix.load())

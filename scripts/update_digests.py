@@ -54,7 +54,7 @@ def update(table: matrix.Matrix, set_name: str, local: str | None, index_url: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument(
         "sets", nargs="*", metavar="SET[=PATH]",
         help="patch sets to update (default: all); PATH is a local sdist, wheel or tree of the reference",

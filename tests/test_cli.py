@@ -75,27 +75,51 @@ def test_doctor_apply_reports_applied_targets():
 
 
 def test_doctor_table_and_exit_status():
-    ok = _cli("doctor", ASCEND_PATCH="emulate")
+    ok = _cli("doctor", ASCEND_PATCH="emulate", COLUMNS="200")
     assert ok.returncode == 0
-    assert "verdict: would activate" in ok.stdout
-    assert "vllm.platforms:resolve_current_platform_cls_qualname" in ok.stdout
-    assert "quantization (" in ok.stdout and "  ascend: msModelSlim AscendV1" in ok.stdout
-    assert "known limitations of this release (compat_matrix.yaml):\n  model-runner-v2: " in ok.stdout
+    first = ok.stdout.splitlines()[:3]
+    assert first[0].startswith("verdict") and first[0].endswith("would activate (emulate mode)")
+    assert re.match(r"patch set\s+v0_29 \(runner V1\): all \d+ targets of v0_29 verify$", first[1])
+    assert re.match(r"targets\s+(\d+) targets: \1 verified$", first[2])
+    assert "vllm.platforms:resolve_current_platform_cls_qualname" not in ok.stdout, "behind --targets"
+    assert re.search(r"^limitations\s+model-runner-v2, ", ok.stdout, re.MULTILINE)
+    assert re.search(r"^quantization\s+ascend, compressed-tensors \(\d+/\d+ verified declarations\)$",
+                     ok.stdout, re.MULTILINE)
+    listed = _cli("doctor", "--targets", "--verbose", ASCEND_PATCH="emulate", COLUMNS="200").stdout
+    assert re.search(r"^verified\s+wrap\s+vllm.platforms:resolve_current_platform_cls_qualname$", listed,
+                     re.MULTILINE)
+    assert "known limitations of this release (compat_matrix.yaml):\n  model-runner-v2  " in listed
+    assert "  ascend  " in listed.split("\nquantization:\n", 1)[1]
 
     auto = _cli("doctor")
     assert auto.returncode == 0, "auto on a machine without an NPU is not a failure"
-    assert "would NOT activate" in auto.stdout and "no NPU" in auto.stdout
+    assert "stock vLLM here (no NPU); the patch set verifies" in auto.stdout, "vetted in every mode"
+    assert re.search(r"^next step\s+ASCEND_PATCH=emulate runs the same NPU code path", auto.stdout, re.MULTILINE)
+    off = json.loads(_cli("doctor", "--json", ASCEND_PATCH="off").stdout)
+    assert off["state"] == "off" and off["patch_set"] == "v0_29" and off["summary"]["verified"] > 0
+    assert off["problems"] == [] and "unset ASCEND_PATCH" in off["next_step"]
 
     forced = _cli("doctor", ASCEND_PATCH="npu")
     assert forced.returncode == 1, "npu was asked for and cannot activate"
     assert "ASCEND_PATCH=npu but no NPU is usable" in forced.stdout
 
-    old = _cli("doctor", ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.11.0")
+    old = _cli("doctor", ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.11.0", COLUMNS="200")
     assert old.returncode == 1
-    assert "older than every patch set" in old.stdout
+    assert re.search(r"^problem\s+vLLM 0.11.0 is older than every patch set", old.stdout, re.MULTILINE)
+    assert re.search(r"^next step\s+Install a vLLM release this ascend-patch serves \(pip install "
+                     r"'vllm>=0.20,<0.34'\).*details: `ascend-patch probe 0.11.0`$", old.stdout, re.MULTILINE)
 
     bad = _cli("doctor", ASCEND_PATCH="sometimes")
     assert bad.returncode == 1 and "is not a mode" in bad.stdout
+
+
+@pytest.mark.parametrize("command", [("doctor",), ("doctor", "--targets", "--verbose"), ("probe", "--help")])
+def test_text_output_fits_an_80_column_terminal(command):
+    """Every line fits, except one that holds a single unbreakable word (a long path)."""
+    proc = _cli(*command, ASCEND_PATCH="emulate", COLUMNS="80")
+    assert proc.stdout
+    for line in proc.stdout.splitlines():
+        assert len(line) <= 80 or len(line.split()) == 1, line
 
 
 @pytest.mark.parametrize("mode", ["auto", "emulate"])
@@ -157,14 +181,15 @@ def test_doctor_reports_nnal_the_soc_and_the_paths_that_need_nnal(tmp_path):
     assert data["ascend"]["soc"] == {"soc": "Ascend910B3", "family": "A2", "source": "npu-smi"}
     assert set(data["ascend"]["needs_nnal"]) == {"_npu_paged_attention", "_npu_paged_attention_get_workspace",
                                                  "atb.npu_multi_head_latent_attention"}
-    table = _cli("doctor", ASCEND_PATCH="emulate", LD_LIBRARY_PATH=str(lib), **stack).stdout
+    wide = {"COLUMNS": "1000"}
+    table = _cli("doctor", "--verbose", ASCEND_PATCH="emulate", LD_LIBRARY_PATH=str(lib), **stack, **wide).stdout
     assert re.search(r"^NNAL \(ATB\)\s+8\.5\.0 \(.*libatb\.so\)$", table, re.MULTILINE)
     assert re.search(r"^SoC\s+Ascend910B3 \(A2\) \[npu-smi\]$", table, re.MULTILINE)
-    assert "  atb.npu_multi_head_latent_attention: MLA decode (DeepSeek-V2/V3)" in table
+    assert re.search(r"^  atb.npu_multi_head_latent_attention\s+MLA decode \(DeepSeek-V2/V3\)$", table, re.MULTILINE)
 
-    unsourced = _cli("doctor", ASCEND_PATCH="emulate", LD_LIBRARY_PATH="", **stack).stdout
+    unsourced = _cli("doctor", ASCEND_PATCH="emulate", LD_LIBRARY_PATH="", **stack, **wide).stdout
     assert "libatb.so is not on LD_LIBRARY_PATH: `source /usr/local/Ascend/nnal/atb/set_env.sh`" in unsourced
-    missing = _cli("doctor", ASCEND_PATCH="emulate").stdout
+    missing = _cli("doctor", ASCEND_PATCH="emulate", **wide).stdout
     assert re.search(r"^NNAL \(ATB\)\s+not found: paged decode and MLA decode fail at their first call",
                      missing, re.MULTILINE)
     assert re.search(r"^SoC\s+unknown \(no npu-smi\)$", missing, re.MULTILINE)
@@ -188,3 +213,86 @@ def test_the_nnal_table_names_every_atb_call_of_the_kernel_seam():
     called = set(re.findall(r"_torch_npu\(\)\.((?:atb\.)?\w+)\(", seam))
     assert "_npu_paged_attention" in atb and "atb.npu_multi_head_latent_attention" in atb
     assert called & atb == set(toolchain.ATB_OPS)
+
+
+def test_matrix_constraints_is_a_pip_constraints_file_of_the_served_releases():
+    from packaging.requirements import Requirement
+
+    proc = _cli("matrix", "--constraints")
+    assert proc.returncode == 0, proc.stderr
+    requirements = [Requirement(line) for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert [r.name for r in requirements] == ["vllm"]
+    table = matrix.load()
+    served = requirements[0].specifier
+    assert all(served.contains(version) for version in table.versions), "every listed release is served"
+    assert not served.contains(str(table.patch_sets[-1].upper)) and not served.contains("0.19.0")
+    assert "#   vllm==0.33.0: torch==2.14.0, torch-npu==2.14.0, CANN unknown (emulated-e2e)" in proc.stdout
+
+
+def _envelope(data: dict, command: str) -> None:
+    assert (data["schema"], data["kind"]) == (1, f"ascend-patch-{command}")
+
+
+def test_every_json_output_carries_the_schema_and_errors_are_json_too(tmp_path):
+    """doctor, matrix, probe and collect-env: one envelope (schema, kind), and an error in
+    --json mode is that envelope with an error string (the verify record: test_verify)."""
+    _envelope(json.loads(_cli("doctor", "--json", ASCEND_PATCH="emulate").stdout), "doctor")
+    _envelope(json.loads(_cli("matrix", "--json").stdout), "matrix")
+    package = json.loads(_cli("probe", "--json", str(tmp_path)).stdout)
+    _envelope(package, "probe")
+    assert "is not a vLLM source" in package["error"]
+    broken = _cli("matrix", "--json", "--file", str(tmp_path / "none.yaml"))
+    assert broken.returncode == 2
+    error = json.loads(broken.stdout)
+    _envelope(error, "matrix")
+    assert set(error) == {"schema", "kind", "error"} and "cannot read" in error["error"]
+    bad_mode = json.loads(_cli("doctor", "--json", ASCEND_PATCH="sometimes").stdout)
+    _envelope(bad_mode, "doctor")
+    assert "ASCEND_PATCH='sometimes' is not a mode" in bad_mode["error"]
+    from ascend_patch.cli import output
+    from ascend_patch.kit import record
+
+    assert output.SCHEMA == record.SCHEMA, "the verify record shares the schema version"
+
+
+def test_collect_env_is_a_bug_report_bundle_without_private_values(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "ascend-patch-verify.json").write_text(json.dumps({"kind": "ascend-patch-verify", "where": str(home)}))
+    proc = subprocess.run([sys.executable, "-m", "ascend_patch", "collect-env"], capture_output=True, text=True,
+                          env=clean_env(ASCEND_PATCH="emulate", HOME=str(home), VLLM_API_KEY="secret-value",
+                                        VLLM_LOGGING_LEVEL="INFO", ASCEND_PATCH_CACHE_DIR=str(home / "cache")),
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    _envelope(data, "collect-env")
+    assert data["versions"]["vllm"] == "0.33.0" and data["doctor"]["would_activate"] is True
+    assert data["settings"].items() >= {"ASCEND_PATCH": "emulate", "ASCEND_PATCH_CACHE_DIR": "~/cache",
+                                        "VLLM_LOGGING_LEVEL": "INFO"}.items()
+    assert "VLLM_API_KEY" not in data["settings"]
+    assert data["verify_record"]["record"] == {"kind": "ascend-patch-verify", "where": "~"}
+    assert "secret-value" not in proc.stdout and str(home) not in proc.stdout
+
+
+def test_version_and_no_abbreviations_with_a_suggestion():
+    from ascend_patch import __version__
+    from ascend_patch.cli import build_parser
+
+    assert _cli("--version").stdout.strip() == f"ascend-patch {__version__}"
+    parser = build_parser()
+    subparsers = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"][0].choices
+    assert not parser.allow_abbrev and not any(sub.allow_abbrev for sub in subparsers.values())
+    typo = _cli("verify", "--emulat")
+    assert typo.returncode == 2, "a prefix of --emulate is not --emulate"
+    assert typo.stderr.strip().endswith("unrecognized arguments: --emulat; did you mean --emulate?")
+    command = _cli("doctr")
+    assert command.returncode == 2 and command.stderr.strip().endswith("did you mean doctor?")
+    flag = _cli("doctor", "--target")
+    assert flag.returncode == 2 and flag.stderr.strip().endswith("did you mean --targets?")
+
+
+def test_no_argument_parser_in_the_repository_accepts_abbreviations():
+    """``verify --emulat`` ran the whole kit once: every parser, the scripts' too, refuses prefixes."""
+    for path in [*ROOT.glob("scripts/*.py"), *ROOT.glob("ascend_patch/**/*.py")]:
+        for call in re.findall(r"ArgumentParser\((.*)", path.read_text()):
+            assert "allow_abbrev=False" in call, (path, call)

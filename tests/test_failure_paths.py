@@ -1,10 +1,11 @@
-"""Every way the environment can be wrong gives one line and leaves vLLM stock.
+"""Every way the environment can be wrong gives a short answer and never a traceback.
 
-Each case runs a fresh interpreter through the installed ``.pth`` (as ``vllm serve`` would):
-``import vllm`` must succeed with the stock platform and exactly one ascend-patch line on
-stderr, and ``ascend-patch doctor`` must report the problem instead of crashing. Only what
-the user asked to be certain about — ``ASCEND_PATCH=npu`` without an NPU, strict mode, a
-malformed mode or flag — stops ``import vllm``, with one clear error.
+Each case runs a fresh interpreter through the installed ``.pth`` (as ``vllm serve`` would),
+and ``ascend-patch doctor`` must report the problem instead of crashing. Where the overlay was
+asked for (``ASCEND_PATCH=npu`` or ``emulate``) and cannot activate, ``import vllm`` fails in
+three lines (cause, fix, details); in ``auto`` mode vLLM stays stock with one line at most; a
+malformed ``ASCEND_PATCH*`` value is one line naming the variable, the value and the
+accepted forms, in every mode.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def _stock_with_one_line(env: dict[str, str], *expected: str, cwd: Path | None =
     return proc.stderr
 
 
+def _refused(env: dict[str, str], *expected: str) -> list[str]:
+    proc = run_python(PLATFORM, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = ascend_patch_lines(proc.stderr)
+    assert [line.split(":")[1].split()[0] for line in lines] == ["cannot", "fix", "details"], lines
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines
+
+
 def _doctor(env: dict[str, str], cwd: Path | None = None) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, "-m", "ascend_patch", "doctor", "--json"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=cwd or ROOT)
@@ -70,41 +81,77 @@ SHIPPED = (ROOT / "compat_matrix.yaml").read_text()
     ],
     ids=["binary", "limitations-not-a-list", "unknown-patch-set"],
 )
-def test_a_bad_matrix_leaves_vllm_stock(tmp_path, content, expected):
+def test_a_bad_matrix_is_refused(tmp_path, content, expected):
     if "v0_99" in str(content):
         # Rename the set everywhere the matrix names it, so only the missing module is wrong.
         content = content.replace("patch_set: v0_29", "patch_set: v0_99")
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_MATRIX=str(_matrix(tmp_path, content)))
-    _stock_with_one_line(env, expected)
+    _refused(env, expected)
     code, data = _doctor(env)
     assert code == 1 and data["would_activate"] is False and expected in data["reason"]
 
 
-@pytest.mark.parametrize(
-    ("size", "expected"),
-    [("9" * 400, "is not a size"), ("0", "is not a usable device size"), ("lots", "is not a size")],
-)
-def test_a_bad_emulated_hbm_leaves_vllm_stock(size, expected):
-    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM=size)
-    _stock_with_one_line(env, "ASCEND_PATCH_EMULATED_HBM", expected)
-    code, data = _doctor(env)
-    assert code == 1 and expected in data["reason"]
+# The one rule for malformed values, for every ASCEND_PATCH* variable with a format: one line
+# naming the variable, the value and the accepted forms; in auto mode too (never a silent
+# fallback to stock vLLM); doctor says the same. ASCEND_PATCH_MATRIX and ASCEND_PATCH_CACHE_DIR
+# take any path: a matrix that cannot be read is refused (test_a_bad_matrix_is_refused), a cache
+# that cannot be written costs a re-parse.
+MALFORMED = [
+    ("ASCEND_PATCH", "sometimes", "ASCEND_PATCH='sometimes' is not a mode; expected one of auto, npu, emulate, off"),
+    ("ASCEND_PATCH_STRICT", "2", "ASCEND_PATCH_STRICT='2' is not a flag; expected 1 (on) or 0 (off)"),
+    ("ASCEND_PATCH_DEBUG", "2", "ASCEND_PATCH_DEBUG='2' is not a flag; expected 1 (on) or 0 (off)"),
+    ("ASCEND_PATCH_EMULATED_HBM", "4", "ASCEND_PATCH_EMULATED_HBM='4' is not a size; write it with a unit like "
+                                       "8GiB or 512MiB (B, KiB, MiB, GiB, TiB)"),
+    ("ASCEND_PATCH_EMULATED_HBM", "lots", "ASCEND_PATCH_EMULATED_HBM='lots' is not a size"),
+    ("ASCEND_PATCH_EMULATED_HBM", "9" * 400, "is not a size"),
+    ("ASCEND_PATCH_EMULATED_HBM", "0B", "ASCEND_PATCH_EMULATED_HBM='0B' is not a usable device size; give one "
+                                        "between 1B and 1EiB"),
+    ("ASCEND_PATCH_VLLM_VERSION", "nonsense", "ASCEND_PATCH_VLLM_VERSION='nonsense' is not a version; expected a "
+                                              "PEP 440 version such as 0.33.0 or 0.33.1.dev12+gabc"),
+]
 
 
-def test_a_malformed_version_override_names_the_variable_set():
-    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="nonsense")
-    line = _stock_with_one_line(env, "cannot read vLLM version 'nonsense' from ASCEND_PATCH_VLLM_VERSION")
-    assert "set ASCEND_PATCH_VLLM_VERSION" not in line, "do not tell users to set what they set"
+def test_every_variable_with_a_format_has_a_malformed_case():
+    from ascend_patch import env
+
+    paths = {"ASCEND_PATCH_MATRIX", "ASCEND_PATCH_CACHE_DIR"}
+    assert {name for name, _, _ in MALFORMED} | paths == {v.name for v in env.VARIABLES}
 
 
-@pytest.mark.parametrize("variable", ["ASCEND_PATCH_STRICT", "ASCEND_PATCH_DEBUG"])
-def test_a_flag_that_is_not_a_flag_is_an_error_not_silently_off(variable):
-    env = clean_env(ASCEND_PATCH="emulate", **{variable: "2"})
+@pytest.mark.parametrize("mode", ["emulate", "auto"])
+@pytest.mark.parametrize(("variable", "value", "expected"), MALFORMED,
+                         ids=[f"{name}={value[:8]}" for name, value, _ in MALFORMED])
+def test_a_malformed_setting_is_one_line_in_every_mode(mode, variable, value, expected):
+    env = clean_env(**{"ASCEND_PATCH": mode, variable: value})
     proc = run_python(PLATFORM, env=env)
-    assert proc.returncode != 0
-    assert f"SettingError: {variable}='2' is not a flag; expected 1 (on) or 0 (off)" in proc.stderr.splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = ascend_patch_lines(proc.stderr)
+    assert line.startswith(f"ascend-patch: {variable}=") and expected in line
     code, data = _doctor(env)
-    assert code == 1 and f"{variable}='2' is not a flag" in data["error"]
+    assert code == 1 and expected in data["error"]
+
+
+def test_an_unknown_setting_is_warned_about_once_with_the_nearest_name():
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HMB="4GiB", ASCEND_PATCH_WHEEL_CACHE="/tmp")
+    proc = run_python(PLATFORM, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == "EmulatedNPUPlatform"
+    assert ascend_patch_lines(proc.stderr) == [
+        "ascend-patch: unknown setting ASCEND_PATCH_EMULATED_HMB ignored; did you mean ASCEND_PATCH_EMULATED_HBM?"]
+
+
+def test_every_ascend_patch_name_the_repository_uses_is_known():
+    """The package's settings and the names the repository's own scripts read: the warning
+    about unknown names must never fire on them."""
+    import re
+
+    from ascend_patch import env
+
+    used = set()
+    for path in [*ROOT.glob("scripts/*.*"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("ascend_patch/**/*.py"),
+                 ROOT / ".ci" / "run"]:
+        used |= set(re.findall(r"\bASCEND_PATCH_[A-Z_]*[A-Z]\b", path.read_text()))
+    used.discard("ASCEND_PATCH_EMULATED_HMB")  # the misspelling the test above sets
+    assert used <= {v.name for v in env.VARIABLES} | set(env.SCRIPT_VARIABLES), used
 
 
 def test_an_empty_vllm_ascend_directory_is_not_an_installation(tmp_path):
@@ -136,7 +183,7 @@ def test_the_bootstrap_knows_a_deliberate_error_by_its_class():
             print("raised")
         bootstrap._run_loader(fault, None)
         print("disabled" if bootstrap._loader_failed else "not disabled")
-    """, env=clean_env(ASCEND_PATCH="emulate"))
+    """, env=clean_env(ASCEND_PATCH="auto"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["raised", "disabled"]
     assert ascend_patch_lines(proc.stderr) == [
@@ -177,11 +224,10 @@ def _copy_of_the_package(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("mode", ["emulate", "auto"])
-def test_a_damaged_loader_leaves_vllm_stock(tmp_path, mode):
+def test_a_damaged_loader_leaves_vllm_stock_in_auto_mode(tmp_path):
     site = _copy_of_the_package(tmp_path)
     (site / "ascend_patch" / "overlay" / "loader.py").write_text("def broken(:\n")
-    env = clean_env(ASCEND_PATCH=mode, PYTHONPATH=str(site))
+    env = clean_env(ASCEND_PATCH="auto", PYTHONPATH=str(site))
     assert run_python("import ascend_patch.overlay.bootstrap as b; print(b.__file__)", env=env).stdout.startswith(
         str(site)), "the damaged copy is the one in use"
     _stock_with_one_line(env, "disabled in this process, vLLM stays stock", "SyntaxError")
@@ -189,12 +235,13 @@ def test_a_damaged_loader_leaves_vllm_stock(tmp_path, mode):
     assert code == 1 and "the loader failed (SyntaxError" in data["error"]
 
 
-def test_a_damaged_loader_is_an_error_where_the_user_asked_for_certainty(tmp_path):
+@pytest.mark.parametrize("settings", [{"ASCEND_PATCH": "emulate"}, {"ASCEND_PATCH": "auto", "ASCEND_PATCH_STRICT": "1"}],
+                         ids=["emulate", "strict"])
+def test_a_damaged_loader_is_an_error_where_the_user_asked_for_certainty(tmp_path, settings):
     site = _copy_of_the_package(tmp_path)
     (site / "ascend_patch" / "overlay" / "loader.py").write_text("def broken(:\n")
-    proc = run_python(PLATFORM, env=clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_STRICT="1",
-                                              PYTHONPATH=str(site)))
-    assert proc.returncode != 0 and "SyntaxError" in proc.stderr
+    lines = _refused(clean_env(**settings, PYTHONPATH=str(site)), "the loader failed (SyntaxError")
+    assert lines[1] == "ascend-patch: fix: reinstall ascend-patch, or set ASCEND_PATCH=off for stock vLLM"
 
 
 def test_the_pth_survives_a_bootstrap_that_raises_baseexception(tmp_path):
@@ -209,15 +256,16 @@ def test_the_pth_survives_a_bootstrap_that_raises_baseexception(tmp_path):
     assert set(ascend_patch_lines(proc.stderr)) == {"ascend-patch: bootstrap failed: SystemExit(3)"}
 
 
-def test_a_target_file_this_python_cannot_parse_leaves_vllm_stock(tmp_path, vllm_dir):
+def test_a_target_file_this_python_cannot_parse_is_refused_and_doctor_names_it(tmp_path, vllm_dir):
     """A release whose target module uses syntax newer than the running Python."""
     tree = SourceTree(vllm_dir)
     target = tree.module_path("vllm.model_executor.warmup.kernel_warmup")
     copy = mirror(vllm_dir, tmp_path / "vllm", target)
     copy.write_text(copy.read_text() + "\ntype Alias[T] = list[T] | None  # 3.12 syntax\n")
     env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(tmp_path))
-    _stock_with_one_line(env, "does not match patch set", "kernel_warmup.py",
-                         "cannot be read by this Python")
+    _refused(env, "does not match patch set")
+    code, data = _doctor(env)
+    assert code == 1 and [p for p in data["problems"] if "kernel_warmup.py" in p and "cannot be read by this Python" in p]
 
 
 # -- the verification cache ---------------------------------------------------------------------

@@ -298,25 +298,6 @@ def _add_parameter(path: Path, lineno: int) -> None:
 INJECTABLE = [p for p in for_installed_vllm(v0_29.PATCHES) if p.signature is not None]
 
 
-# Without importing every target module (seconds each): an inert loader schedules nothing,
-# so no later import can apply a patch; the off/auto tests import them all to prove it.
-INERT_REPORT = """
-import json, os
-import vllm
-from ascend_patch.overlay import loader
-from vllm.platforms import current_platform
-act = loader.current()
-print(json.dumps({
-    "platform": type(current_platform).__name__,
-    "state": act.state,
-    "reason": act.reason,
-    "applied": loader.REGISTRY.applied_targets(),
-    "environment": loader.REGISTRY.environment(),
-    "vllm_dir": os.path.realpath(os.path.dirname(vllm.__file__)),
-}))
-"""
-
-
 def _inject(patch, vllm_dir: Path, root: Path) -> str:
     """A copy of vLLM under ``root`` whose target gained a parameter; its new signature."""
     tree = SourceTree(vllm_dir)
@@ -341,6 +322,26 @@ def test_fault_injection_fails_verification_naming_the_target(patch, vllm_dir, t
 # near the middle of the set, the last one): each imports vLLM, about ten seconds.
 END_TO_END = [INJECTABLE[0], INJECTABLE[len(INJECTABLE) // 2], INJECTABLE[-1]]
 
+# `import vllm` refused, then what the loader decided and what it left patched.
+REFUSAL_REPORT = """
+import importlib.util, json, os
+try:
+    import vllm
+    refused = None
+except Exception as exc:
+    refused = [type(exc).__name__, str(exc)]
+from ascend_patch.overlay import loader
+act = loader.plan("test")
+print(json.dumps({
+    "refused": refused,
+    "state": act.state,
+    "reason": act.reason,
+    "applied": loader.REGISTRY.applied_targets(),
+    "environment": loader.REGISTRY.environment(),
+    "vllm_dir": os.path.realpath(next(iter(importlib.util.find_spec("vllm").submodule_search_locations))),
+}))
+"""
+
 
 @pytest.fixture(scope="module")
 def injected(vllm_dir, tmp_path_factory):
@@ -350,25 +351,44 @@ def injected(vllm_dir, tmp_path_factory):
     roots = {p.target: tmp_path_factory.mktemp("fault") for p in END_TO_END}
     faulty = {p.target: _inject(p, vllm_dir, roots[p.target]) for p in END_TO_END}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {target: pool.submit(run_python, INERT_REPORT,
+        futures = {target: pool.submit(run_python, REFUSAL_REPORT,
                                        env=clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root)))
                    for target, root in roots.items()}
         return {target: (roots[target], (faulty[target], future.result())) for target, future in futures.items()}
 
 
 @pytest.mark.parametrize("patch", END_TO_END, ids=[p.target for p in END_TO_END])
-def test_fault_injection_leaves_vllm_stock_and_names_the_target(patch, vllm_dir, injected):
+def test_fault_injection_refuses_import_patches_nothing_and_names_the_target(patch, injected):
     root, (faulty, proc) = injected[patch.target]
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["vllm_dir"] == str(root / "vllm"), "the injected copy is what got imported"
+    kind, message = report["refused"]
+    assert kind == "AscendPatchError"
+    assert message.splitlines()[0].startswith(
+        "ascend-patch: cannot activate in emulate mode: vLLM 0.33.0 does not match patch set v0_29: 1 of ")
     assert report["state"] == "inert"
-    assert report["platform"] == "UnspecifiedPlatform"
     assert report["applied"] == [] and report["environment"] == {}, "nothing patched, nothing forced"
     assert f"{patch.target}: expected {patch.expected()}, found {faulty}" in report["reason"]
     assert "1 of" in report["reason"] and "nothing was patched" in report["reason"]
-    warnings = [line for line in proc.stderr.splitlines() if line.startswith("ascend-patch:")]
-    assert len(warnings) == 1 and "does not match patch set v0_29" in warnings[0]
+
+
+def test_the_refusal_is_three_lines_and_no_traceback(injected):
+    """Asked for (ASCEND_PATCH=emulate) and impossible (a target of the set differs):
+    `import vllm` fails in three lines (cause, fix, details), and no stock vLLM runs on."""
+    root, _ = injected[END_TO_END[0].target]
+    proc = run_python("import vllm\nprint('stock vLLM went on')",
+                      env=clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(root)))
+    assert proc.returncode == 1 and "stock vLLM went on" not in proc.stdout
+    assert "Traceback" not in proc.stderr
+    cause, fix, details = ascend_patch_lines(proc.stderr)
+    assert cause.startswith("ascend-patch: cannot activate in emulate mode: vLLM 0.33.0 does not match "
+                            "patch set v0_29: 1 of ") and cause.endswith("targets differ; nothing was patched")
+    table = matrix.load()
+    assert fix == (f"ascend-patch: fix: install a vLLM release this ascend-patch serves (pip install "
+                   f"'vllm{table.served_range()}'), upgrade ascend-patch, or set ASCEND_PATCH=off for stock vLLM")
+    assert details == "ascend-patch: details: ascend-patch doctor --targets"
+    assert proc.stderr.strip().splitlines()[-3:] == [cause, fix, details], "the last thing on screen"
 
 
 # --- bad environments ------------------------------------------------------------------------
@@ -388,32 +408,39 @@ print(json.dumps(type(current_platform).__name__))
 """
 
 
-def test_malformed_matrix_gives_one_line_and_stays_stock(tmp_path):
+def _refused(proc, cause: str) -> list[str]:
+    """``import vllm`` failed in the three lines of a refusal, the first naming ``cause``."""
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = ascend_patch_lines(proc.stderr)
+    assert len(lines) == 3, proc.stderr[-3000:]
+    assert lines[0].startswith("ascend-patch: cannot activate in ") and cause in lines[0], lines[0]
+    assert lines[1].startswith("ascend-patch: fix: ") and "ASCEND_PATCH" in lines[1]
+    assert lines[2].startswith("ascend-patch: details: ascend-patch ")
+    return lines
+
+
+def test_malformed_matrix_refuses_in_an_asked_for_mode(tmp_path):
     bad = tmp_path / "matrix.yaml"
     bad.write_text("schema: 1\npatch_sets:\n  v0_29: {vllm: '>=0.29', summary: x}\nversions: {}\n")
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_MATRIX=str(bad))
     _pass_and_pip_still_work(env)
-    proc = run_python(IMPORT_AND_REPORT, env=env)
-    assert proc.returncode == 0 and json.loads(proc.stdout) == "UnspecifiedPlatform"
-    lines = ascend_patch_lines(proc.stderr)
-    assert len(lines) == 1
-    assert f"{bad}: patch_sets.v0_29.vllm: '>=0.29' must be exactly '>=LOW,<HIGH'" in lines[0]
+    lines = _refused(run_python(IMPORT_AND_REPORT, env=env),
+                     f"{bad}: patch_sets.v0_29.vllm: '>=0.29' must be exactly '>=LOW,<HIGH'")
+    assert "unset ASCEND_PATCH_MATRIX" in lines[1] and lines[2].endswith("ascend-patch doctor")
 
 
-@pytest.mark.parametrize(
-    ("version", "expected"),
-    [
-        ("0.11.0", "vLLM 0.11.0 is older than every patch set"),
-        ("not-a-version", "cannot read vLLM version 'not-a-version'"),
-    ],
-)
-def test_unknown_vllm_version_gives_one_line_and_stays_stock(version, expected):
-    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION=version)
+def test_an_older_vllm_is_refused_with_the_releases_that_work():
+    env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.11.0")
     _pass_and_pip_still_work(env)
-    proc = run_python(IMPORT_AND_REPORT, env=env)
+    lines = _refused(run_python(IMPORT_AND_REPORT, env=env), "vLLM 0.11.0 is older than every patch set")
+    assert f"pip install 'vllm{matrix.load().served_range()}'" in lines[1]
+    assert lines[2] == "ascend-patch: details: ascend-patch probe 0.11.0"
+
+
+def test_auto_without_an_npu_stays_silent_and_stock_whatever_the_release():
+    proc = run_python(IMPORT_AND_REPORT, env=clean_env(ASCEND_PATCH_VLLM_VERSION="0.11.0"))
     assert proc.returncode == 0 and json.loads(proc.stdout) == "UnspecifiedPlatform"
-    lines = ascend_patch_lines(proc.stderr)
-    assert len(lines) == 1 and expected in lines[0]
+    assert ascend_patch_lines(proc.stderr) == []
 
 
 def test_newer_vllm_version_uses_the_newest_set_with_one_warning(tmp_path):
@@ -432,19 +459,18 @@ def test_strict_mode_turns_deviations_into_errors(tmp_path):
                     ASCEND_PATCH_MATRIX=table)
     _pass_and_pip_still_work(env)
     proc = run_python(IMPORT_AND_REPORT, env=env)
-    assert proc.returncode != 0
-    assert f"AscendPatchError: vLLM {newest.upper} is newer than every patch set" in proc.stderr
-    assert "(ASCEND_PATCH_STRICT=1)" in proc.stderr.splitlines()[-1]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ascend-patch: vLLM {newest.upper} is newer than every patch set")
+    assert last.endswith("(ASCEND_PATCH_STRICT=1)")
 
 
 def test_forced_npu_without_torch_npu_fails_clearly():
     env = clean_env(ASCEND_PATCH="npu")
     _pass_and_pip_still_work(env)
-    proc = run_python(IMPORT_AND_REPORT, env=env)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ascend_patch.overlay.loader.AscendPatchError: ASCEND_PATCH=npu but no NPU is usable")
-    assert "torch_npu is not installed" in last and "ASCEND_PATCH=emulate" in last
+    lines = _refused(run_python(IMPORT_AND_REPORT, env=env),
+                     "npu mode: ASCEND_PATCH=npu but no NPU is usable: torch_npu is not installed")
+    assert "ASCEND_PATCH=emulate" in lines[1]
     retry = run_python(
         "import sys\ntry:\n import vllm\nexcept Exception:\n pass\nimport vllm.platforms\n"
         "from vllm.platforms import current_platform\n",
@@ -455,8 +481,9 @@ def test_forced_npu_without_torch_npu_fails_clearly():
 
 def test_bad_mode_value_is_an_error():
     proc = run_python(IMPORT_AND_REPORT, env=clean_env(ASCEND_PATCH="emulat"))
-    assert proc.returncode != 0
-    assert "ASCEND_PATCH='emulat' is not a mode" in proc.stderr.splitlines()[-1]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ascend-patch: ASCEND_PATCH='emulat' is not a mode; expected one of auto, npu, emulate, off")
 
 
 def _fake_vllm_ascend(tmp_path: Path) -> Path:
@@ -484,9 +511,10 @@ def test_forced_mode_takes_over_from_vllm_ascend_with_a_warning(tmp_path):
     assert len(lines) == 1 and "ascend-patch takes over because ASCEND_PATCH=emulate" in lines[0]
 
 
-def test_loaded_too_late_stays_inert(tmp_path):
+def test_loaded_too_late_refuses(tmp_path):
     """A process whose platform was resolved before the overlay loaded (no .pth) must
-    not swap platforms under modules that already hold the stock one."""
+    not swap platforms under modules that already hold the stock one; emulate was asked
+    for, so that is a refusal, not a silent stock vLLM."""
     proc = run_python(
         """
         import json
@@ -494,12 +522,14 @@ def test_loaded_too_late_stays_inert(tmp_path):
         import os
         os.environ["ASCEND_PATCH"] = "emulate"
         from ascend_patch.overlay import loader
-        act = loader.activate("test")
-        print(json.dumps([act.state, act.reason]))
+        try:
+            loader.activate("test")
+        except loader.AscendPatchError as exc:
+            print(json.dumps(str(exc).splitlines()))
         """,
         env=clean_env(ASCEND_PATCH="off"),
     )
-    state, reason = json.loads(proc.stdout.splitlines()[-1])
-    assert state == "inert"
-    assert "already resolved its platform to UnspecifiedPlatform" in reason
+    cause, fix, _ = json.loads(proc.stdout.splitlines()[-1])
+    assert "already resolved its platform to UnspecifiedPlatform" in cause
+    assert "install ascend-patch with pip" in fix
     assert os.environ.get("ASCEND_PATCH") is None

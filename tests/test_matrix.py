@@ -28,7 +28,7 @@ def _valid() -> dict:
                 "cann": "unknown",
                 "status": "emulated-e2e",
                 "date": "2026-11-29",
-                "evidence": {"command": "scripts/x", "passed": 3},
+                "evidence": {"e2e": {"command": "scripts/x", "passed": 3, "environment": {"torch": "2.13.0+cpu"}}},
             },
             "0.27.0": {
                 "patch_set": "old",
@@ -171,8 +171,24 @@ def test_env_override_path(tmp_path, monkeypatch):
 def test_markdown_lists_every_version_newest_first(tmp_path):
     text = matrix.render_markdown(matrix.load(_write(tmp_path, _valid())))
     rows = [line for line in text.splitlines() if line.startswith("| 0.")]
-    assert rows[0].startswith("| 0.33.0 | new | 2.14.0 | 2.14.0 | unknown | emulated-e2e | 2026-11-29 |")
-    assert rows[1].startswith("| 0.27.0 | old |")
+    assert rows[0].startswith("| 0.33.0 | new | 2.14.0 | 2.13.0+cpu | 2.14.0 | unknown | emulated-e2e | 2026-11-29 |")
+    assert rows[1].startswith("| 0.27.0 | old | 2.13.0 | - |")
+
+
+def test_an_emulated_row_names_the_torch_its_run_used(tmp_path):
+    """The pinned torch is vLLM's; the run's is what CI could install (a CPU build): both shown."""
+    table = matrix.load(_write(tmp_path, _valid()))
+    assert (table.versions["0.33.0"].torch, table.versions["0.33.0"].torch_run) == ("2.14.0", "2.13.0+cpu")
+    assert table.versions["0.27.0"].torch_run is None
+    rows = {row["vllm"]: row for row in matrix.to_jsonable(table)["versions"]}
+    assert (rows["0.33.0"]["torch_run"], rows["0.27.0"]["torch_run"]) == ("2.13.0+cpu", None)
+    data = _valid()
+    del data["versions"]["0.33.0"]["evidence"]["e2e"]["environment"]
+    with pytest.raises(matrix.MatrixError, match=r"versions\.0\.33\.0\.evidence\.e2e\.environment\.torch: "
+                                                 r"required for status emulated-e2e"):
+        matrix.load(_write(tmp_path, data))
+    shipped = matrix.load()
+    assert all(e.torch_run for e in shipped.versions.values() if e.status == "emulated-e2e")
 
 
 def _npu_verified(evidence_edit=None) -> dict:
@@ -216,3 +232,15 @@ def test_npu_verified_needs_exactly_the_record_of_a_passing_hardware_run(tmp_pat
     with pytest.raises(matrix.MatrixError, match=r"versions\.0\.33\.0\.evidence\.npu: ") as err:
         matrix.load(_write(tmp_path, _npu_verified(edit)))
     assert problem in str(err.value)
+
+
+def test_the_feature_page_says_which_suites_passed_on_which_line(tmp_path):
+    data = _valid()
+    data["versions"]["0.33.0"]["evidence"]["e2e"].update(
+        suite="tests/test_engine.py", features={"suites": ["tests/test_moe.py"]})
+    text = matrix.render_features(matrix.load(_write(tmp_path, data)))
+    assert "| | new (`>=0.29,<0.34`) | old (`>=0.20,<0.29`) |" in text
+    assert "| releases by status | emulated-e2e x1 | untested x1 |" in text
+    assert "| `tests/test_engine.py` passed, emulated | 0.33.0 | - |" in text
+    assert "| `tests/test_moe.py` passed, emulated | 0.33.0 | - |" in text
+    assert "| [x](compatibility.md#known-limitations) | limited | - |" in text

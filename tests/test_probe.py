@@ -16,6 +16,7 @@ import http.server
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def test_installed_site_packages():
 # -- what the probe finds -----------------------------------------------------
 
 
-def test_changed_signature_is_a_mismatch(tree, tmp_path, capsys):
+def test_changed_signature_is_a_mismatch(tree, tmp_path, capsys, monkeypatch):
     _edit(
         tree,
         "v1/worker/utils.py",
@@ -197,12 +198,23 @@ def test_changed_signature_is_a_mismatch(tree, tmp_path, capsys):
     assert data["summary"]["mismatch"] == 1 and data["would_activate"] is False
     assert data["verdict"].startswith("1 of ") and "would patch nothing" in data["verdict"]
 
+    monkeypatch.setenv("COLUMNS", "1000")  # one problem per line
     assert cli.main(["probe", str(tree)]) == 1
     table = capsys.readouterr().out
-    assert "vllm.v1.worker.utils:allocate_kv_cache: expected (kv_cache_config, device, layout, " \
-        "kernel_block_sizes=...) or (kv_cache_config, device, layout, kernel_block_sizes=..., allocate=...), " \
-        "found (kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)" in table
-    assert "verdict: would NOT activate" in table
+    verdict, counts, problem = table.splitlines()[:3]
+    assert re.fullmatch(r"verdict\s+would NOT activate: 1 of \d+ targets of v0_29 differ: the loader would patch nothing",
+                        verdict)
+    assert re.fullmatch(r"targets\s+\d+ targets: \d+ verified, 22 unchecked, 1 mismatch; 0 bodies changed since "
+                        r"0\.33\.0", counts)
+    assert problem.split(None, 1)[1] == (
+        "vllm.v1.worker.utils:allocate_kv_cache: expected (kv_cache_config, device, layout, "
+        "kernel_block_sizes=...) or (kv_cache_config, device, layout, kernel_block_sizes=..., allocate=...), "
+        "found (kv_cache_config, device, layout, kernel_block_sizes=..., pin=...)")
+    assert re.search(r"^next step\s+use a release the patch sets serve", table, re.MULTILINE)
+    assert "vllm.platforms:resolve_current_platform_cls_qualname" not in table, "behind --targets"
+    assert cli.main(["probe", str(tree), "--targets"]) == 1
+    assert re.search(r"^verified\s+wrap\s+vllm.platforms:resolve_current_platform_cls_qualname$",
+                     capsys.readouterr().out, re.MULTILINE)
 
 
 def test_removed_targets_are_missing(tree, capsys):
@@ -283,10 +295,11 @@ def test_newer_and_older_versions(tree, capsys, monkeypatch, tmp_path):
 def test_json_schema(tree, capsys):
     code, data = run_probe(capsys, str(tree))
     assert set(data) == {
-        "schema", "input", "vllm", "selection", "matrix_status", "limitations", "body_reference",
-        "targets", "summary", "would_activate", "verdict", "warnings",
+        "schema", "kind", "input", "vllm", "selection", "matrix_status", "limitations", "body_reference",
+        "targets", "summary", "would_activate", "verdict", "problems", "next_step", "warnings",
     }
-    assert data["schema"] == 1
+    assert (data["schema"], data["kind"]) == (1, "ascend-patch-probe")
+    assert data["problems"] == [] and data["next_step"] is None
     assert set(data["selection"]) == {"kind", "patch_set", "probed_set", "range", "reason"}
     assert data["matrix_status"] == matrix.load().versions[INSTALLED].status
     assert {lim["id"] for lim in data["limitations"]} >= {"model-runner-v2"}
@@ -408,13 +421,22 @@ def test_download_verifies_extracts_and_reuses_the_cache(tree, tmp_path, cache, 
     assert code == 0 and data["input"]["cached"] is True
 
 
+def test_latest_is_the_newest_final_release_the_index_has_a_file_for(tree, tmp_path, cache, capsys):
+    """``probe latest``: a pre-release and a version listed without a file are passed over."""
+    versions = ["0.32.0", INSTALLED, "0.98.0", "0.99.0rc1"]
+    with serve(json_index([make_sdist(tree, tmp_path)], versions)) as index:
+        code, data = run_probe(capsys, "latest", "--index-url", index)
+    assert code == 0 and data["vllm"]["version"] == INSTALLED and data["input"]["kind"] == "release"
+
+
 def test_download_progress_goes_to_stderr(tree, tmp_path, cache, capsys):
     with serve(json_index([make_sdist(tree, tmp_path)], [INSTALLED])) as index:
         assert cli.main(["probe", INSTALLED, "--index-url", index]) == 0
     captured = capsys.readouterr()
     assert f"downloading vllm-{INSTALLED}.tar.gz" in captured.err
     assert "extracted" in captured.err
-    assert "downloading" not in captured.out and "verdict: would activate" in captured.out
+    assert "downloading" not in captured.out
+    assert re.match(r"verdict\s+would activate: ", captured.out)
 
 
 def test_html_index_and_wheel_only_release(tree, tmp_path, cache, capsys):
@@ -587,7 +609,7 @@ def test_damaged_cache_entry_gives_no_verdict_and_is_replaced(damage, tree, tmp_
 
     # Offline: no verdict from the damaged copy, and the copy is kept until one replaces it.
     code, data, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
-    assert code == 2 and set(data) == {"schema", "error"} and data["error"].startswith("cannot reach")
+    assert code == 2 and set(data) == {"schema", "kind", "error"} and data["error"].startswith("cannot reach")
     assert f"the cached {entry} is damaged ({problem}); fetching the release again" in err
     assert cached_names(cache) == [entry.name]
 
@@ -848,7 +870,7 @@ def test_an_index_url_that_is_not_http_fails_in_one_line(index_url, cache, capsy
         f"index such as {releases.DEFAULT_INDEX}\n"
     )
     code, data = run_probe(capsys, INSTALLED, "--index-url", index_url)
-    assert code == 2 and set(data) == {"schema", "error"}
+    assert code == 2 and set(data) == {"schema", "kind", "error"}
 
 
 @pytest.mark.parametrize("document", [[], {"files": "x"}, {"files": [{"url": "x"}]},
@@ -937,7 +959,7 @@ def test_cli_entry_point_imports_neither_torch_nor_vllm(tree, tmp_path):
     if script.exists():
         proc = subprocess.run([str(script), "probe", str(tree), "--version", "0.11.0"],
                               capture_output=True, text=True, env=clean_env(), timeout=120)
-        assert proc.returncode == 1 and "verdict: would NOT activate" in proc.stdout
+        assert proc.returncode == 1 and re.match(r"verdict\s+would NOT activate", proc.stdout)
 
     code = f"""
         import sys

@@ -295,6 +295,20 @@ def test_the_engine_processes_carry_the_overlay(server):
     assert "Setting kv cache block size to 128 for CUSTOM backend" in log
 
 
+def test_every_process_announces_the_overlay_once_at_info(server):
+    """The activation line, through vLLM's logger, in the API server (vLLM labels it
+    MainProcess) and in the EngineCore it spawned: once each."""
+    import re
+
+    from ascend_patch import __version__
+
+    line = f"ascend-patch {__version__} active: vLLM 0.33.0, patch set v0_29, mode emulate, runner V1"
+    announced = re.findall(r"^\((\w+) pid=(\d+)\) INFO [^\]]*\] " + re.escape(line) + "$",
+                           server["log"].read_text(), re.MULTILINE)
+    assert sorted(name for name, _ in announced) == ["EngineCore", "MainProcess"], announced  # the API server is main
+    assert len({pid for _, pid in announced}) == 2
+
+
 SPEC_TOKENS = 3
 SPEC_DECODE_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
 

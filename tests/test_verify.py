@@ -67,6 +67,8 @@ def test_emulated_verify_passes_every_check_with_one_progress_line_each(emulated
     progress = [match.groups() for line in proc.stdout.splitlines()
                 if (match := re.match(r"^\[\s*(\d+)/(\d+)\] (\S+)\s+(\S+)", line))]
     assert progress == [(str(i), str(total), name, "PASS") for i, name in enumerate(record.CHECKS, 1)]
+    started = re.findall(r"^ascend-patch verify: starting the (\S+) engine \(", proc.stdout, re.MULTILINE)
+    assert started == list(dict.fromkeys(c["family"] for c in data["checks"])), "a line as each family starts"
     assert proc.stdout.splitlines()[-1].startswith(f"ascend-patch verify: PASS: {total} passed, 0 failed")
     assert "(emulated)" in proc.stdout.splitlines()[-1]
 

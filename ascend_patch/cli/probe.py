@@ -26,6 +26,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ascend_patch.cli import output
+from ascend_patch.cli.doctor import counts, target_lines
 from ascend_patch.cli.releases import ProbeError, Source, open_source
 from ascend_patch.overlay import matrix
 from ascend_patch.overlay import version as versions
@@ -33,7 +35,7 @@ from ascend_patch.overlay.decision import decide, load_patch_set
 from ascend_patch.overlay.declarations import Contract, Declaration, Patch, State
 from ascend_patch.overlay.source import SourceTree
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = output.SCHEMA
 
 
 # -- the report ---------------------------------------------------------------
@@ -139,8 +141,13 @@ def probe(source: Source, table: matrix.Matrix) -> dict:
     if decision.would_activate and selection.kind == "unknown":
         verdict += ", if the version is newer than every patch set, as assumed"
     release = decision.release
-    return {
-        "schema": SCHEMA_VERSION,
+    summary = {
+        "targets": len(targets),
+        **{state: sum(t["state"] == state for t in targets)
+           for state in (State.VERIFIED, State.MISSING, State.MISMATCH, State.UNCHECKED)},
+        "body_changed": sum(t["body"] == "changed" for t in targets),
+    }
+    return output.document("probe", {
         "input": {
             "argument": source.argument,
             "kind": source.kind,
@@ -166,16 +173,23 @@ def probe(source: Source, table: matrix.Matrix) -> dict:
         ],
         "body_reference": reference,
         "targets": targets,
-        "summary": {
-            "targets": len(targets),
-            **{state: sum(t["state"] == state for t in targets)
-               for state in (State.VERIFIED, State.MISSING, State.MISMATCH, State.UNCHECKED)},
-            "body_changed": sum(t["body"] == "changed" for t in targets),
-        },
+        "summary": summary,
         "would_activate": decision.would_activate,
         "verdict": verdict,
+        "problems": [f"{t['target']}: expected {t['expected']}, found {t['found']}"
+                     for t in targets if t["state"] in (State.MISSING, State.MISMATCH)],
+        "next_step": None if decision.would_activate else _next_step(table, selection, source.version),
         "warnings": warnings,
-    }
+    })
+
+
+def _next_step(table: matrix.Matrix, selection: matrix.Selection, version: str | None) -> str:
+    """What to do when the answer is no."""
+    served = f"vllm{table.served_range()}"
+    if selection.kind in ("newer", "unknown"):
+        return (f"stay on a release the patch sets serve ({served}; `ascend-patch matrix --constraints` "
+                f"pins it) until a patch set for {version or 'this vLLM'} ships: upgrade ascend-patch then")
+    return f"use a release the patch sets serve ({served}), or an ascend-patch that serves {version}"
 
 
 def _describe_input(data: dict) -> str:
@@ -191,9 +205,22 @@ def _describe_input(data: dict) -> str:
     return f"{given['kind']} {given['package_dir']}"
 
 
-def render(data: dict) -> str:
-    """The human-readable table."""
+def render(data: dict, targets: bool = False, verbose: bool = False) -> str:
+    """Verdict, counts and problems first; ``targets`` adds every target, ``verbose`` the
+    limitations in full."""
+    columns = output.width()
     v, sel, summary = data["vllm"], data["selection"], data["summary"]
+    head = [
+        ("verdict", ("would activate: " if data["would_activate"] else "would NOT activate: ") + data["verdict"]),
+        ("targets", counts(summary)
+         + (f"; {summary['body_changed']} bodies changed since {data['body_reference']}"
+            if data["body_reference"] else "")),
+    ]
+    head += [("problem", problem) for problem in data["problems"][:5]]
+    if len(data["problems"]) > 5:
+        head.append(("problem", f"... and {len(data['problems']) - 5} more (--targets lists them)"))
+    if data["next_step"]:
+        head.append(("next step", data["next_step"]))
     rows = [
         ("probed", _describe_input(data)),
         ("vllm", f"{v['version']} (from {v['version_source']})" if v["version"] else "unknown"),
@@ -202,38 +229,23 @@ def render(data: dict) -> str:
         ("bodies", f"compared with vLLM {data['body_reference']}, the release "
                    f"{sel['probed_set']} was written against" if data["body_reference"] else "no reference"),
     ]
-    if data["limitations"]:
+    if data["limitations"] and not verbose:
         rows.append(("limitations", ", ".join(lim["id"] for lim in data["limitations"])
-                     + " (see `ascend-patch matrix`)"))
+                     + " (--verbose explains them)"))
     rows.extend(("warning", w) for w in data["warnings"])
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k.ljust(width)}  {text}" for k, text in rows]
-    targets = data["targets"]
-    tw = max(len(t["target"]) for t in targets)
-    lines += ["", f"{'target'.ljust(tw)}  {'kind':8}  {'state':9}  {'body':7}  found"]
-    for t in targets:
-        lines.append(
-            f"{t['target'].ljust(tw)}  {t['kind']:8}  {t['state']:9}  {t['body'] or '-':7}  {t['found']}"
-        )
-    failed = [t for t in targets if t["state"] not in (State.VERIFIED, State.UNCHECKED)]
-    if failed:
-        lines += ["", "differences (expected, found):"]
-        lines += [f"  - {t['target']}: expected {t['expected']}, found {t['found']}" for t in failed]
-    lines += [
-        "",
-        f"{summary['targets']} targets: {summary['verified']} verified, {summary['missing']} missing, "
-        f"{summary['mismatch']} mismatched"
-        + (f", {summary['unchecked']} unchecked (torch: not part of a vLLM release)"
-           if summary["unchecked"] else "")
-        + (f"; {summary['body_changed']} bodies changed since {data['body_reference']}"
-           if data["body_reference"] else ""),
-        ("verdict: would activate — " if data["would_activate"] else "verdict: would NOT activate — ")
-        + data["verdict"],
-    ]
-    return "\n".join(lines)
+    lines = output.fields(head + [("", "")] + rows, columns)
+    if verbose and data["limitations"]:
+        lines += ["", "known limitations of this release (compat_matrix.yaml):"]
+        lines += output.fields([(f"  {lim['id']}", lim["summary"]) for lim in data["limitations"]], columns)
+    if targets:
+        lines += ["", "targets (state, kind, target):"] + target_lines(data["targets"], columns)
+    else:
+        lines += ["", "--targets lists every target"]
+    return "\n".join(line.rstrip() for line in lines)
 
 
-def run(argument: str, *, version: str | None, index_url: str, as_json: bool) -> int:
+def run(argument: str, *, version: str | None, index_url: str, as_json: bool,
+        targets: bool = False, verbose: bool = False) -> int:
     """The ``probe`` command: 0 would activate, 1 would not, 2 the probe itself failed."""
     try:
         table = matrix.load()
@@ -243,13 +255,13 @@ def run(argument: str, *, version: str | None, index_url: str, as_json: bool) ->
         return _failed(str(exc), as_json)
     except Exception as exc:  # a bug, yet still "the probe failed", never "would not activate"
         return _failed(f"internal error, please report it: {type(exc).__name__}: {exc}", as_json)
-    print(json.dumps(data, indent=2) if as_json else render(data))
+    print(output.dumps(data) if as_json else render(data, targets, verbose))
     return 0 if data["would_activate"] else 1
 
 
 def _failed(message: str, as_json: bool) -> int:
     message = " ".join(message.split())  # one line, whatever an index put in it
     if as_json:
-        print(json.dumps({"schema": SCHEMA_VERSION, "error": message}, indent=2))
+        print(output.dumps(output.error("probe", message)))
     print(f"ascend-patch probe: {message}", file=sys.stderr)
     return 2

@@ -2,8 +2,8 @@
 
 On a machine with an Ascend NPU it builds its tiny models locally, runs every check of
 :mod:`ascend_patch.kit.checks` on the NPU against HF transformers on the CPU, prints one line
-per check and writes one JSON evidence record (schema in :mod:`ascend_patch.kit.record` and the
-README), which ``scripts/record_matrix_run.py --evidence`` turns into an ``npu-verified`` matrix
+per check and writes one JSON evidence record (schema in :mod:`ascend_patch.kit.record` and
+docs/hardware-kit.md), which ``scripts/record_matrix_run.py --evidence`` turns into an ``npu-verified`` matrix
 status. ``--emulate`` runs the same checks, in the same code, on the emulated NPU: how CI tests
 the kit. Exit status: 0 every check passed, 1 one did not (the record says which), 2 no NPU or
 bad input (no record).
@@ -148,6 +148,7 @@ def run(emulate: bool, output: Path, models_dir: Path | None) -> int:
     with tempfile.TemporaryDirectory(prefix="ascend-patch-verify-") as workdir:
         models = {**models, "tiny-qwen2-w8a8": checks.w8a8_checkpoint(models, Path(workdir))}
         for family in checks.families(models):
+            print(f"ascend-patch verify: starting the {family.name} engine ({family.model})...", flush=True)
             facts = data["families"].setdefault(family.name, {})
             for result in checks.run(family, models[family.model], device["count"], facts):
                 data["checks"].append(result.as_dict())

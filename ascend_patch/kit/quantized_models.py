@@ -188,7 +188,7 @@ def compressed_tensors(model_dir: Path, out: Path, *, weights: str = "channel",
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("model", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("format", choices=("ascend", "compressed-tensors"))

@@ -1,7 +1,7 @@
 """The evidence record ``ascend-patch verify`` writes, and what makes one ``npu-verified`` evidence.
 
 Standard library only: the matrix validation (at every ``import vllm``) imports this module when
-a row claims ``npu-verified``. The schema is documented in the README ("Hardware acceptance kit").
+a row claims ``npu-verified``. The schema is documented in docs/hardware-kit.md.
 """
 
 from __future__ import annotations

@@ -278,18 +278,23 @@ def build(root: Path, names: list[str] | None = None) -> dict[str, Path]:
     return build_recipes(root, {name: [RECIPE, *MODELS[name]] for name in names or MODELS}, make)
 
 
-def command_line(build_all, description: str) -> int:
-    """``python -m <module> OUT_DIR``: build every model of ``build_all`` into OUT_DIR."""
-    parser = argparse.ArgumentParser(description=description)
+def command_line(build_all, description: str, names: list[str] | None = None) -> int:
+    """``python -m <module> OUT_DIR [--only NAME ...]``: build the models of ``build_all``
+    (``names``: those it can build one by one) into OUT_DIR."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     parser.add_argument("out", type=Path, help="directory to write the models into")
+    if names:
+        parser.add_argument("--only", action="append", choices=names, metavar="NAME",
+                            help=f"build only this model (repeatable): {', '.join(names)}")
     args = parser.parse_args()
-    for name, path in build_all(args.out).items():
+    only = getattr(args, "only", None)
+    for name, path in (build_all(args.out, only) if only else build_all(args.out)).items():
         print(f"{name}: {path}")
     return 0
 
 
 def main() -> int:
-    return command_line(build, __doc__.splitlines()[0])
+    return command_line(build, __doc__.splitlines()[0], list(MODELS))
 
 
 if __name__ == "__main__":

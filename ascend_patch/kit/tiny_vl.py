@@ -9,7 +9,7 @@ replaces them with the Q-Former's outputs. Weights from N(0, 0.2) (LayerNorm gai
 greedy decoding neither collapses nor ignores the image. Its image processor is transformers'
 PIL one (no torchvision needed).
 
-The Qwen VL families are not built: in this environment vLLM cannot start them (see README).
+The Qwen VL families are not built: in this environment vLLM cannot start them (see docs/design.md).
 
     python -m ascend_patch.kit.tiny_vl OUT_DIR
 """

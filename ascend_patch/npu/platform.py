@@ -186,6 +186,10 @@ class NPUPlatform(Platform):
         return PUNICA_WRAPPER
 
     @classmethod
+    def log_warnings(cls) -> None:
+        release.announce()  # vLLM 0.33+ calls this once it has configured logging
+
+    @classmethod
     def import_kernels(cls) -> None:
         # vLLM's CUDA/CPU extensions do not exist on Ascend; every op goes
         # through ascend_patch.npu.kernels instead. Importing them only logs noise.

@@ -11,8 +11,11 @@ patch vLLM submodules right after they execute.
 No exception may escape :func:`install`; the ``.pth`` line also guards the
 import of this module, so a ``.pth`` left behind by ``pip uninstall`` is inert.
 Once ``vllm`` is imported, a loader that fails for any reason other than the
-ones the user asked to be told about (a :class:`DeliberateError`: forced ``npu``
-mode, strict mode, a malformed setting) leaves vLLM stock with one line on stderr.
+ones the user asked to be told about (a :class:`DeliberateError`: a refusal in an asked-for
+mode, strict mode, a malformed setting) leaves vLLM stock with one line on stderr, unless a
+mode was asked for (``npu``, ``emulate``) or strict mode is on: then ``import vllm`` fails.
+A deliberate error that nobody catches prints its message, not a traceback through vLLM's
+imports (:func:`_quiet_deliberate_errors`).
 
 Being the one module every process loads, and the one that may load nothing else, it
 also holds what the rest of the package builds on at that level: how the
@@ -71,10 +74,28 @@ def _debug(message):
 
 
 def _wants_errors():
-    """Whether the user asked for certainty: forced npu mode, or strict mode (a value that
-    is not a flag counts: the loader refuses it)."""
-    return (read_mode(os.environ.get("ASCEND_PATCH", "")) == "npu"
+    """Whether the user asked for certainty: a mode asked for (npu, emulate), or strict mode
+    (a value that is not a flag counts: the loader refuses it)."""
+    return (read_mode(os.environ.get("ASCEND_PATCH", "")) in ("npu", "emulate")
             or read_flag(os.environ.get("ASCEND_PATCH_STRICT", "")) is not False)
+
+
+def _quiet_deliberate_errors():
+    """Make an uncaught :class:`DeliberateError` print its message alone: it already says
+    what is wrong and what to do, and a traceback through vLLM's imports hides that."""
+    previous = sys.excepthook
+    if getattr(previous, "ascend_patch", False):
+        return
+
+    def hook(kind, value, traceback):
+        if not isinstance(value, DeliberateError):
+            return previous(kind, value, traceback)
+        text = str(value)
+        sys.stderr.write(text if text.startswith("ascend-patch:") else f"ascend-patch: {text}")
+        sys.stderr.write("\n")
+
+    hook.ascend_patch = True
+    sys.excepthook = hook
 
 
 def _run_loader(callback, module):
@@ -85,8 +106,16 @@ def _run_loader(callback, module):
     try:
         resolve(callback)(module)
     except Exception as exc:
-        if isinstance(exc, DeliberateError) or _wants_errors():
+        if isinstance(exc, DeliberateError):
+            _quiet_deliberate_errors()
             raise
+        if _wants_errors():
+            _quiet_deliberate_errors()
+            raise DeliberateError(
+                f"ascend-patch: cannot activate: the loader failed ({type(exc).__name__}: {exc})\n"
+                "ascend-patch: fix: reinstall ascend-patch, or set ASCEND_PATCH=off for stock vLLM\n"
+                "ascend-patch: details: ascend-patch doctor"
+            ) from exc
         _loader_failed = True
         sys.stderr.write(
             f"ascend-patch: disabled in this process, vLLM stays stock: the loader failed "

@@ -81,8 +81,8 @@ def load_patch_set(table: matrix.Matrix, name: str) -> list[Declaration]:
 
 
 def patch_set_runner(name: str) -> str:
-    """The runner generation patch set ``name`` declares (its ``RUNNER``), once
-    :func:`load_patch_set` has checked it."""
+    """The runner generation patch set ``name`` declares (its ``RUNNER``: "v1" for vLLM's V1
+    model runner, "v2" for Model Runner V2), once :func:`load_patch_set` has checked it."""
     return importlib.import_module(f"ascend_patch.patches.{name}").RUNNER
 
 

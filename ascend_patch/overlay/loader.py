@@ -14,9 +14,15 @@ Triggers: the ``.pth`` bootstrap calls :func:`on_vllm_imported` right after
 3. only if all of that holds, the set is scheduled through the registry, the
    platform selection first.
 
-Any failure leaves vLLM exactly stock with one log line saying why, except
-where the user asked for certainty: ``ASCEND_PATCH=npu`` without a usable NPU,
-and any deviation under ``ASCEND_PATCH_STRICT=1``, raise :class:`AscendPatchError`.
+The refusal rule: where the overlay was asked for (``ASCEND_PATCH=npu`` or ``emulate``) or
+an NPU is present (``auto`` found one), and it cannot activate, ``import vllm`` fails with three
+lines (the cause, the fix, the command that shows the details): stock vLLM on a machine meant
+for the NPU path would only die later, further from the cause. ``auto`` on a machine without
+an NPU stays stock and silent; ``ASCEND_PATCH_STRICT=1`` makes every deviation an error.
+
+Where it activates, one INFO line through vLLM's logger says so (:func:`activation_line`): at
+once where vLLM's logging is already configured, else when vLLM configures it (vLLM 0.33+
+configures logging late, then calls the platform's ``log_warnings`` hook, which announces it).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ascend_patch import env, release
+from ascend_patch import __version__, env, release
 from ascend_patch.overlay import bootstrap, matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import Decision, decide, patch_set_runner
@@ -73,6 +79,10 @@ class Activation:
     warnings: list[str] = field(default_factory=list)
     deviation: bool = False
     """Inert for an unusual reason (worth a warning), not by choice or for lack of an NPU."""
+    fix: str = ""
+    """For a deviation: what the user can do about it (the refusal's second line)."""
+    details: str = "ascend-patch doctor"
+    """For a deviation: the command that shows the details (the refusal's third line)."""
 
     @property
     def active(self) -> bool:
@@ -111,12 +121,36 @@ def current() -> Activation | None:
     return _activation
 
 
-def _deviation(act: Activation, message: str) -> Activation:
+def _deviation(act: Activation, message: str, fix: str, details: str = "ascend-patch doctor") -> Activation:
     """An unusual situation: stay stock and say so, or raise under strict mode."""
     if env.strict():
         raise AscendPatchError(f"{message} (ASCEND_PATCH_STRICT=1)")
     act.state, act.reason, act.deviation = ActivationState.INERT, message, True
+    act.fix, act.details = fix, details
     return act
+
+
+def _releases_fix() -> str:
+    """The refusal's fix for a vLLM this ascend-patch does not serve."""
+    try:
+        served = f"pip install 'vllm{matrix.load().served_range()}'"
+    except matrix.MatrixError:
+        served = "`ascend-patch matrix` lists them"
+    return (f"install a vLLM release this ascend-patch serves ({served}), upgrade ascend-patch, "
+            "or set ASCEND_PATCH=off for stock vLLM")
+
+
+def asked_for(act: Activation) -> bool:
+    """Whether staying stock would betray the user: a mode was asked for, or an NPU is here."""
+    return act.requested in ("npu", "emulate") or act.mode == "npu"
+
+
+def refusal(act: Activation) -> str:
+    """The three lines ``import vllm`` fails with: cause, fix, details."""
+    cause = act.reason.splitlines()[0].removesuffix("; ascend-patch stays inert")
+    return (f"ascend-patch: cannot activate in {act.mode or act.requested} mode: {cause}\n"
+            f"ascend-patch: fix: {act.fix}\n"
+            f"ascend-patch: details: {act.details}")
 
 
 def _decide_mode(act: Activation) -> Activation | None:
@@ -129,14 +163,13 @@ def _decide_mode(act: Activation) -> Activation | None:
                 f"vllm-ascend {device.vllm_ascend} is installed and owns this NPU platform; "
                 "ascend-patch stays inert. Uninstall one of them, or set ASCEND_PATCH=npu to let "
                 "ascend-patch take over",
+                "uninstall vllm-ascend or ascend-patch, or set ASCEND_PATCH=npu",
             )
         act.warnings.append(
             f"vllm-ascend {device.vllm_ascend} is installed too; ascend-patch takes over because "
             f"ASCEND_PATCH={act.requested}"
         )
-    if act.requested == "emulate":
-        if device.mode is None:  # a malformed HBM size is reported now, not mid-engine
-            return _deviation(act, f"{device.detail}; ascend-patch stays inert")
+    if act.requested == "emulate":  # its one setting, the HBM size, was validated by plan()
         act.mode, act.mode_reason = "emulate", "ASCEND_PATCH=emulate"
         return None
     if device.mode == "npu":
@@ -144,10 +177,10 @@ def _decide_mode(act: Activation) -> Activation | None:
         act.mode_reason = f"ASCEND_PATCH={act.requested} and {device.detail}"
         return None
     if act.requested == "npu":
-        raise AscendPatchError(
-            f"ASCEND_PATCH=npu but no NPU is usable: {device.detail}. Install the CANN toolkit and "
-            "the torch-npu release matching your torch (`ascend-patch doctor` shows both), "
-            "or use ASCEND_PATCH=emulate to run the NPU code path on CPU"
+        return _deviation(
+            act, f"ASCEND_PATCH=npu but no NPU is usable: {device.detail}",
+            "install the CANN toolkit and the torch-npu release matching your torch, or use "
+            "ASCEND_PATCH=emulate to run the NPU code path on CPU",
         )
     act.state, act.reason = ActivationState.INERT, f"ASCEND_PATCH=auto and no NPU: {device.detail}"
     if device.torch_npu_unusable:
@@ -170,14 +203,16 @@ def source_tree(vllm_dir: str | Path) -> SourceTree:
 def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation:
     """Decide everything, verify every target, touch nothing."""
     act = Activation(requested=env.mode(), trigger=trigger)
-    env.strict(), env.debug()  # a malformed flag is an error now, like a malformed mode
     if act.requested == "off":
         act.state, act.reason = ActivationState.OFF, "ASCEND_PATCH=off"
         return act
+    env.validate()  # a malformed value is an error now, in every mode, never a fallback
+    act.warnings += env.unknown_names()
     try:
         act.vllm = vllm_install or versions.find_vllm()
     except versions.VersionError as exc:
-        return _deviation(act, str(exc))
+        return _deviation(act, str(exc), "set ASCEND_PATCH_VLLM_VERSION to the release this vLLM was "
+                          "built from, or ASCEND_PATCH=off for stock vLLM")
     if act.vllm is None:
         act.state, act.reason = ActivationState.INERT, "vLLM is not installed"
         return act
@@ -191,23 +226,27 @@ def plan(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Acti
             cache_dir=Path(env.cache_dir()) / "verified",
         )
     except (matrix.MatrixError, versions.VersionError) as exc:
-        return _deviation(act, str(exc))
+        return _deviation(act, str(exc), "correct the matrix (or unset ASCEND_PATCH_MATRIX), reinstall "
+                          "ascend-patch, or set ASCEND_PATCH=off for stock vLLM")
     selection = act.decision.selection
     if selection.patch_set is None:
-        return _deviation(act, f"{selection.reason}; ascend-patch stays inert")
+        return _deviation(act, f"{selection.reason}; ascend-patch stays inert", _releases_fix(),
+                          f"ascend-patch probe {act.vllm.version}")
+    failed = act.decision.failed
     if selection.kind == "newer":
         if env.strict():
             raise AscendPatchError(f"{selection.reason} (ASCEND_PATCH_STRICT=1)")
-        act.warnings.append(selection.reason)
-    failed = act.decision.failed
+        if not failed:
+            act.warnings.append(selection.reason)
     if failed:
-        details = "".join(f"\n  - {s.describe()}" for s in failed)
-        return _deviation(
-            act,
-            f"vLLM {act.vllm.version} does not match patch set {selection.patch_set.name}: "
-            f"{len(failed)} of {len(act.statuses)} targets differ; nothing was patched"
-            f"{details}",
-        )
+        listing = "".join(f"\n  - {s.describe()}" for s in failed)
+        lead = (f"vLLM {act.vllm.version} is newer than every patch set; {len(failed)} of "
+                f"{len(act.statuses)} targets of the newest, {selection.patch_set.name}, differ"
+                if selection.kind == "newer" else
+                f"vLLM {act.vllm.version} does not match patch set {selection.patch_set.name}: "
+                f"{len(failed)} of {len(act.statuses)} targets differ")
+        return _deviation(act, f"{lead}; nothing was patched{listing}", _releases_fix(),
+                          "ascend-patch doctor --targets")
     act.state = ActivationState.VERIFIED
     return act
 
@@ -246,6 +285,8 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
                     f"vLLM already resolved its platform to {type(resolved).__name__} before "
                     f"ascend-patch loaded (trigger: {trigger}); install ascend-patch with pip "
                     "so its .pth runs at interpreter start",
+                    "install ascend-patch with pip into this environment (its .pth must run at "
+                    "interpreter start), or set ASCEND_PATCH=off",
                 )
             else:
                 act.warnings += _overridden_settings(act)
@@ -263,7 +304,12 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
                     f"NPU, patch set {act.selection.patch_set.name}, "
                     f"{len(act.statuses)} targets verified"
                 )
+                release.activation_line = activation_line(act)
+        if act.deviation and asked_for(act):
+            raise AscendPatchError(refusal(act))
         _activation = act
+    if act.active:
+        _announce_if_logging_is_configured()
     for message in act.warnings:
         _logger().warning("ascend-patch: %s", message)
     if act.deviation:
@@ -271,6 +317,22 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
     else:
         _debug(act.reason)
     return act
+
+
+def activation_line(act: Activation) -> str:
+    """The one INFO line a process logs where the overlay activates."""
+    return (f"ascend-patch {__version__} active: vLLM {act.vllm.version}, patch set "
+            f"{act.selection.patch_set.name}, mode {act.mode}, runner "
+            f"{patch_set_runner(act.selection.patch_set.name).upper()}")
+
+
+def _announce_if_logging_is_configured() -> None:
+    """Log the activation line now where vLLM's logging is set up: vLLM before 0.33 sets it
+    up when ``vllm.logger`` is imported. From 0.33 vLLM configures it later in each process
+    and then calls the platform's ``log_warnings`` hook, which announces instead."""
+    importlib.import_module("vllm.logger")
+    if logging.getLogger("vllm").handlers:
+        release.announce()
 
 
 def deactivate() -> list[str]:
@@ -284,6 +346,7 @@ def deactivate() -> list[str]:
         release.proven_end_to_end = False
         release.patched = frozenset()
         release.mode = release.runner = None
+        release.activation_line = ""
         return restored
 
 

@@ -67,6 +67,12 @@ class VersionEntry:
     date: str | None = None
     evidence: dict = field(default_factory=dict)
 
+    @property
+    def torch_run(self) -> str | None:
+        """The torch the emulated end-to-end run used (its recorded environment), which is
+        not the torch the release pins: CI runs the CPU build it can install."""
+        return ((self.evidence.get("e2e") or {}).get("environment") or {}).get("torch")
+
 
 @dataclass(frozen=True)
 class Limitation:
@@ -97,6 +103,10 @@ class Matrix:
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+    def served_range(self) -> str:
+        """The vLLM releases some patch set serves, as a pip specifier (``>=0.20,<0.34``)."""
+        return f">={self.patch_sets[0].lower},<{self.patch_sets[-1].upper}"
 
     def set_for_release(self, release: Version) -> PatchSetSpec | None:
         return next((s for s in self.patch_sets if s.contains(release)), None)
@@ -129,7 +139,7 @@ class Matrix:
                 None,
                 "older",
                 f"vLLM {version_text} is older than every patch set (oldest: "
-                f"{oldest.name}, {oldest.vllm})",
+                f"{oldest.name}, {oldest.range})",
                 entry,
             )
         return Selection(
@@ -230,6 +240,9 @@ def parse(data: object, path: Path) -> Matrix:
                 raise _fail(path, f"{where}.date", f"required for status {entry.status}")
             if not isinstance(body.get("evidence"), dict) or not body["evidence"]:
                 raise _fail(path, f"{where}.evidence", f"required for status {entry.status}")
+        if entry.status == "emulated-e2e" and not isinstance(entry.torch_run, str):
+            raise _fail(path, f"{where}.evidence.e2e.environment.torch",
+                        "required for status emulated-e2e: the torch the run used")
         if entry.status == "npu-verified":
             # Only rows that claim hardware pay for this import (standard library only).
             from ascend_patch.kit import record
@@ -293,6 +306,7 @@ def to_jsonable(table: Matrix) -> dict:
                 "patch_set": e.patch_set,
                 "torch": e.torch,
                 "torch_npu": e.torch_npu,
+                "torch_run": e.torch_run,
                 "cann": e.cann,
                 "status": e.status,
                 "date": str(e.date) if e.date else None,
@@ -307,16 +321,18 @@ def to_jsonable(table: Matrix) -> dict:
     }
 
 
-def render_markdown(table: Matrix) -> str:
-    """The compatibility table the README embeds (a test keeps them identical)."""
+def render_markdown(table: Matrix, compact: bool = False) -> str:
+    """The compatibility table: in full for docs/compatibility.md and ``ascend-patch matrix``;
+    ``compact`` (the README's) names each limitation and leaves its text to the docs. A test
+    keeps both files identical to what this renders."""
     lines = [
-        "| vLLM | patch set | torch | torch-npu | CANN | status | date |",
-        "|---|---|---|---|---|---|---|",
+        "| vLLM | patch set | torch (pinned) | torch (run) | torch-npu | CANN | status | date |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ordered = sorted(table.versions.values(), key=lambda e: Version(e.vllm), reverse=True)
     for e in ordered:
         lines.append(
-            f"| {e.vllm} | {e.patch_set} | {e.torch} | {e.torch_npu} | {e.cann} | "
+            f"| {e.vllm} | {e.patch_set} | {e.torch} | {e.torch_run or '-'} | {e.torch_npu} | {e.cann} | "
             f"{e.status} | {e.date or ''} |"
         )
     lines.append("")
@@ -326,6 +342,74 @@ def render_markdown(table: Matrix) -> str:
         lines.append(f"| {s.name} | `{s.range}` | {s.summary} |")
     if table.limitations:
         lines.append("")
-        lines.append("Known limitations:")
-        lines.extend(f"- **{lim.id}** (`{lim.vllm}`): {lim.summary}" for lim in table.limitations)
+        if compact:
+            lines.append("Known limitations ([what each means](docs/compatibility.md#known-limitations)): "
+                         + ", ".join(f"`{lim.id}`" for lim in table.limitations) + ".")
+        else:
+            lines.append("### Known limitations")
+            lines.append("")
+            lines.extend(f"- **{lim.id}** (`{lim.vllm}`): {lim.summary}" for lim in table.limitations)
+    return "\n".join(lines)
+
+
+def _suites_of(entry: VersionEntry) -> list[str]:
+    """The test suites an emulated-e2e row's evidence records as passed."""
+    if entry.status != "emulated-e2e":
+        return []
+    e2e = entry.evidence.get("e2e") or {}
+    return [e2e["suite"], *((e2e.get("features") or {}).get("suites") or [])] if "suite" in e2e else []
+
+
+def _recorded_suites(table: Matrix) -> list[str]:
+    return list(dict.fromkeys(suite for e in table.versions.values() for suite in _suites_of(e)))
+
+
+STATUS_LEGEND = {
+    "npu-verified": "`ascend-patch verify` passed on Ascend hardware with this exact vLLM (none yet)",
+    "emulated-e2e": "the emulated end-to-end suite passed with this exact vLLM installed (CPU, no NPU)",
+    "static-probe": "every target verified against the release's source; nothing was run",
+    "untested": "nothing has been run against this release",
+    "unsupported": "known not to work; the evidence says why",
+}
+
+
+def render_features(table: Matrix) -> str:
+    """docs/features.md's table: per release line (patch set), the statuses its releases
+    carry, the releases each recorded test suite passed on (emulated), and each known
+    limitation: where it applies."""
+    sets = list(reversed(table.patch_sets))
+    head = "| | " + " | ".join(f"{s.name} (`{s.range}`)" for s in sets) + " |"
+    lines = [head, "|---" * (len(sets) + 1) + "|"]
+
+    def statuses(spec: PatchSetSpec) -> str:
+        found = [e for e in table.versions.values() if e.patch_set == spec.name]
+        return ", ".join(f"{status} x{n}" for status in STATUSES
+                         if (n := sum(e.status == status for e in found))) or "none listed"
+
+    lines.append("| releases by status | " + " | ".join(statuses(s) for s in sets) + " |")
+    for suite in _recorded_suites(table):
+        cells = [", ".join(e.vllm for e in table.versions.values()
+                           if e.patch_set == s.name and suite in _suites_of(e)) or "-" for s in sets]
+        lines.append(f"| `{suite}` passed, emulated | " + " | ".join(cells) + " |")
+    for lim in table.limitations:
+        cells = ["limited" if any(lim.vllm.contains(Version(e.vllm), prereleases=True)
+                                  for e in table.versions.values() if e.patch_set == s.name) else "-"
+                 for s in sets]
+        lines.append(f"| [{lim.id}](compatibility.md#known-limitations) | " + " | ".join(cells) + " |")
+    lines += ["", "Status legend:", ""]
+    lines += [f"- `{status}`: {meaning}" for status, meaning in STATUS_LEGEND.items()]
+    return "\n".join(lines)
+
+
+def render_constraints(table: Matrix) -> str:
+    """A pip constraints file (``pip install -c FILE vllm``): the vLLM releases some patch set
+    serves, so ``pip install -U vllm`` cannot move a working host past them; the torch and
+    torch-npu each listed release pairs with, as comments (pip cannot express a pairing)."""
+    from ascend_patch import __version__
+
+    lines = [f"# ascend-patch {__version__}: the vLLM releases its patch sets serve ({table.path.name})",
+             f"vllm{table.served_range()}",
+             "# torch-npu must be the release built for the torch your vLLM pins:"]
+    for e in sorted(table.versions.values(), key=lambda e: Version(e.vllm), reverse=True):
+        lines.append(f"#   vllm=={e.vllm}: torch=={e.torch}, torch-npu=={e.torch_npu}, CANN {e.cann} ({e.status})")
     return "\n".join(lines)

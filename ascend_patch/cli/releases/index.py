@@ -107,6 +107,16 @@ def nearest(requested: Version, listed: list[str]) -> tuple[list[str], str | Non
     return [str(v) for v in around], str(releases[-1])
 
 
+def latest(files: list[IndexFile], listed: list[str]) -> str:
+    """The newest final release the index lists with a file that is not yanked."""
+    available = {versions.parse_or_none(file_name_version(f.filename)) for f in files if not f.yanked}
+    finals = [v for text in listed if (v := versions.parse_or_none(text)) and not v.is_prerelease
+              and v in available]
+    if not finals:
+        raise ProbeError("the index lists no final vLLM release with a file to probe")
+    return str(max(finals))
+
+
 def release_file(files: list[IndexFile], requested: Version) -> IndexFile | None:
     """The sdist of ``requested`` if it has one, else its smallest wheel; unyanked first."""
     mine = [f for f in files if versions.parse_or_none(file_name_version(f.filename)) == requested]

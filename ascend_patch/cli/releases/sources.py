@@ -38,7 +38,12 @@ def _release_source(entry: Path, info: dict, argument: str, cached: bool) -> Sou
 
 
 def fetch_release(requested_text: str, index_url: str = index.DEFAULT_INDEX) -> Source:
-    """The ``vllm`` package of a release on the index, from the cache or fetched into it."""
+    """The ``vllm`` package of a release on the index, from the cache or fetched into it;
+    ``latest`` is the newest final release the index lists."""
+    listing = None
+    if requested_text.strip().lower() == "latest":
+        listing = index.read_index(index_url)
+        requested_text = index.latest(*listing)
     requested = versions.parse_or_none(requested_text)
     if requested is None:
         raise ProbeError(
@@ -54,7 +59,7 @@ def fetch_release(requested_text: str, index_url: str = index.DEFAULT_INDEX) -> 
     hit = cache.lookup(requested)
     if hit is not None:
         return _release_source(*hit, requested_text, cached=True)
-    files, listed = index.read_index(index_url)
+    files, listed = listing or index.read_index(index_url)
     item = index.release_file(files, requested)
     if item is None:
         around, newest = index.nearest(requested, listed)
