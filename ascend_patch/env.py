@@ -3,9 +3,9 @@
 Nothing else in the package reads ``os.environ`` for these names, except the ``.pth``
 bootstrap, which must not import this module at interpreter start: it reads
 ``ASCEND_PATCH``, ``ASCEND_PATCH_STRICT`` and ``ASCEND_PATCH_DEBUG`` with the same
-parsers (:func:`~ascend_patch.overlay.bootstrap.read_mode`,
-:func:`~ascend_patch.overlay.bootstrap.read_flag`), defined there. The table of variables in
-docs/reference.md is checked against :data:`VARIABLES` by the test suite.
+parsers (:func:`~ascend_patch.modes.read_mode`, :func:`~ascend_patch.modes.read_flag`),
+which both import from the standard-library-only :mod:`ascend_patch.modes`. The table of
+variables in docs/reference.md is checked against :data:`VARIABLES` by the test suite.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ascend_patch.overlay.bootstrap import MODES, DeliberateError, read_flag, read_mode
+from ascend_patch.modes import MODES, DeliberateError, read_flag, read_mode
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ package) maps vLLM releases to a set by name; set ``<name>`` is the module
 
 Declarations shared by every set live in one module per area, mirroring ``ascend_patch/npu/``:
 :mod:`.platform`, :mod:`.engine`, :mod:`.attention`, :mod:`.moe`, :mod:`.quant`, :mod:`.graphs`,
-:mod:`.lora` and :mod:`.device_api` (declarations only: our side is named by path); a set adds only its own glue.
+:mod:`.lora`, :mod:`.recurrent`, :mod:`.spec_decode` and :mod:`.device_api` (declarations only: our
+side is named by path), built with the helpers of :mod:`._declare`. What one runner generation
+needs is its runner module (:mod:`.runner_v1`); a set declares its generation (``RUNNER = "v1"``),
+composes exactly that runner module, and adds only its own glue.
 ``docs/patches.md`` is generated from these modules (``scripts/render_patch_docs.py``).
 """

@@ -107,8 +107,9 @@ def test_emulate_through_the_pth_without_importing_ascend_patch():
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
     )
-    assert result["before"] == ["ascend_patch", "ascend_patch.overlay", "ascend_patch.overlay.bootstrap"], (
-        "only the stdlib bootstrap (and its empty packages) at start")
+    assert result["before"] == ["ascend_patch", "ascend_patch.modes", "ascend_patch.overlay",
+                                "ascend_patch.overlay.bootstrap"], (
+        "only the stdlib bootstrap, the stdlib modes parser (and their empty packages) at start")
     assert result["cls"] == "EmulatedNPUPlatform"
     assert result["device"] == "cpu" and result["group_device"] == "cpu:0"
     assert result["oot"] is True

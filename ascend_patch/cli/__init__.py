@@ -1,4 +1,8 @@
-"""The ``ascend-patch`` command (also ``python -m ascend_patch``)."""
+"""The ``ascend-patch`` command (also ``python -m ascend_patch``): ``doctor``, ``probe`` and
+``verify``.
+
+Docs: README.md, "Installing for real use", "Probing a release" and "Hardware acceptance kit".
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ vLLM's GPU worker and V1 model runner, which the overlay reuses, call
 API directly. :meth:`Runtime.device_api` gives the stand-ins the manifest's device-API
 patches install: ``torch.npu``'s (through :mod:`ascend_patch.npu.kernels.npu`, the only module
 that talks to torch_npu) on real hardware, the emulated NPU's otherwise.
+
+Docs: README.md, "Modes".
 """
 
 from __future__ import annotations

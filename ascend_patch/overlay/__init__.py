@@ -11,4 +11,6 @@ patching, and nothing about NPUs: what gets patched in, and why, is declared in
 asks by path. It imports neither ``ascend_patch.npu`` nor torch (``scripts/import_graph.py``).
 
 Kept free of imports: the ``.pth`` imports :mod:`.bootstrap` in every Python process.
+
+Docs: README.md, "What happens at `import vllm`" and "Version selection".
 """

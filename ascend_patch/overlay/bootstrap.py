@@ -17,16 +17,17 @@ mode was asked for (``npu``, ``emulate``) or strict mode is on: then ``import vl
 A deliberate error that nobody catches prints its message, not a traceback through vLLM's
 imports (:func:`_quiet_deliberate_errors`).
 
-Being the one module every process loads, and the one that may load nothing else, it
-also holds what the rest of the package builds on at that level: how the
-``ASCEND_PATCH*`` mode and flags read (:func:`read_mode`, :func:`read_flag`, which
-:mod:`ascend_patch.env` uses too), the base of deliberate errors, and :func:`resolve`
-for the ``"module:attribute"`` paths that name code to import only when it runs.
+How the ``ASCEND_PATCH*`` mode and flags read, and the base of deliberate errors, come from
+:mod:`ascend_patch.modes` (standard library only), which :mod:`ascend_patch.env` reads them
+with too. This module also holds :func:`resolve` for the ``"module:attribute"`` paths that
+name code to import only when it runs.
 """
 
 import _thread
 import os
 import sys
+
+from ascend_patch.modes import DeliberateError, read_flag, read_mode
 
 # module name -> callbacks to run, in order, right after that module executes.
 # A callback is a callable taking the module, or a "pkg.mod:function" string
@@ -35,28 +36,6 @@ import sys
 _callbacks = {}
 _lock = _thread.RLock()
 _loader_failed = False
-
-MODES = ("auto", "npu", "emulate", "off")
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
-
-
-def read_mode(text):
-    """An ``ASCEND_PATCH`` value as a mode (empty: ``auto``); None if it is not one."""
-    value = text.strip().lower() or "auto"
-    return value if value in MODES else None
-
-
-def read_flag(text):
-    """An ``ASCEND_PATCH_*`` flag value as True or False; None if it is not a flag."""
-    value = text.strip().lower()
-    return True if value in _ON else False if value in _OFF else None
-
-
-class DeliberateError(Exception):
-    """An error ascend-patch raises on purpose, with a message meant for the user: it stops
-    ``import vllm``. Anything else the loader raises is a fault of ascend-patch (a damaged
-    install, a bug), which must not take the user's vLLM down with it."""
 
 
 def resolve(target):

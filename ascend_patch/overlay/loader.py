@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ascend_patch import __version__, env, release
+from ascend_patch.modes import DeliberateError
 from ascend_patch.overlay import bootstrap, matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import Decision, decide, patch_set_runner
@@ -49,7 +50,7 @@ names every implementation), so the overlay imports nothing of that wing, nor to
 ``check(requested_mode)`` returns a ``Device`` (vllm-ascend installed? which device, why)."""
 
 
-class AscendPatchError(bootstrap.DeliberateError, RuntimeError):
+class AscendPatchError(DeliberateError, RuntimeError):
     """The overlay was asked for and cannot be given."""
 
 

@@ -13,6 +13,8 @@ and :func:`swapped` wraps every op for the length of a block (:func:`count_launc
 :func:`record_calls`, the emulated graph's capture), so a call is a plain attribute lookup with no
 per-call dispatch. Call them through the module (``kernels.rms_norm(...)``): a name imported with
 ``from ascend_patch.npu.kernels import rms_norm`` keeps whatever backend was active at import time.
+
+Docs: README.md, "Modes" and "What the overlay does on the NPU".
 """
 
 import collections

@@ -16,6 +16,8 @@ declares them):
   and its int8 experts the NPU MoE method (:mod:`.moe`).
 
 The W8A8 math both share is :mod:`.w8a8`; the load-time checks, :mod:`.checkpoint`.
+
+Docs: README.md, "What the overlay does on the NPU".
 """
 
 from __future__ import annotations

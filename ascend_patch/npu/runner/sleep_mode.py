@@ -15,6 +15,8 @@ the storages themselves instead:
   Tensors, parameters and views keep their identity (only their storage was resized), so the model,
   the attention layers' cache views and vLLM's KV-cache tensors stay bound; their device addresses
   change, so the captured graphs are dropped at sleep and captured again once everything is awake.
+
+Docs: README.md, "Sleep mode".
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ storages the connector holds); a KV block size other than the kernel's 128; vLLM
 ...]``); ``MooncakeConnector`` on other releases (0.26-0.28 assert a 4-dim backend cache shape,
 the others are not verified); every other connector vLLM ships (CUDA transports, or not
 verified on Ascend).
+
+Docs: README.md, "Disaggregated prefill (KV connectors)" and "KV offload to host memory".
 """
 
 from __future__ import annotations

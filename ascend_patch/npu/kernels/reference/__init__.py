@@ -9,6 +9,8 @@ One module per area: :mod:`.attention` (the KV-cache write, fused and paged atte
 :mod:`.mla`, :mod:`.lora` (LoRA's batched gather matmul), :mod:`.blocks` (KV offload's block
 copies between device and host) and :mod:`.recurrent` (the gated delta rule's decode); this
 package's namespace is the backend.
+
+Docs: README.md, "Modes" (the emulated NPU).
 """
 
 from .attention import (
