@@ -29,6 +29,10 @@ from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper  # the proces
 _launches_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Each captured graph's host-parameter launches."""
 
+managers: weakref.WeakSet = weakref.WeakSet()
+"""The process's graph managers, whose ``graphs`` hold its FULL graphs by batch descriptor (what
+the engine tests inspect, as ``NPUGraphWrapper._all_instances`` for V1's)."""
+
 
 def _graph_api():
     return current_platform.runtime().graphs()
@@ -64,6 +68,10 @@ class NPUModelGraphManagerMixin:
 
     step_metadata: dict | None = None
     """The attention metadata of the step about to replay, by layer name (set by the runner)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        managers.add(self)
 
     def run_fullgraph(self, desc):
         graph = self.graphs.get(desc)
