@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.engine import MODELS_DIR
+from tests.helpers.engine import MODELS_DIR, installed_vllm_is_mrv2_only
 from tests.helpers.process import vllm_package_dir
 
 
@@ -41,20 +41,12 @@ PINNED_RUNS = pytest.StashKey()
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: getattr(item, "originalname", None) == PINNED_TEST)
-    if not _installed_vllm_is_mrv2_only():
+    if not installed_vllm_is_mrv2_only():
         # Deselected, not skipped: a release with the V1 runner has nothing for them to check.
         older = [item for item in items if item.get_closest_marker("mrv2_only")]
         if older:
             config.hook.pytest_deselected(items=older)
             items[:] = [item for item in items if not item.get_closest_marker("mrv2_only")]
-
-
-def _installed_vllm_is_mrv2_only() -> bool:
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    return Version(Version(version("vllm")).base_version) >= Version("0.34")
 
 
 def pytest_collection_finish(session):

@@ -184,9 +184,7 @@ def _fresh_lora_slots(wrapper) -> None:
 def _generate(spec: dict, report_errors: bool) -> dict:
     saved = {name: os.environ.get(name) for name in spec.get("env", {})}
     os.environ.update(spec.get("env", {}))
-    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
-
-    earlier = frozenset(map(id, NPUGraphWrapper._all_instances))
+    earlier = frozenset(map(id, _graph_owners()))
     try:
         llm, result = engine.start(spec["model"], **spec.get("kwargs", {}))
     except Exception as exc:  # reported, so tests can assert on configuration errors
@@ -230,24 +228,44 @@ def _generate(spec: dict, report_errors: bool) -> dict:
     return result
 
 
+def _graph_owners() -> list:
+    """What holds this process's captured graphs: the ``NPUGraphWrapper``s (V1's FULL graphs,
+    PIECEWISE pieces on both runners) and Model Runner V2's graph managers (its FULL graphs)."""
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+    from ascend_patch.npu.runner.v2 import graphs
+
+    return [*NPUGraphWrapper._all_instances, *graphs.managers]
+
+
+def _captured_graphs(owner) -> list[tuple[str, int, object]]:
+    """(runtime mode, token count, graph) of every graph ``owner`` captured."""
+    from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
+
+    if isinstance(owner, NPUGraphWrapper):
+        return [(owner.runtime_mode.name, entry.batch_descriptor.num_tokens, entry.cudagraph)
+                for entry in owner.concrete_cudagraph_entries.values() if entry.cudagraph]
+    return [(desc.cg_mode.name, desc.num_tokens, graph) for desc, graph in owner.graphs.items()]
+
+
 def _worker_graphs(_worker=None, earlier: frozenset = frozenset()) -> dict:
     """In a worker's process (through ``collective_rpc``, or this one): its graph counters so far,
     and the seam ops its graphs of the smallest captured size hold, by runtime mode (PIECEWISE:
-    the pieces' together), on the emulated graph; wrappers whose ids are in ``earlier`` (those
+    the pieces' together), on the emulated graph; graph owners whose ids are in ``earlier`` (those
     of this process's earlier engines) left out."""
     from collections import Counter
 
     from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
 
     captured = {}
-    for wrapper in NPUGraphWrapper._all_instances:
-        if id(wrapper) in earlier:
+    for owner in _graph_owners():
+        if id(owner) in earlier:
             continue
-        entries = [entry for entry in wrapper.concrete_cudagraph_entries.values() if entry.cudagraph]
+        entries = _captured_graphs(owner)
         if entries:
-            smallest = min(entry.batch_descriptor.num_tokens for entry in entries)
-            captured.setdefault(wrapper.runtime_mode.name, {}).setdefault(smallest, []).extend(
-                entry.cudagraph for entry in entries if entry.batch_descriptor.num_tokens == smallest)
+            smallest = min(num_tokens for _, num_tokens, _ in entries)
+            for mode, num_tokens, graph in entries:
+                if num_tokens == smallest:
+                    captured.setdefault(mode, {}).setdefault(smallest, []).append(graph)
     ops = {mode: Counter(launch[4] for graph in by_size[min(by_size)]
                          for launch in getattr(graph, "_launches", []) if launch[4])
            for mode, by_size in captured.items()}

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from ascend_patch.kit.oracle import prompt_token_ids
-from tests.helpers.engine import assert_tracks_hf_logits, module_items, only_marked, run_engine
+from tests.helpers.engine import (assert_tracks_hf_logits, installed_vllm_is_mrv2_only, module_items,
+                                  only_marked, run_engine)
 
 # 8 requests: the 129- and 200-token prompts prefill in 64-token chunks beside decodes.
 PROMPT_LENGTHS = [3, 17, 129, 40, 7, 200, 11, 64]
@@ -94,7 +95,9 @@ def _tokens(engine: dict) -> list[list[list[int]]]:
 def test_graph_mode_is_on_by_default_and_enforce_eager_turns_it_off(engines):
     graph, eager = engines["llama graph"], engines["llama eager"]
     assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
-    assert graph["capture_sizes"] == [1, 2, 4, 8, 16]  # vLLM's defaults up to 2 x max_num_seqs
+    # vLLM's sizes: on the V1 runner its defaults up to 2 x max_num_seqs; Model Runner V2 records
+    # the token counts of the graphs it captures, its decode graphs' up to max_num_seqs requests.
+    assert graph["capture_sizes"] == ([1, 2, 4, 8] if installed_vllm_is_mrv2_only() else [1, 2, 4, 8, 16])
     assert graph["graph_captures"] == 4, "one FULL decode graph per size up to max_num_seqs"
     assert eager["cudagraph_mode"] == "NONE" and eager["graph_captures"] == 0
     assert all(run["graph_replays"] == 0 for run in eager["runs"])

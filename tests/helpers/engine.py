@@ -26,6 +26,15 @@ def for_installed_vllm(declarations) -> list:
     return [d for d in declarations if applies_to(d, release)]
 
 
+def installed_vllm_is_mrv2_only() -> bool:
+    """Whether the installed vLLM has only Model Runner V2 (0.34+: the V1 runner is gone)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(Version(version("vllm")).base_version) >= Version("0.34")
+
+
 MODELS_DIR = ROOT / ".cache" / "models"
 V0_20_FEATURES = "v0_20_features"
 """The marker of the feature tests a v0_20-set release runs in CI (scripts/record_matrix_run.py)."""

@@ -266,13 +266,18 @@ def capture_size_budget(vllm_config, piecewise: bool, full: bool) -> CaptureBudg
 
 
 def lora_cases(vllm_config) -> int:
-    """How many graphs vLLM captures per size and mode for LoRA's sake
-    (``CudagraphDispatcher._get_lora_cases``, the same 0.20-0.33): with
-    ``cudagraph_specialize_lora`` one without adapters plus one per captured active-adapter count,
-    else one."""
+    """How many graphs vLLM captures per size and mode for LoRA's sake: with
+    ``cudagraph_specialize_lora`` one without adapters plus one per captured active-adapter count
+    (V1's ``CudagraphDispatcher._get_lora_cases``, the same 0.20-0.33, and Model Runner V2's
+    ``get_lora_capture_cases``); without it one on V1, and on Model Runner V2 two: without
+    adapters and with ``max_loras + 1`` active."""
+    from ascend_patch import release
+
     lora = vllm_config.lora_config
-    if lora is None or not vllm_config.compilation_config.cudagraph_specialize_lora:
+    if lora is None:
         return 1
+    if not vllm_config.compilation_config.cudagraph_specialize_lora:
+        return 2 if release.runner == "v2" else 1
     from vllm.lora.utils import get_captured_lora_counts
 
     return 1 + len(get_captured_lora_counts(lora.max_loras, lora.specialize_active_lora))

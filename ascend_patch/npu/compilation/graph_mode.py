@@ -143,19 +143,15 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs cannot hold speculative decoding's verification "
                          f"rows here ({verify}): run with --enforce-eager or "
                          "-cc.cudagraph_mode=NONE")
-    sizes = sorted(compilation.cudagraph_capture_sizes or [])
-    kept, reasons = sizes, []
     full, piecewise = mode.has_full_cudagraphs(), mode.has_piecewise_cudagraphs()
-    if full:
-        cache = vllm_config.cache_config  # its block size is the backend's unless given
-        null_slots = cache.block_size if cache.user_specified_block_size else KERNEL_BLOCK_SIZE
-        kept = [size for size in kept if size <= null_slots]
-        if len(kept) < len(sizes):
-            reasons.append(f"FULL graphs pad at most {null_slots} tokens (one null-block slot each)")
+    cache = vllm_config.cache_config  # its block size is the backend's unless given
+    null_slots = cache.block_size if cache.user_specified_block_size else KERNEL_BLOCK_SIZE
     budget = acl_graph.capture_size_budget(vllm_config, piecewise=piecewise, full=full)
-    if len(kept) > budget.max_sizes:
-        kept = acl_graph.sample_sizes(kept, budget.max_sizes)
-        reasons.append(f"at most {budget.max_sizes} fit: {budget.reason}")
+    if release.runner == "v2":
+        _settle_request_keyed_sizes(vllm_config, null_slots, budget)
+        return
+    sizes = sorted(compilation.cudagraph_capture_sizes or [])
+    kept, reasons = _kept_sizes(sizes, 1, full, null_slots, budget)
     logger.info("ascend-patch: ACL graphs (%s): capturing %d of %d sizes%s%s", mode.name, len(kept),
                 len(sizes), f" up to {kept[-1]}" if kept else "",
                 f" ({'; '.join(reasons)})" if reasons else f" ({budget.reason})")
@@ -166,3 +162,64 @@ def settle_graph_mode(vllm_config) -> None:
         compilation.cudagraph_capture_sizes = kept
         compilation.max_cudagraph_capture_size = kept[-1]
         compilation.post_init_cudagraph_sizes()
+
+
+def _kept_sizes(sizes: list[int], tokens_per_size: int, full: bool, null_slots: int,
+                budget) -> tuple[list[int], list[str]]:
+    """Of the ascending capture ``sizes`` (graphs of ``size * tokens_per_size`` tokens), those a
+    FULL graph can pad (its padded tokens write their K/V into vLLM's null block, one slot each)
+    and, of those, as many as the NPU's streams allow (vllm-ascend's budget); and why any went."""
+    from ascend_patch.npu.compilation import acl_graph
+
+    kept, reasons = sizes, []
+    if full:
+        kept = [size for size in kept if size * tokens_per_size <= null_slots]
+        if len(kept) < len(sizes):
+            reasons.append(f"FULL graphs pad at most {null_slots} tokens (one null-block slot each)")
+    if len(kept) > budget.max_sizes:
+        kept = acl_graph.sample_sizes(kept, budget.max_sizes)
+        reasons.append(f"at most {budget.max_sizes} fit: {budget.reason}")
+    return kept, reasons
+
+
+def _settle_request_keyed_sizes(vllm_config, null_slots: int, budget) -> None:
+    """Model Runner V2's capture sizes (vLLM 0.34+): it captures uniform decode batches by request
+    count (``decode_cudagraph_capture_request_sizes``: n requests of q tokens, n * q tokens) and
+    other batches by token count (``prefill_cudagraph_capture_token_sizes``), both resolved by vLLM
+    before this hook; ``cudagraph_capture_sizes`` only records their token counts. Each list the
+    mode captures keeps what :func:`_kept_sizes` keeps, by its graphs' mode."""
+    from vllm.config import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    query_len = vllm_config.uniform_decode_query_len
+    decode_mode = mode.decode_mode() if mode.separate_routine() else CUDAGraphMode.NONE
+    mixed_mode = mode.mixed_mode()
+    decode = (sorted(compilation.decode_cudagraph_capture_request_sizes or [])
+              if decode_mode != CUDAGraphMode.NONE else [])
+    prefill = (sorted(compilation.prefill_cudagraph_capture_token_sizes or [])
+               if mixed_mode != CUDAGraphMode.NONE else [])
+    kept_decode, decode_reasons = _kept_sizes(decode, query_len, decode_mode == CUDAGraphMode.FULL,
+                                              null_slots, budget)
+    kept_prefill, prefill_reasons = _kept_sizes(prefill, 1, mixed_mode == CUDAGraphMode.FULL,
+                                                null_slots, budget)
+    reasons = list(dict.fromkeys(decode_reasons + prefill_reasons))
+    lists = [f"{len(kept)} of {len(sizes)} {what}{f' up to {kept[-1]}' if kept else ''}"
+             for kept, sizes, what in ((kept_decode, decode, "decode request counts"),
+                                       (kept_prefill, prefill, "token sizes")) if sizes]
+    logger.info("ascend-patch: ACL graphs (%s): capturing %s%s", mode.name,
+                " and ".join(lists) or "no sizes",
+                f" ({'; '.join(reasons)})" if reasons else f" ({budget.reason})")
+    tokens = sorted({n * query_len for n in kept_decode} | set(kept_prefill))
+    if not tokens:
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        return
+    if decode:
+        compilation.decode_cudagraph_capture_request_sizes = kept_decode
+        compilation.max_decode_cudagraph_capture_requests = max(kept_decode, default=0)
+    if prefill:
+        compilation.prefill_cudagraph_capture_token_sizes = kept_prefill
+        compilation.max_prefill_cudagraph_capture_tokens = max(kept_prefill, default=0)
+    compilation.cudagraph_capture_sizes = tokens
+    compilation.max_cudagraph_capture_size = tokens[-1]
+    compilation.post_init_cudagraph_sizes()

@@ -75,7 +75,7 @@ class OffloadAndFree:
         parameters = unique_storages(model.parameters())
         shared = {s.data_ptr() for s in parameters}
         buffers = [s for s in unique_storages(model.buffers()) if s.data_ptr() not in shared]
-        self._recapture = _drop_graphs()
+        self._recapture = _drop_graphs(self._runner)
         weights, kv_cache = _Freed(), _Freed()
         weights.free(buffers, keep=True)
         weights.free(parameters, keep=level == 1)
@@ -105,9 +105,15 @@ def _flat(caches) -> list[torch.Tensor]:
     return [t for item in caches for t in _flat(item)]
 
 
-def _drop_graphs() -> bool:
-    """Drop every captured graph (their addresses are about to change); True if there were any."""
+def _drop_graphs(runner) -> bool:
+    """Drop every captured graph (their addresses are about to change): the graph wrappers' and
+    Model Runner V2's FULL graphs, which its graph manager holds (``release_graphs`` keeps what
+    to capture again); True if there were any."""
     captured = any(entry.cudagraph is not None for wrapper in CUDAGraphWrapper._all_instances
                    for entry in wrapper.concrete_cudagraph_entries.values())
     CUDAGraphWrapper.clear_all_graphs()
+    manager = getattr(runner, "cudagraph_manager", None)  # not a seam: Model Runner V2's only
+    if manager is not None and manager.graphs:
+        captured = True
+        manager.release_graphs()
     return captured

@@ -289,9 +289,12 @@ def fused_infer_attention_score_decode_workspace(query, key, value, *, atten_mas
                                                  actual_seq_lengths_kv, num_heads,
                                                  num_key_value_heads, scale, block_size):
     """``_npu_fused_infer_attention_score_get_max_workspace`` for that call: a byte buffer (its
-    size is the op's business), after the call's contract checks."""
+    size is the op's business), after the call's contract checks on what the query reads: host
+    arguments and tensor shapes, never device data. The mask's values are the launch's to check:
+    a graph computes them before its launch, after the replay's update has asked for this
+    buffer, so here they are still the previous replay's."""
     fused_infer_attention_score(
-        query, key, value, atten_mask=atten_mask, block_table=block_table,
+        query, key, value, atten_mask=torch.zeros_like(atten_mask), block_table=block_table,
         actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads,
         num_key_value_heads=num_key_value_heads, scale=scale, input_layout="BSH",
         block_size=block_size)

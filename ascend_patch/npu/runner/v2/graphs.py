@@ -26,8 +26,9 @@ from vllm.platforms import current_platform
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper  # the process's graph counters
 
-_launches_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Each captured graph's host-parameter launches."""
+managers: weakref.WeakSet = weakref.WeakSet()
+"""The process's graph managers, whose ``graphs`` hold its FULL graphs by batch descriptor (what
+the engine tests inspect, as ``NPUGraphWrapper._all_instances`` for V1's)."""
 
 
 def _graph_api():
@@ -53,7 +54,9 @@ def npu_graph_capture(original):
         with acl_graph._collect_host_param_launches() as launches, \
                 graphs.graph(cuda_graph, pool=pool, stream=stream):
             yield cuda_graph
-        _launches_of[cuda_graph] = launches
+        # On the graph itself: each launch's task group refers back to it, so a table keyed by
+        # graphs (even weakly) would keep every graph, and the KV cache its launches read, alive.
+        cuda_graph.host_param_launches = launches
         NPUGraphWrapper.captures += 1
 
     return graph
@@ -65,9 +68,13 @@ class NPUModelGraphManagerMixin:
     step_metadata: dict | None = None
     """The attention metadata of the step about to replay, by layer name (set by the runner)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        managers.add(self)
+
     def run_fullgraph(self, desc):
         graph = self.graphs.get(desc)
-        launches = _launches_of.get(graph, ()) if graph is not None else ()
+        launches = getattr(graph, "host_param_launches", ())  # not a seam: set at capture
         if launches:
             graphs = _graph_api()
             if getattr(self, "_update_stream", None) is None:  # not a seam: ours
