@@ -71,20 +71,33 @@ def _matrix(tmp_path: Path, text: str | bytes) -> Path:
 SHIPPED = (ROOT / "compat_matrix.yaml").read_text()
 
 
+def _installed_patch_set() -> str:
+    """The patch set the shipped matrix picks for the installed vLLM."""
+    from importlib.metadata import version
+
+    from ascend_patch.overlay import matrix
+
+    return matrix.load(ROOT / "compat_matrix.yaml").select(version("vllm")).patch_set.name
+
+
+INSTALLED_SET = _installed_patch_set()
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe binary", "not a text file"),
         # the shipped list replaced (YAML keeps the last of two equal keys)
         (SHIPPED[: SHIPPED.index("\nlimitations:\n")] + "\nlimitations: 5\n", "limitations: expected a list"),
-        (SHIPPED.replace("  v0_29:\n    vllm:", "  v0_99:\n    vllm:", 1), "no patch set module"),
+        (SHIPPED.replace(f"  {INSTALLED_SET}:\n    vllm:", "  v0_99:\n    vllm:", 1), "no patch set module"),
     ],
     ids=["binary", "limitations-not-a-list", "unknown-patch-set"],
 )
 def test_a_bad_matrix_is_refused(tmp_path, content, expected):
     if "v0_99" in str(content):
-        # Rename the set everywhere the matrix names it, so only the missing module is wrong.
-        content = content.replace("patch_set: v0_29", "patch_set: v0_99")
+        # Rename the installed release's set everywhere the matrix names it, so only the
+        # missing module is wrong.
+        content = content.replace(f"patch_set: {INSTALLED_SET}", "patch_set: v0_99")
     env = clean_env(ASCEND_PATCH="emulate", ASCEND_PATCH_MATRIX=str(_matrix(tmp_path, content)))
     _refused(env, expected)
     code, data = _doctor(env)
