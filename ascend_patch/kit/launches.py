@@ -18,8 +18,9 @@ from torch.utils._pytree import tree_leaves
 
 
 class Launches(TorchDispatchMode):
-    """Counts launches while :attr:`active` (inside a watched layer); nothing a seam op runs inside
-    it is counted, the seam op being one launch."""
+    """Counts launches while :attr:`active` (inside a watched layer), and outside the watched layers
+    into :attr:`outside` when that is a Counter; nothing a seam op runs inside it is counted, the
+    seam op being one launch."""
 
     in_seam = False  # a seam op is running: one flag for every mode (a nested one's too)
 
@@ -29,19 +30,21 @@ class Launches(TorchDispatchMode):
         self.aten: Counter = Counter()
         self.seam: Counter = Counter()
         self.layer_calls = 0
+        self.outside: Counter | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "vllm":
             return out  # vLLM's custom-op wrappers (moe_forward) run Python, not a kernel
         bare = func.__name__.startswith(("empty", "new_empty", "detach"))  # allocations, views
-        if self.active and not Launches.in_seam and not bare:
+        counts = self.aten if self.active else self.outside
+        if counts is not None and not Launches.in_seam and not bare:
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
             fresh = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
                         for t in tree_leaves(out))
             if fresh or func._schema.is_mutable:
-                self.aten[func.__name__] += 1
+                counts[func.__name__] += 1
         return out
 
     def counting(self, name, fn):
@@ -50,6 +53,8 @@ class Launches(TorchDispatchMode):
         def call(*args, **kwargs):
             if self.active:
                 self.seam[name] += 1
+            elif self.outside is not None:
+                self.outside[name] += 1
             Launches.in_seam = True
             try:
                 return fn(*args, **kwargs)
