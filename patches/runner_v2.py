@@ -331,6 +331,17 @@ RUNNER = [
         remove_when="vLLM dispatches top-k/top-p to a platform implementation",
     ),
     Patch(
+        f"{_GPU}.sample.sampler:Sampler._sample_random",
+        reason="sample an all-greedy batch without top-k/top-p with one argmax instead of the "
+               "torch Gumbel kernels' per-token noise (the same tokens)",
+        signature=("(self, processed_logits, expanded_idx_mapping, idx_mapping_np, pos, top_k, top_p, "
+                   "has_topp_only_rows, use_fused_sampler)",),
+        wrapper="ascend_patch.npu.runner.v2.sampler:greedy_batches_take_argmax",
+        upstream="vllm/v1/worker/gpu/sample/sampler.py: every batch goes through gumbel_sample, whose "
+                 "Triton kernel skips greedy rows' noise; without Triton each row pays for it",
+        remove_when=_NO_TRITON_ASCEND,
+    ),
+    Patch(
         f"{_GPU}.sample.states:SamplingStates.get_top_k_top_p",
         reason="hand the top-k/top-p mask the host copy of k, so it routes rows between "
                "npu_top_k_top_p (k ≤ 1024) and vLLM's sort without a per-step device sync",

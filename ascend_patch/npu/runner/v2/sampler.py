@@ -34,3 +34,19 @@ def attach_host_top_k(wrapped, instance, args, kwargs):
     if top_k is not None and expanded_idx_mapping.shape[0] == len(idx_mapping_np):
         setattr(top_k, HOST_TOP_K, instance.top_k.np[idx_mapping_np])
     return top_k, top_p, has_topp_only_rows
+
+
+def greedy_batches_take_argmax(wrapped, instance, args, kwargs):
+    """Wrapper of ``Sampler._sample_random``: a batch whose every request is greedy (temperature
+    0, known on the host) and that masks no top-k/top-p is sampled with one ``argmax``. vLLM's
+    Gumbel kernel returns the same token for such rows (the plain logits' first maximum) but
+    its torch implementation would hash noise for every row and vocabulary entry first, about 190
+    launches per step that the V1 runner's greedy path never issues."""
+    if len(args) != 8 or kwargs:  # vLLM calls it positionally; anything else takes its path
+        return wrapped(*args, **kwargs)
+    (processed_logits, _expanded_idx_mapping, idx_mapping_np, _pos, top_k, top_p,
+     _has_topp_only_rows, use_fused_sampler) = args
+    if (top_k is None and top_p is None and not use_fused_sampler
+            and bool((instance.sampling_states.temperature.np[idx_mapping_np] == 0.0).all())):
+        return processed_logits.argmax(dim=-1), processed_logits
+    return wrapped(*args, **kwargs)
