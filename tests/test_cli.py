@@ -106,8 +106,9 @@ def test_doctor_table_and_exit_status():
     old = _cli("doctor", ASCEND_PATCH="emulate", ASCEND_PATCH_VLLM_VERSION="0.11.0", COLUMNS="200")
     assert old.returncode == 1
     assert re.search(r"^problem\s+vLLM 0.11.0 is older than every patch set", old.stdout, re.MULTILINE)
+    served = re.escape(matrix.load().served_range())
     assert re.search(r"^next step\s+Install a vLLM release this ascend-patch serves \(pip install "
-                     r"'vllm>=0.20,<0.34'\).*details: `ascend-patch probe 0.11.0`$", old.stdout, re.MULTILINE)
+                     rf"'vllm{served}'\).*details: `ascend-patch probe 0.11.0`$", old.stdout, re.MULTILINE)
 
     bad = _cli("doctor", ASCEND_PATCH="sometimes")
     assert bad.returncode == 1 and "is not a mode" in bad.stdout
