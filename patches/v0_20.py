@@ -56,7 +56,7 @@ PATCHES = [
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._reshape_kv_cache_tensors",
         reason="charge the layer KV caches (shaped by get_kv_cache_shape) to the emulated HBM",
         signature=("(self, kv_cache_raw_tensors, kernel_block_sizes)",),
-        wrapper="ascend_patch.npu.runner.v1.model_runner:reshape_kv_cache_tensors",
+        wrapper="ascend_patch.npu.runner.v1.kv_cache:reshape_kv_cache_tensors",
         upstream="NPU-only: the emulated HBM's books; " + _KV_SHAPE,
         remove_when="this set is retired",
     ),

@@ -14,7 +14,6 @@ from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
-from ascend_patch.npu.runner import kv_allocation
 from ascend_patch.npu.runner.device_runner import NPURunnerMixin
 from ascend_patch.npu.runner.kv_zeroing import AscendKVBlockZeroer
 
@@ -40,13 +39,3 @@ class NPUModelRunner(NPURunnerMixin, GPUModelRunner):
         if zeroer is not None:
             zeroer.zero_block_ids(block_ids)
 
-
-def reshape_kv_cache_tensors(wrapped, instance, args, kwargs):
-    """Wrapper of ``GPUModelRunner._reshape_kv_cache_tensors`` (vLLM 0.20–0.28).
-
-    Charges here rather than at allocation: the raw buffers' tensors die once
-    vLLM has viewed them, the layer caches returned here live with the engine.
-    """
-    caches = wrapped(*args, **kwargs)
-    kv_allocation.charge(caches)
-    return caches
