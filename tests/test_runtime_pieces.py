@@ -21,7 +21,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 from ascend_patch.npu import kernels
 from ascend_patch.npu.emulation.runtime import EmulatedRuntime
 from ascend_patch.npu.attention.kv_layout import ascend_layer_view, kernel_block_table, kernel_caches, kernel_slots
-from ascend_patch.npu.runner.v1 import sampler
+from ascend_patch.npu.runner import top_k_top_p as sampler
 from ascend_patch.npu.runner.v1.slot_mapping import compute_slot_mapping
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
