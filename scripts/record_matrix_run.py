@@ -57,7 +57,8 @@ FEATURE_SUITES = {
                        "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py",
                        "tests/test_vl.py", "tests/test_moe.py"],
     # What only a Model Runner V2-only release can check (the main environment's vLLM has V1).
-    "mrv2_only": ["tests/test_npu_mode.py", "tests/kernels/test_mrv2_block_tables.py"],
+    "mrv2_only": ["tests/test_npu_mode.py", "tests/kernels/test_mrv2_block_tables.py",
+                  "tests/kernels/test_mrv2_spec_decode_kernels.py"],
 }
 """Marker -> the test files that carry it."""
 
