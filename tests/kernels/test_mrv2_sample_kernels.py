@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ascend_patch.npu.runner.v2 import sample_kernels as kernels
-from ascend_patch.npu.runner.v2.kernels import kernel_parameters as kernel_arg_names
+from ascend_patch.npu.runner.triton_kernels import kernel_arg_names
 
 F32 = np.float32
 INF = float("inf")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ascend_patch.npu.runner.v2 import spec_decode_kernels as kernels
-from ascend_patch.npu.runner.v2.kernels import kernel_parameters as kernel_arg_names
+from ascend_patch.npu.runner.triton_kernels import kernel_arg_names
 from tests.kernels.test_mrv2_sample_kernels import SIGNIFICANCE, _chi_square, py_gumbel_noise
 
 F32 = np.float32

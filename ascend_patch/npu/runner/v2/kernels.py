@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from ascend_patch.npu.runner.triton_kernels import kernel_arg_names
 from ascend_patch.npu.runner.v2 import input_kernels, sample_kernels, spec_decode_kernels
 
 FAMILIES = (input_kernels, sample_kernels, spec_decode_kernels)
@@ -31,23 +32,13 @@ def implementations() -> dict[str, object]:
             for fn in functions}
 
 
-def kernel_parameters(kernel) -> tuple[str, ...]:
-    """A kernel's parameter names: a Triton ``JITFunction``'s ``arg_names``, or (vLLM without
-    Triton, where ``@triton.jit`` leaves the function as it is) the function's own."""
-    names = getattr(kernel, "arg_names", None)  # not a seam: Triton present or not
-    if names is None:
-        function = getattr(kernel, "fn", kernel)  # not a seam: Triton present or not
-        names = inspect.signature(function).parameters
-    return tuple(names)
-
-
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 """Triton launch options a call site may pass beside the kernel's arguments (``kernel[grid](...,
 num_warps=4)``); an implementation that takes one ignores it."""
 
 
 def check_parameters(name: str, kernel, implementation) -> None:
-    found = kernel_parameters(kernel)
+    found = kernel_arg_names(kernel)
     expected = tuple(p for p in inspect.signature(implementation).parameters if p not in LAUNCH_OPTIONS)
     if found != expected:
         raise RuntimeError(

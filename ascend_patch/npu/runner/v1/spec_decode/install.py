@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from ascend_patch.npu.runner.triton_kernels import kernel_arg_names, kernel_function
 from ascend_patch.npu.runner.v1.spec_decode import kernels
 
 IMPLEMENTATIONS = {f"{module}.{fn.__name__}": fn
@@ -30,22 +31,8 @@ IMPLEMENTATIONS = {f"{module}.{fn.__name__}": fn
 """The NPU implementation of each kernel, by the kernel's qualified name in vLLM."""
 
 
-def kernel_arg_names(kernel) -> tuple[str, ...]:
-    """A kernel's parameter names: a Triton ``JITFunction``'s ``arg_names``, or (vLLM without
-    Triton, where ``@triton.jit`` leaves the function as it is) the function's own."""
-    names = getattr(kernel, "arg_names", None)  # not a seam: Triton present or not
-    if names is None:
-        names = inspect.signature(_function(kernel)).parameters
-    return tuple(names)
-
-
-def _function(kernel):
-    """The function a Triton ``JITFunction`` compiles, or the kernel itself without Triton."""
-    return getattr(kernel, "fn", kernel)  # not a seam: Triton present or not
-
-
 def _qualified_name(kernel) -> str:
-    function = _function(kernel)
+    function = kernel_function(kernel)
     return f"{function.__module__}.{function.__name__}"
 
 
@@ -77,7 +64,7 @@ class Launch:
         self.kernel = kernel
         self.arg_names = kernel_arg_names(kernel)
         self.__name__ = implementation.__name__
-        self.__module__ = _function(kernel).__module__
+        self.__module__ = kernel_function(kernel).__module__
 
     def __getitem__(self, grid):
         return self.implementation
