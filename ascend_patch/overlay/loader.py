@@ -103,6 +103,7 @@ class Activation:
 
 
 _activation: Activation | None = None
+_activating = False
 _lock = threading.RLock()
 
 
@@ -270,13 +271,27 @@ def _overridden_settings(act: Activation) -> list[str]:
     ]
 
 
-def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation:
+def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> Activation | None:
     """Run :func:`plan` and apply its patches. Once per process; later calls return
-    the first decision."""
-    global _activation
+    the first decision, and a trigger fired while it is being made returns None."""
+    global _activation, _activating
     with _lock:
         if _activation is not None:
             return _activation
+        if _activating:
+            # An import the activation itself makes (a replacement module importing
+            # vllm.platforms, the second trigger) while the first decision is applied.
+            return None
+        _activating = True
+        try:
+            return _activate(trigger, vllm_install)
+        finally:
+            _activating = False
+
+
+def _activate(trigger: str, vllm_install: versions.VllmInstall | None) -> Activation:
+    global _activation
+    with _lock:
         act = plan(trigger, vllm_install)
         if act.state is ActivationState.VERIFIED:
             resolved = _platform_already_resolved()
