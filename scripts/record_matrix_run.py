@@ -8,10 +8,9 @@ For each VERSION:
    builds ``.venvs/vllm-VERSION`` with that exact vLLM on the CPU torch, and runs the
    emulated end-to-end suite (tests/test_engine.py: greedy equal to HF, prefix caching,
    chunked prefill, bf16 fused kernels, sampling, emulated HBM, LoRA) inside it, and, on a release
-   of a set in FEATURES, the feature tests carrying that set's marker (speculative decoding,
-   disaggregated prefill, data parallelism, encoder-only pooling, sleep mode, a vision-language
-   model: what issues 19, 21 and 22 ask to see on 0.33.0, the main environment, and one v0_20
-   release);
+   in FEATURES, the feature tests carrying its marker (on 0.28.0, the v0_20 set's: speculative
+   decoding, disaggregated prefill, data parallelism, encoder-only pooling, sleep mode, a
+   vision-language model; on 0.34.0, what only a Model Runner V2-only release can check);
 3. writes the outcome into the matrix: ``emulated-e2e`` when the suites passed,
    ``static-probe`` when only the probe ran and every target verified,
    ``unsupported`` when the probe found mismatches — with the date and the evidence.
@@ -38,6 +37,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,8 +50,8 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "compat_matrix.yaml"
 E2E_SUITE = "tests/test_engine.py"
-FEATURES = {"v0_20": "v0_20_features", "v0_34": "mrv2_only"}
-"""Patch set -> the pytest marker of the feature tests its pinned releases also run."""
+FEATURES = {"0.28.0": "v0_20_features", "0.34.0": "mrv2_only"}
+"""Pinned release -> the pytest marker of the feature tests its run adds to the e2e suite."""
 FEATURE_SUITES = {
     "v0_20_features": ["tests/test_spec_decode.py", "tests/test_kv_transfer.py", "tests/test_kv_offload.py",
                        "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py",
@@ -90,11 +90,22 @@ def static_probe(version: str) -> dict:
     }
 
 
+def main_requirements() -> Path:
+    """The main line's requirements file: the one ``scripts/setup_env.sh`` builds ``.venv`` from
+    by default (decided there, once)."""
+    script = (ROOT / "scripts" / "setup_env.sh").read_text()
+    found = re.search(r'^REQUIREMENTS="\$\{ASCEND_PATCH_REQUIREMENTS:-\$ROOT/(requirements/[^}]+)\}"$', script,
+                      re.MULTILINE)
+    if found is None:
+        raise SystemExit("scripts/setup_env.sh names no default requirements file")
+    return ROOT / found.group(1)
+
+
 def _environment(version: str) -> Path:
     """The release's pinned environment: the main .venv for the one setup_env.sh builds
     by default, .venvs/vllm-VERSION for the others (built from the main one's packages where
     it exists, installing only the pins that differ)."""
-    main = ROOT / "requirements" / "test-vllm-0.33.0.txt"
+    main = main_requirements()
     venv = ROOT / ".venv" if requirements_for(version) == main else ROOT / ".venvs" / f"vllm-{version}"
     env = {**os.environ, "ASCEND_PATCH_REQUIREMENTS": str(requirements_for(version)),
            "ASCEND_PATCH_BASE_VENV": str(ROOT / ".venv")}
@@ -120,8 +131,8 @@ def _pytest(python: Path, args: list[str]) -> dict:
             "exit_status": proc.returncode}
 
 
-def dynamic_e2e(version: str, patch_set: str) -> dict:
-    """The e2e suite's record, and the feature tests' (``features``) on a set in FEATURES."""
+def dynamic_e2e(version: str) -> dict:
+    """The e2e suite's record, and the feature tests' (``features``) on a release in FEATURES."""
     venv = _environment(version)
     python = venv / "bin" / "python"
     e2e = _pytest(python, [E2E_SUITE])
@@ -134,8 +145,8 @@ def dynamic_e2e(version: str, patch_set: str) -> dict:
     command = f"scripts/record_matrix_run.py {version}"
     record = {"run": "emulated-e2e", "command": command, "suite": E2E_SUITE, **e2e,
               "environment": json.loads(versions.stdout)}
-    if patch_set in FEATURES:
-        marker = FEATURES[patch_set]
+    if version in FEATURES:
+        marker = FEATURES[version]
         suites = FEATURE_SUITES[marker]
         record["features"] = {"run": "emulated-features", "command": command, "suites": suites,
                               "marker": marker, **_pytest(python, [*suites, "-m", marker])}
@@ -153,7 +164,7 @@ def outcome(version: str, static_only: bool) -> tuple[str, dict]:
         return "unsupported", evidence
     if static_only or not requirements_for(version).is_file():
         return "static-probe", evidence
-    evidence["e2e"] = run = dynamic_e2e(version, evidence["static_probe"]["patch_set"])
+    evidence["e2e"] = run = dynamic_e2e(version)
     ok = passed(run) and ("features" not in run or passed(run["features"]))
     return ("emulated-e2e" if ok else "unsupported"), evidence
 

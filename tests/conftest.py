@@ -41,12 +41,13 @@ PINNED_RUNS = pytest.StashKey()
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: getattr(item, "originalname", None) == PINNED_TEST)
-    if not installed_vllm_is_mrv2_only():
-        # Deselected, not skipped: a release with the V1 runner has nothing for them to check.
-        older = [item for item in items if item.get_closest_marker("mrv2_only")]
-        if older:
-            config.hook.pytest_deselected(items=older)
-            items[:] = [item for item in items if not item.get_closest_marker("mrv2_only")]
+    # Deselected, not skipped: a release without that runner generation has nothing for them to
+    # check.
+    other_generation = "v1_runner" if installed_vllm_is_mrv2_only() else "mrv2_only"
+    elsewhere = [item for item in items if item.get_closest_marker(other_generation)]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if not item.get_closest_marker(other_generation)]
 
 
 def pytest_collection_finish(session):

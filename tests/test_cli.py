@@ -13,8 +13,7 @@ import pytest
 from packaging.version import Version
 
 from ascend_patch.overlay import matrix
-from ascend_patch.patches import v0_29
-from tests.helpers.engine import for_installed_vllm
+from tests.helpers.patch_sets import installed
 from tests.helpers.process import ROOT, clean_env, run_json
 
 
@@ -29,32 +28,39 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_doctor_json_reports_the_033_set_with_every_target_verified():
+INSTALLED = installed()
+
+
+def test_doctor_json_reports_the_installed_releases_set_with_every_target_verified():
+    import importlib.metadata
+
     proc = _cli("doctor", "--json", ASCEND_PATCH="emulate")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert data["versions"]["vllm"] == "0.33.0"
+    assert data["versions"]["vllm"] == INSTALLED.vllm
     assert data["versions"]["vllm_distribution"] == "vllm"
-    assert data["versions"]["torch"].startswith("2.13.0")
+    assert data["versions"]["torch"] == importlib.metadata.version("torch")
     assert data["versions"]["torch_npu"] is None
     assert (data["requested_mode"], data["mode"]) == ("emulate", "emulate")
-    assert data["patch_set"] == "v0_29"
-    assert "inside patch set v0_29" in data["patch_set_reason"]
+    assert data["patch_set"] == INSTALLED.patch_set
+    assert f"inside patch set {INSTALLED.patch_set}" in data["patch_set_reason"]
     assert data["would_activate"] is True
     # The whole manifest: vLLM patches and contracts, torch device-API overrides, forced
     # settings and version seams, each with where it is implemented, why, and when it goes.
-    assert [t["target"] for t in data["targets"]] == [p.target for p in for_installed_vllm(v0_29.MANIFEST)]
+    assert [t["target"] for t in data["targets"]] == [p.target for p in INSTALLED.manifest]
     assert {t["state"] for t in data["targets"]} == {"verified"}
     kinds = {t["kind"] for t in data["targets"]}
-    assert kinds == {"wrap", "replace", "contract", "setting", "seam"}
+    assert kinds == {str(d.kind) for d in INSTALLED.manifest} >= {"wrap", "replace", "contract", "seam"}
     assert any(t["target"] == "torch.cuda:Stream" for t in data["targets"])
-    assert any(t["target"] == "vllm.envs:VLLM_USE_V2_MODEL_RUNNER" for t in data["targets"])
+    # The V1 runner's releases force it off; from 0.34 Model Runner V2 is the only runner.
+    assert any(t["target"] == "vllm.envs:VLLM_USE_V2_MODEL_RUNNER"
+               for t in data["targets"]) == (INSTALLED.runner == "V1")
     for t in data["targets"]:
         assert t["implementation"] and t["upstream"] and t["remove_when"], t["target"]
     assert data["settings"] == {"ASCEND_PATCH": "emulate"}
     assert any(path.endswith("a1_ascend_patch.pth") for path in data["pth"])
     # What the matrix says does not run on this release, as probe says it.
-    expected = [lim.id for lim in matrix.load().limitations_for(Version("0.33.0"))]
+    expected = [lim.id for lim in matrix.load().limitations_for(Version(INSTALLED.vllm))]
     assert [lim["id"] for lim in data["limitations"]] == expected and expected
 
 
@@ -63,7 +69,7 @@ def test_doctor_apply_reports_applied_targets():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     states = {t["target"]: t["state"] for t in data["targets"]}
-    for patch in for_installed_vllm(v0_29.MANIFEST):
+    for patch in INSTALLED.manifest:
         if "emulate" in getattr(patch, "modes", ("emulate",)):
             assert states[patch.target] == ("verified" if patch.kind in ("contract", "seam") else "applied")
     assert data["import_failures"] == []
@@ -79,16 +85,19 @@ def test_doctor_table_and_exit_status():
     assert ok.returncode == 0
     first = ok.stdout.splitlines()[:3]
     assert first[0].startswith("verdict") and first[0].endswith("would activate (emulate mode)")
-    assert re.match(r"patch set\s+v0_29 \(runner V1\): all \d+ targets of v0_29 verify$", first[1])
+    name = INSTALLED.patch_set
+    assert re.match(rf"patch set\s+{name} \(runner {INSTALLED.runner}\): all \d+ targets of {name} verify$",
+                    first[1])
     assert re.match(r"targets\s+(\d+) targets: \1 verified$", first[2])
     assert "vllm.platforms:resolve_current_platform_cls_qualname" not in ok.stdout, "behind --targets"
-    assert re.search(r"^limitations\s+model-runner-v2, ", ok.stdout, re.MULTILINE)
+    first_limitation = matrix.load().limitations_for(Version(INSTALLED.vllm))[0].id
+    assert re.search(rf"^limitations\s+{first_limitation}, ", ok.stdout, re.MULTILINE)
     assert re.search(r"^quantization\s+ascend, compressed-tensors \(\d+/\d+ verified declarations\)$",
                      ok.stdout, re.MULTILINE)
     listed = _cli("doctor", "--targets", "--verbose", ASCEND_PATCH="emulate", COLUMNS="200").stdout
     assert re.search(r"^verified\s+wrap\s+vllm.platforms:resolve_current_platform_cls_qualname$", listed,
                      re.MULTILINE)
-    assert "known limitations of this release (compat_matrix.yaml):\n  model-runner-v2  " in listed
+    assert f"known limitations of this release (compat_matrix.yaml):\n  {first_limitation}  " in listed
     assert "  ascend  " in listed.split("\nquantization:\n", 1)[1]
 
     auto = _cli("doctor")
@@ -96,7 +105,7 @@ def test_doctor_table_and_exit_status():
     assert "stock vLLM here (no NPU); the patch set verifies" in auto.stdout, "vetted in every mode"
     assert re.search(r"^next step\s+ASCEND_PATCH=emulate runs the same NPU code path", auto.stdout, re.MULTILINE)
     off = json.loads(_cli("doctor", "--json", ASCEND_PATCH="off").stdout)
-    assert off["state"] == "off" and off["patch_set"] == "v0_29" and off["summary"]["verified"] > 0
+    assert off["state"] == "off" and off["patch_set"] == INSTALLED.patch_set and off["summary"]["verified"] > 0
     assert off["problems"] == [] and "unset ASCEND_PATCH" in off["next_step"]
 
     forced = _cli("doctor", ASCEND_PATCH="npu")
@@ -267,7 +276,7 @@ def test_collect_env_is_a_bug_report_bundle_without_private_values(tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     _envelope(data, "collect-env")
-    assert data["versions"]["vllm"] == "0.33.0" and data["doctor"]["would_activate"] is True
+    assert data["versions"]["vllm"] == INSTALLED.vllm and data["doctor"]["would_activate"] is True
     assert data["settings"].items() >= {"ASCEND_PATCH": "emulate", "ASCEND_PATCH_CACHE_DIR": "~/cache",
                                         "VLLM_LOGGING_LEVEL": "INFO"}.items()
     assert "VLLM_API_KEY" not in data["settings"]

@@ -20,10 +20,10 @@ import pytest
 from ascend_patch.overlay import matrix
 from ascend_patch.overlay.decision import decide
 from ascend_patch.overlay.source import SourceTree
-from ascend_patch.patches import v0_29
-from tests.helpers.engine import for_installed_vllm
-from tests.helpers.patch_sets import matrix_up_to_installed
+from tests.helpers.patch_sets import installed, matrix_up_to_installed
 from tests.helpers.process import ascend_patch_lines, clean_env, mirror, run_json, run_python
+
+INSTALLED = installed()
 
 # Imports every target module and reports, per target, whether the live object is
 # still vLLM's own (defined in a vLLM file, not wrapped).
@@ -33,17 +33,18 @@ import wrapt
 bootstrapped = "ascend_patch.overlay.bootstrap" in sys.modules
 import vllm
 from ascend_patch.overlay import loader
+from ascend_patch.overlay import matrix
 from ascend_patch.overlay.declarations import applies_to
-from ascend_patch.patches import v0_29
 from packaging.version import Version
 release = Version(Version(vllm.__version__).base_version)
-targets = {}
-for p in (p for p in v0_29.PATCHES if applies_to(p, release)):
+patch_set = importlib.import_module(f"ascend_patch.patches.{matrix.load().select(str(release)).patch_set.name}")
+targets, values = {}, {}
+for p in (p for p in patch_set.PATCHES if applies_to(p, release)):
     owner = importlib.import_module(p.module)
     *path, attr = p.qualname.split(".")
     for name in path:
         owner = getattr(owner, name)
-    raw = vars(owner)[attr]
+    raw = inspect.getattr_static(owner, attr)  # through the MRO: a replaced class's mixin defines it
     func = raw.fget if isinstance(raw, property) else getattr(raw, "__func__", raw)  # classmethod
     # vLLM wraps some of its own functions (functools.wraps: tracing's @instrument, its
     # @contextmanager); walk those down to the code, but any wrapt wrapper or ascend_patch
@@ -56,7 +57,8 @@ for p in (p for p in v0_29.PATCHES if applies_to(p, release)):
             break
         func = func.__wrapped__
     if not (wrapper or inspect.isfunction(func) or inspect.isclass(func)):
-        continue  # a value (a dataclass field's default): nothing to wrap
+        values[p.target] = repr(raw)  # a value (a module flag, a dataclass field's default)
+        continue
     code = getattr(func, "__code__", None)
     targets[p.target] = {
         "wrapped": ours,
@@ -68,6 +70,7 @@ act = loader.current()
 print(json.dumps({
     "bootstrapped": bootstrapped,
     "targets": targets,
+    "values": values,
     "platform": type(current_platform).__name__,
     "state": act.state if act else None,
     "reason": act.reason if act else None,
@@ -173,12 +176,16 @@ def test_the_stock_report_sees_the_overlay_where_it_is_active():
     """The report the stock checks rely on is not blind: with the overlay active it marks
     exactly the wrapped and replaced targets as ours."""
     report = run_json(STOCK_REPORT, env=clean_env(ASCEND_PATCH="emulate"))
-    patches = for_installed_vllm(v0_29.PATCHES)
+    patches = INSTALLED.patches
     changed = {p.target for p in patches if p.kind in ("wrap", "replace")}
     # a contract on a member of a class the overlay replaced reads the replacement's member
     replaced_classes = {p.target for p in patches if p.kind == "replace"}
     changed |= {p.target for p in patches if p.target.rpartition(".")[0] in replaced_classes}
-    assert {t for t, live in report["targets"].items() if live["wrapped"]} == changed
+    replaced_values = changed & set(report["values"])
+    assert {t for t, live in report["targets"].items() if live["wrapped"]} == changed - replaced_values
+    # A replaced value (a module's Triton flag) is seen as a value other than stock vLLM's.
+    stock = run_json(STOCK_REPORT, env=clean_env(ASCEND_PATCH="off"))["values"]
+    assert all(report["values"][t] != stock[t] for t in replaced_values), (report["values"], stock)
 
 
 def test_revert_restores_every_original_by_identity():
@@ -187,7 +194,6 @@ def test_revert_restores_every_original_by_identity():
         import importlib, json
         import vllm
         from ascend_patch.overlay import loader
-        from ascend_patch.patches import v0_29
         # Importing the target modules applies their patches (verified at `import vllm`);
         # resolving the platform also points torch's device APIs at the emulated NPU.
         for p in loader.current().patches:
@@ -212,7 +218,7 @@ def test_revert_restores_every_original_by_identity():
         """,
         env=clean_env(ASCEND_PATCH="emulate"),
     )
-    wrapped = {p.target for p in for_installed_vllm(v0_29.PATCHES) if p.kind != "contract"}
+    wrapped = {p.target for p in INSTALLED.patches if p.kind != "contract"}
     assert wrapped <= set(result["applied"])
     device_apis = set(result["applied"]) - wrapped
     assert device_apis and all(t.startswith(("torch:", "torch.cuda:", "torch.accelerator:")) for t in device_apis)
@@ -221,7 +227,9 @@ def test_revert_restores_every_original_by_identity():
     assert sorted(result["restored"]) == sorted([*result["applied"], *settings])
     assert result["identical_after_revert"] == result["applied"]
     # The forced vLLM settings are registry entries too, restored like attributes.
-    assert result["forced"] == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    # The V1 runner's releases also force V1 (from 0.34 Model Runner V2 is the only runner).
+    v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if INSTALLED.runner == "V1" else {}
+    assert result["forced"] == {**v1, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert result["env_after_revert"] == result["env_before"]
 
 
@@ -296,7 +304,7 @@ def _add_parameter(path: Path, lineno: int) -> None:
     path.write_text("".join(lines))
 
 
-INJECTABLE = [p for p in for_installed_vllm(v0_29.PATCHES) if p.signature is not None]
+INJECTABLE = [p for p in INSTALLED.patches if p.signature is not None]
 
 
 def _inject(patch, vllm_dir: Path, root: Path) -> str:
@@ -314,7 +322,7 @@ def test_fault_injection_fails_verification_naming_the_target(patch, vllm_dir, t
     faulty = _inject(patch, vllm_dir, tmp_path)
     assert faulty not in patch.signature and "ascend_patch_fault=..." in faulty
     decision = decide(version("vllm"), SourceTree(tmp_path / "vllm"), matrix.load())
-    assert decision.checked.name == "v0_29" and not decision.would_activate
+    assert decision.checked.name == INSTALLED.patch_set and not decision.would_activate
     assert [s.describe() for s in decision.failed] == [
         f"{patch.target}: expected {patch.expected()}, found {faulty}"]
 
@@ -367,7 +375,8 @@ def test_fault_injection_refuses_import_patches_nothing_and_names_the_target(pat
     kind, message = report["refused"]
     assert kind == "AscendPatchError"
     assert message.splitlines()[0].startswith(
-        "ascend-patch: cannot activate in emulate mode: vLLM 0.33.0 does not match patch set v0_29: 1 of ")
+        f"ascend-patch: cannot activate in emulate mode: vLLM {INSTALLED.vllm} does not match patch set "
+        f"{INSTALLED.patch_set}: 1 of ")
     assert report["state"] == "inert"
     assert report["applied"] == [] and report["environment"] == {}, "nothing patched, nothing forced"
     assert f"{patch.target}: expected {patch.expected()}, found {faulty}" in report["reason"]
@@ -383,8 +392,8 @@ def test_the_refusal_is_three_lines_and_no_traceback(injected):
     assert proc.returncode == 1 and "stock vLLM went on" not in proc.stdout
     assert "Traceback" not in proc.stderr
     cause, fix, details = ascend_patch_lines(proc.stderr)
-    assert cause.startswith("ascend-patch: cannot activate in emulate mode: vLLM 0.33.0 does not match "
-                            "patch set v0_29: 1 of ") and cause.endswith("targets differ; nothing was patched")
+    assert cause.startswith(f"ascend-patch: cannot activate in emulate mode: vLLM {INSTALLED.vllm} does not "
+                            f"match patch set {INSTALLED.patch_set}: 1 of ") and cause.endswith("targets differ; nothing was patched")
     table = matrix.load()
     assert fix == (f"ascend-patch: fix: install a vLLM release this ascend-patch serves (pip install "
                    f"'vllm{table.served_range()}'), upgrade ascend-patch, or set ASCEND_PATCH=off for stock vLLM")

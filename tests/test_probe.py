@@ -36,10 +36,12 @@ from ascend_patch.overlay import matrix
 from ascend_patch.overlay.decision import load_patch_set
 from ascend_patch.overlay.verification import verify
 from ascend_patch.overlay.source import SourceTree
-from tests.helpers.patch_sets import matrix_up_to_installed
+from tests.helpers.patch_sets import installed, matrix_up_to_installed
 from tests.helpers.process import ROOT, clean_env, require_pypi, vllm_package_dir
 
-INSTALLED = "0.33.0"  # the vLLM this environment pins (requirements/test-vllm-0.33.0.txt)
+TREE_RELEASE = "0.33.0"
+"""The release the probe's source-tree tests copy and edit (the v0_29 set's reference release, from
+the probe's release cache): a V1-runner tree whose targets these tests name."""
 
 
 def _all_sets() -> list[str]:
@@ -49,7 +51,8 @@ def _all_sets() -> list[str]:
 def _copy_minimal_tree(dest_root: Path) -> Path:
     """``dest_root/vllm`` with ``__init__``, ``_version`` and every file verifying each set's
     manifest reads (the target modules and the modules they re-export from)."""
-    installed = SourceTree(vllm_package_dir())
+    require_pypi("the source tree of vLLM 0.33.0 (the probe's release cache)")
+    installed = SourceTree(releases.fetch_release(TREE_RELEASE).package_dir)
     table = matrix.load()
     for name in _all_sets():
         verify(load_patch_set(table, name), installed)
@@ -79,7 +82,7 @@ def _files(package_dir: Path):
         yield path.relative_to(package_dir).as_posix(), path.read_bytes()
 
 
-def make_sdist(package_dir: Path, out_dir: Path, version: str = INSTALLED) -> Path:
+def make_sdist(package_dir: Path, out_dir: Path, version: str = TREE_RELEASE) -> Path:
     path = out_dir / f"vllm-{version}.tar.gz"
     top = f"vllm-{version}"
     with tarfile.open(path, "w:gz") as tf:
@@ -93,7 +96,7 @@ def make_sdist(package_dir: Path, out_dir: Path, version: str = INSTALLED) -> Pa
     return path
 
 
-def make_wheel(package_dir: Path, out_dir: Path, version: str = INSTALLED) -> Path:
+def make_wheel(package_dir: Path, out_dir: Path, version: str = TREE_RELEASE) -> Path:
     path = out_dir / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in _files(package_dir):
@@ -134,7 +137,7 @@ def test_source_tree_by_root_and_by_package_dir(tree, capsys):
         assert code == 0, data["verdict"]
         assert data["input"]["kind"] == "tree"
         assert data["input"]["package_dir"] == str(tree)
-        assert data["vllm"]["version"] == INSTALLED
+        assert data["vllm"]["version"] == TREE_RELEASE
         assert data["vllm"]["version_source"].endswith("vllm/_version.py")
         assert data["selection"]["patch_set"] == data["selection"]["probed_set"] == "v0_29"
         states = {t["target"]: t["state"] for t in data["targets"]}
@@ -150,9 +153,9 @@ def test_sdist(tree, tmp_path, capsys):
     assert code == 0
     assert data["input"]["kind"] == "sdist"
     assert data["vllm"] == {
-        "version": INSTALLED,
+        "version": TREE_RELEASE,
         "version_source": f"{sdist.name} metadata",
-        "release": INSTALLED,
+        "release": TREE_RELEASE,
     }
     assert data["summary"]["verified"] + data["summary"]["unchecked"] == data["summary"]["targets"] > 30
 
@@ -162,7 +165,7 @@ def test_wheel(tree, tmp_path, capsys):
     code, data = run_probe(capsys, str(wheel))
     assert code == 0
     assert data["input"]["kind"] == "wheel"
-    assert data["vllm"]["version"] == INSTALLED
+    assert data["vllm"]["version"] == TREE_RELEASE
     assert data["vllm"]["version_source"] == f"{wheel.name} metadata"
 
 
@@ -173,8 +176,8 @@ def test_installed_site_packages():
         with releases.open_source(str(argument)) as source:
             data = probe.probe(source, matrix.load())
         assert data["input"]["kind"] == "installed"
-        assert data["vllm"]["version"] == INSTALLED
-        assert data["vllm"]["version_source"] == f"installed distribution metadata (vllm-{INSTALLED}.dist-info)"
+        assert data["vllm"]["version"] == installed().vllm
+        assert data["vllm"]["version_source"] == f"installed distribution metadata (vllm-{installed().vllm}.dist-info)"
         assert data["would_activate"] is True
 
 
@@ -242,7 +245,7 @@ def test_body_change_is_reported_but_does_not_block(tree, capsys):
     path.write_text("".join(lines))
     code, data = run_probe(capsys, str(tree))
     assert code == 0, "a body change is informational"
-    assert data["body_reference"] == INSTALLED
+    assert data["body_reference"] == TREE_RELEASE
     changed = _target(data, ":kernel_warmup")
     assert (changed["state"], changed["body"]) == ("verified", "changed")
     others = [t["body"] for t in data["targets"] if t is not changed]
@@ -255,7 +258,7 @@ def test_body_change_is_reported_but_does_not_block(tree, capsys):
 
 def test_tree_without_version_file(tree, capsys, monkeypatch, tmp_path):
     # The newest set is assumed: here the newest that serves the tree's release (the installed one).
-    table, newest = matrix_up_to_installed(tmp_path)
+    table, newest = matrix_up_to_installed(tmp_path, TREE_RELEASE)
     monkeypatch.setenv("ASCEND_PATCH_MATRIX", table)
     (tree / "_version.py").unlink()
     code, data = run_probe(capsys, str(tree.parent))
@@ -277,7 +280,7 @@ def test_tree_without_version_file(tree, capsys, monkeypatch, tmp_path):
 
 def test_newer_and_older_versions(tree, capsys, monkeypatch, tmp_path):
     # "Newer" takes the newest set: here the newest that serves the tree's release (the installed one).
-    monkeypatch.setenv("ASCEND_PATCH_MATRIX", matrix_up_to_installed(tmp_path)[0])
+    monkeypatch.setenv("ASCEND_PATCH_MATRIX", matrix_up_to_installed(tmp_path, TREE_RELEASE)[0])
     sets = matrix.load().patch_sets
     code, data = run_probe(capsys, str(tree), "--version", "0.40.0")
     assert code == 0
@@ -301,7 +304,7 @@ def test_json_schema(tree, capsys):
     assert (data["schema"], data["kind"]) == (1, "ascend-patch-probe")
     assert data["problems"] == [] and data["next_step"] is None
     assert set(data["selection"]) == {"kind", "patch_set", "probed_set", "range", "reason"}
-    assert data["matrix_status"] == matrix.load().versions[INSTALLED].status
+    assert data["matrix_status"] == matrix.load().versions[TREE_RELEASE].status
     assert {lim["id"] for lim in data["limitations"]} >= {"model-runner-v2"}
     for target in data["targets"]:
         assert set(target) == {
@@ -405,35 +408,35 @@ def cached_names(cache: Path) -> list[str]:
 
 def test_download_verifies_extracts_and_reuses_the_cache(tree, tmp_path, cache, capsys):
     archives = [make_sdist(tree, tmp_path), make_wheel(tree, tmp_path)]
-    with serve(json_index(archives, ["0.32.0", INSTALLED])) as index:
+    with serve(json_index(archives, ["0.32.0", TREE_RELEASE])) as index:
         code, data = run_probe(capsys, "0.33", "--index-url", index)
     assert code == 0
     given = data["input"]
-    assert given["kind"] == "release" and given["archive"] == f"vllm-{INSTALLED}.tar.gz", "the sdist, not the wheel"
+    assert given["kind"] == "release" and given["archive"] == f"vllm-{TREE_RELEASE}.tar.gz", "the sdist, not the wheel"
     assert given["sha256_verified"] is True and given["cached"] is False
-    assert data["vllm"]["version"] == INSTALLED, "the index's spelling of the version"
-    release_dir = cache / "releases" / f"vllm-{INSTALLED}"
+    assert data["vllm"]["version"] == TREE_RELEASE, "the index's spelling of the version"
+    release_dir = cache / "releases" / f"vllm-{TREE_RELEASE}"
     assert sorted(p.name for p in release_dir.iterdir()) == ["release.json", "vllm"]
     assert not (release_dir / "vllm" / "tests").exists()
 
     # The server is gone: a warm cache needs no network.
-    code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 0 and data["input"]["cached"] is True
 
 
 def test_latest_is_the_newest_final_release_the_index_has_a_file_for(tree, tmp_path, cache, capsys):
     """``probe latest``: a pre-release and a version listed without a file are passed over."""
-    versions = ["0.32.0", INSTALLED, "0.98.0", "0.99.0rc1"]
+    versions = ["0.32.0", TREE_RELEASE, "0.98.0", "0.99.0rc1"]
     with serve(json_index([make_sdist(tree, tmp_path)], versions)) as index:
         code, data = run_probe(capsys, "latest", "--index-url", index)
-    assert code == 0 and data["vllm"]["version"] == INSTALLED and data["input"]["kind"] == "release"
+    assert code == 0 and data["vllm"]["version"] == TREE_RELEASE and data["input"]["kind"] == "release"
 
 
 def test_download_progress_goes_to_stderr(tree, tmp_path, cache, capsys):
-    with serve(json_index([make_sdist(tree, tmp_path)], [INSTALLED])) as index:
-        assert cli.main(["probe", INSTALLED, "--index-url", index]) == 0
+    with serve(json_index([make_sdist(tree, tmp_path)], [TREE_RELEASE])) as index:
+        assert cli.main(["probe", TREE_RELEASE, "--index-url", index]) == 0
     captured = capsys.readouterr()
-    assert f"downloading vllm-{INSTALLED}.tar.gz" in captured.err
+    assert f"downloading vllm-{TREE_RELEASE}.tar.gz" in captured.err
     assert "extracted" in captured.err
     assert "downloading" not in captured.out
     assert re.match(r"verdict\s+would activate: ", captured.out)
@@ -456,19 +459,19 @@ def test_html_index_and_wheel_only_release(tree, tmp_path, cache, capsys):
 
 def test_corrupt_download_is_refused_and_not_cached(tree, tmp_path, cache, capsys):
     sdist = make_sdist(tree, tmp_path)
-    with serve(json_index([sdist], [INSTALLED], sha256={sdist.name: "0" * 64})) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    with serve(json_index([sdist], [TREE_RELEASE], sha256={sdist.name: "0" * 64})) as index:
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2
     assert f"{sdist.name} is corrupt" in data["error"] and "the index says " + "0" * 64 in data["error"]
     assert cached_names(cache) == []
 
 
 def test_unknown_version_lists_the_nearest(tree, tmp_path, cache, capsys):
-    with serve(json_index([make_sdist(tree, tmp_path)], ["0.31.0", "0.32.0", INSTALLED])) as index:
+    with serve(json_index([make_sdist(tree, tmp_path)], ["0.31.0", "0.32.0", TREE_RELEASE])) as index:
         code, data = run_probe(capsys, "0.34.0", "--index-url", index)
     assert code == 2
     assert f"vLLM 0.34.0: no such release on {index}" in data["error"]
-    assert f"newest: {INSTALLED}; nearest: 0.32.0, {INSTALLED}" in data["error"]
+    assert f"newest: {TREE_RELEASE}; nearest: 0.32.0, {TREE_RELEASE}" in data["error"]
     assert "probe a source tree" in data["error"]
 
 
@@ -520,12 +523,12 @@ def test_index_file_names_cannot_reach_outside_the_cache(form, tree, tmp_path, c
         routes = {"/simple/vllm/": ("text/html", page.encode()),
                   f"/files/{escaped}": ("application/octet-stream", sdist.read_bytes())}
     else:
-        routes = json_index([sdist], [INSTALLED])
+        routes = json_index([sdist], [TREE_RELEASE])
         list_file_as(routes, filename=name)
     before = _tree_snapshot(tmp_path, cache / "releases")
     requests: list[str] = []
     with serve(routes, requests) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2
     assert data["error"] == (
         f"{index} names the file {name!r}, which is not a plain file name; refusing it "
@@ -534,17 +537,17 @@ def test_index_file_names_cannot_reach_outside_the_cache(form, tree, tmp_path, c
     assert requests == ["/simple/vllm/"], "nothing was downloaded"
     assert _tree_snapshot(tmp_path, cache / "releases") == before
     assert cached_names(cache) == []
-    code, data = run_probe(capsys, INSTALLED, "--index-url", index)  # the server is gone
+    code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)  # the server is gone
     assert code == 2 and data["error"].startswith("cannot reach"), "nothing poisoned to reuse"
 
 
 def test_only_http_downloads_are_followed(tree, tmp_path, cache, capsys):
-    secret = tmp_path / f"vllm-{INSTALLED}.tar.gz"  # a local file the index points at
+    secret = tmp_path / f"vllm-{TREE_RELEASE}.tar.gz"  # a local file the index points at
     make_sdist(tree, tmp_path)
-    routes = json_index([secret], [INSTALLED])
+    routes = json_index([secret], [TREE_RELEASE])
     list_file_as(routes, url=secret.as_uri())
     with serve(routes) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2
     assert data["error"] == (
         f"{index} gives {secret.as_uri()!r} for {secret.name}: only http(s) downloads are fetched"
@@ -601,26 +604,26 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_cache_entry_gives_no_verdict_and_is_replaced(damage, tree, tmp_path, cache, capsys):
     damage_entry, problem = DAMAGE[damage]
-    routes = json_index([make_sdist(tree, tmp_path)], [INSTALLED])
+    routes = json_index([make_sdist(tree, tmp_path)], [TREE_RELEASE])
     requests: list[str] = []
     with serve(routes, requests) as index:
-        entry = releases.fetch_release(INSTALLED, index).package_dir.parent
+        entry = releases.fetch_release(TREE_RELEASE, index).package_dir.parent
     damage_entry(entry)
 
     # Offline: no verdict from the damaged copy, and the copy is kept until one replaces it.
-    code, data, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
+    code, data, err = run_probe_with_stderr(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2 and set(data) == {"schema", "kind", "error"} and data["error"].startswith("cannot reach")
     assert f"the cached {entry} is damaged ({problem}); fetching the release again" in err
     assert cached_names(cache) == [entry.name]
 
     with serve(routes, requests) as index:
-        code, data, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
+        code, data, err = run_probe_with_stderr(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 0 and data["input"]["cached"] is False
     assert f"is damaged ({problem})" in err
-    assert requests.count(f"/files/vllm-{INSTALLED}.tar.gz") == 2
+    assert requests.count(f"/files/vllm-{TREE_RELEASE}.tar.gz") == 2
     assert cached_names(cache) == [entry.name]
     assert "manifest" not in data["input"] and data["input"]["files"] == len(list(tree.rglob("*.py")))
-    assert releases.fetch_release(INSTALLED, index).details["cached"] is True  # offline again
+    assert releases.fetch_release(TREE_RELEASE, index).details["cached"] is True  # offline again
 
 
 def _zeros(size: int) -> io.BufferedReader:
@@ -641,21 +644,21 @@ def _zeros(size: int) -> io.BufferedReader:
 
 def _bomb_sdist(out_dir: Path, name: str, size: int, **pax) -> Path:
     """A small sdist that unpacks to a ``size``-byte member ``name``; ``pax`` headers on it."""
-    path = out_dir / f"vllm-{INSTALLED}.tar.gz"
+    path = out_dir / f"vllm-{TREE_RELEASE}.tar.gz"
     with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tf:
-        for member, data in ((f"vllm-{INSTALLED}/PKG-INFO", f"Version: {INSTALLED}\n".encode()),
-                             (f"vllm-{INSTALLED}/vllm/__init__.py", b"")):
+        for member, data in ((f"vllm-{TREE_RELEASE}/PKG-INFO", f"Version: {TREE_RELEASE}\n".encode()),
+                             (f"vllm-{TREE_RELEASE}/vllm/__init__.py", b"")):
             info = tarfile.TarInfo(member)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-        info = tarfile.TarInfo(f"vllm-{INSTALLED}/{name}")
+        info = tarfile.TarInfo(f"vllm-{TREE_RELEASE}/{name}")
         info.size, info.pax_headers = size, pax
         tf.addfile(info, _zeros(size))
     return path
 
 
 def _bomb_wheel(out_dir: Path, name: str, size: int) -> Path:
-    path = out_dir / f"vllm-{INSTALLED}-py3-none-any.whl"
+    path = out_dir / f"vllm-{TREE_RELEASE}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("vllm/__init__.py", "")
         with zf.open(name, "w") as member:
@@ -688,8 +691,8 @@ def test_archive_bombs_are_refused(limit, tree, tmp_path, cache, capsys, monkeyp
     archive = build(tmp_path, tree)
     # the minimal tree (every target file of the patch set) packs to a few hundred KiB
     assert archive.stat().st_size < MiB, "small download, large contents"
-    with serve(json_index([archive], [INSTALLED])) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    with serve(json_index([archive], [TREE_RELEASE])) as index:
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2
     assert message in data["error"] and "decompression bomb" in data["error"], data["error"]
     assert cached_names(cache) == []
@@ -699,7 +702,7 @@ def _hostile_sdist(tree: Path, out_dir: Path) -> Path:
     """The tree's sdist plus members that name a place outside ``vllm/``, and a link."""
     path = make_sdist(tree, out_dir)
     plain = path.read_bytes()
-    top = f"vllm-{INSTALLED}"
+    top = f"vllm-{TREE_RELEASE}"
     with tarfile.open(path, "w:gz") as tf:
         with tarfile.open(fileobj=io.BytesIO(plain), mode="r:gz") as original:
             for member in original:
@@ -728,10 +731,10 @@ def test_archive_names_outside_vllm_are_never_written(build, tree, tmp_path, cac
     tree's files exactly, and nothing appears outside the cache."""
     archive = build(tree, tmp_path)
     before = _tree_snapshot(tmp_path, cache)
-    with serve(json_index([archive], [INSTALLED])) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    with serve(json_index([archive], [TREE_RELEASE])) as index:
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 0, data
-    entry = cache / "releases" / f"vllm-{INSTALLED}" / "vllm"
+    entry = cache / "releases" / f"vllm-{TREE_RELEASE}" / "vllm"
     assert sorted(p.relative_to(entry).as_posix() for p in entry.rglob("*") if p.is_file()) == \
         sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*.py"))
     assert _tree_snapshot(tmp_path, cache) == before
@@ -756,7 +759,7 @@ def test_oversized_index_pages_are_cut_off(cache, capsys, monkeypatch):
     for length, error in ((len(page), "announces 1 MiB, more than 64 KiB, the limit for an index page"),
                           (None, "sent more than 64 KiB, the limit for an index page")):
         with serve({"/simple/vllm/": _send(page, length=length, content_type="text/html")}) as index:
-            code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+            code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
         assert code == 2 and data["error"] == f"{index}/vllm/ {error}"
 
 
@@ -774,25 +777,25 @@ def test_downloads_must_match_the_size_the_index_lists(tree, tmp_path, cache, ca
         (_send(data_bytes[:-1000], length=size), f"broke off after {size - 1000} of {size} bytes"),
     ]
     for route, error in cases:
-        routes = json_index([sdist], [INSTALLED])
+        routes = json_index([sdist], [TREE_RELEASE])
         routes[url_path] = route
         with serve(routes) as index:
-            code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+            code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
         assert code == 2 and error in data["error"], data["error"]
         assert cached_names(cache) == []
 
     monkeypatch.setattr(limits, "MAX_DOWNLOAD_BYTES", 64 << 10)
     requests: list[str] = []
-    with serve(json_index([sdist], [INSTALLED]), requests) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+    with serve(json_index([sdist], [TREE_RELEASE]), requests) as index:
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2 and data["error"].startswith(f"{index} lists {sdist.name} at ")
     assert data["error"].endswith("KiB, more than the 64 KiB the probe downloads")
     assert url_path not in requests
-    routes = json_index([sdist], [INSTALLED])
+    routes = json_index([sdist], [TREE_RELEASE])
     list_file_as(routes, size=None)  # HTML pages and JSON pages before API 1.1 may not say
     routes[url_path] = _send(data_bytes, length=None)
     with serve(routes) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2 and data["error"].endswith("sent more than 64 KiB, the download limit")
 
 
@@ -836,7 +839,7 @@ def test_a_stalling_server_is_cut_off(server, tree, tmp_path, cache, capsys, mon
     monkeypatch.setattr(limits, "STALL_SECONDS", 0.4)
     monkeypatch.setattr(limits, "STALL_BYTES", 4096)
     sdist = make_sdist(tree, tmp_path)
-    routes = json_index([sdist], [INSTALLED])
+    routes = json_index([sdist], [TREE_RELEASE])
     page = routes["/simple/vllm/"][1]
     stalled = "/simple/vllm/"
     if server == "trickles the page":
@@ -849,7 +852,7 @@ def test_a_stalling_server_is_cut_off(server, tree, tmp_path, cache, capsys, mon
         stalled = f"/files/{sdist.name}"
         routes[stalled] = _trickle(sdist.read_bytes(), headers_too=False, clock=clock)
     with serve(routes) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     url = f"{index}/vllm/" if stalled.startswith("/simple") else f"{index.rsplit('/', 1)[0]}{stalled}"
     assert code == 2
     assert data["error"] == (
@@ -862,14 +865,14 @@ def test_a_stalling_server_is_cut_off(server, tree, tmp_path, cache, capsys, mon
 @pytest.mark.parametrize("index_url", ["notaurl", "ftp://example.org/simple", "file:///srv/simple",
                                        "http://[::1/simple", "https:///simple"])
 def test_an_index_url_that_is_not_http_fails_in_one_line(index_url, cache, capsys):
-    code = cli.main(["probe", INSTALLED, "--index-url", index_url])
+    code = cli.main(["probe", TREE_RELEASE, "--index-url", index_url])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert captured.err == (
         f"ascend-patch probe: --index-url {index_url!r} is not an http(s) URL; give a simple-API "
         f"index such as {releases.DEFAULT_INDEX}\n"
     )
-    code, data = run_probe(capsys, INSTALLED, "--index-url", index_url)
+    code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index_url)
     assert code == 2 and set(data) == {"schema", "kind", "error"}
 
 
@@ -878,7 +881,7 @@ def test_an_index_url_that_is_not_http_fails_in_one_line(index_url, cache, capsy
 def test_a_malformed_json_page_fails_in_one_line(document, cache, capsys):
     routes = {"/simple/vllm/": ("application/vnd.pypi.simple.v1+json", json.dumps(document).encode())}
     with serve(routes) as index:
-        code, data = run_probe(capsys, INSTALLED, "--index-url", index)
+        code, data = run_probe(capsys, TREE_RELEASE, "--index-url", index)
     assert code == 2 and data["error"] == f"{index}/vllm/ is not a valid simple-API JSON page"
 
 
@@ -906,21 +909,21 @@ def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
         handler.wfile.write(body[: len(body) // 2])
         release.wait(30)
 
-    routes = json_index([sdist, older], [INSTALLED, "0.33.1"])
+    routes = json_index([sdist, older], [TREE_RELEASE, "0.33.1"])
     full = routes[f"/files/{sdist.name}"]
     routes[f"/files/{sdist.name}"] = half_then_hang
     with serve(routes) as index:
         child = subprocess.Popen(
-            [sys.executable, "-m", "ascend_patch", "probe", INSTALLED, "--index-url", index],
+            [sys.executable, "-m", "ascend_patch", "probe", TREE_RELEASE, "--index-url", index],
             env=clean_env(ASCEND_PATCH_CACHE_DIR=str(cache), no_proxy="127.0.0.1"), cwd=ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
             # No wall-clock bound: the child's own stall deadline ends it if it never downloads.
-            while not list((cache / "releases").glob(f".vllm-{INSTALLED}-*/{sdist.name}")):
+            while not list((cache / "releases").glob(f".vllm-{TREE_RELEASE}-*/{sdist.name}")):
                 assert child.poll() is None, "the child exited before it downloaded"
                 time.sleep(0.05)
-            (staging,) = (cache / "releases").glob(f".vllm-{INSTALLED}-*")
+            (staging,) = (cache / "releases").glob(f".vllm-{TREE_RELEASE}-*")
             legacy = cache / "releases" / ".vllm-0.31.0-oldstyle"  # an older ascend-patch's
             legacy.mkdir()
 
@@ -933,14 +936,14 @@ def test_a_killed_probe_leaves_no_staging_behind(tree, tmp_path, cache, capsys):
             child.wait(30)
             assert staging.is_dir()
             routes[f"/files/{sdist.name}"] = full
-            code, _, err = run_probe_with_stderr(capsys, INSTALLED, "--index-url", index)
+            code, _, err = run_probe_with_stderr(capsys, TREE_RELEASE, "--index-url", index)
         finally:
             child.kill()
             child.wait(30)
             release.set()
     assert code == 0
     assert f"removed {staging}, left by an interrupted probe" in err
-    assert cached_names(cache) == [f"vllm-{INSTALLED}", "vllm-0.33.1"]
+    assert cached_names(cache) == [f"vllm-{TREE_RELEASE}", "vllm-0.33.1"]
 
 
 # -- the command, the digests -------------------------------------------------
@@ -990,12 +993,12 @@ def test_digests_match_the_installed_reference():
     table = matrix.load()
     checked = 0
     for name in _all_sets():
-        if probe.reference_release(table, name) != INSTALLED:
+        if probe.reference_release(table, name) != installed().vllm:
             continue
         expected = probe.compute_digests(probe.patches_of(name), SourceTree(vllm_package_dir()))
         assert probe.load_digests(name)["digests"] == expected
         checked += 1
-    assert checked, f"no patch set has {INSTALLED} as its reference"
+    assert checked, f"no patch set has {installed().vllm} as its reference"
 
 
 def test_wheel_ships_the_digests(tmp_path):

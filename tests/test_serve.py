@@ -302,7 +302,11 @@ def test_every_process_announces_the_overlay_once_at_info(server):
 
     from ascend_patch import __version__
 
-    line = f"ascend-patch {__version__} active: vLLM 0.33.0, patch set v0_29, mode emulate, runner V1"
+    from tests.helpers.patch_sets import installed
+
+    release = installed()
+    line = (f"ascend-patch {__version__} active: vLLM {release.vllm}, patch set {release.patch_set}, "
+            f"mode emulate, runner {release.runner}")
     announced = re.findall(r"^\((\w+) pid=(\d+)\) INFO [^\]]*\] " + re.escape(line) + "$",
                            server["log"].read_text(), re.MULTILINE)
     assert sorted(name for name, _ in announced) == ["EngineCore", "MainProcess"], announced  # the API server is main

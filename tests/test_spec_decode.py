@@ -292,8 +292,8 @@ def test_full_graphs_that_cannot_hold_verification_rows_are_refused_in_one_line(
     """fp32 verification rows run composed attention (bf16 ones replay, dense and MTP's on MLA:
     tests/test_graph_spec.py)."""
     error = engines["full_graphs"]["error"]  # vLLM's config validation wraps the platform's
-    assert ("Value error, FULL_DECODE_ONLY ACL graphs cannot hold speculative decoding's "
-            "verification rows here (float32: the fused attention kernels take fp16/bf16 only: "
+    assert ("Value error, FULL_DECODE_ONLY ACL graphs cannot hold speculative decoding here "
+            "(float32: the fused attention kernels take fp16/bf16 only: "
             "verification rows run composed attention): run with --enforce-eager or "
             "-cc.cudagraph_mode=NONE [") in error, error
 

@@ -27,7 +27,10 @@ from ascend_patch.kit import checks, record
 from ascend_patch.overlay import decision, matrix
 from ascend_patch.overlay.declarations import applies_to
 from tests.helpers.engine import MODELS_DIR
+from tests.helpers.patch_sets import installed
 from tests.helpers.process import ROOT, clean_env
+
+INSTALLED = installed()
 
 FIXTURE = "fixture: an emulated record relabelled by tests/test_verify.py, not hardware"
 
@@ -259,8 +262,9 @@ def _missing(data):
 @pytest.mark.parametrize(("mutate", "version", "problem"), [
     (_failed, (), "the record did not pass: failed fia-attention, missing none"),
     (_missing, (), "the record did not pass: failed none, missing kv-offload, tp"),
-    (lambda d: None, ("0.32.0",), "the record ran vLLM 0.33.0, not 0.32.0"),
-    (lambda d: d["patch_set"].update(name="v0_20"), (), "the record ran patch set v0_20, the matrix puts 0.33.0 in v0_29"),
+    (lambda d: None, ("0.32.0",), f"the record ran vLLM {INSTALLED.vllm}, not 0.32.0"),
+    (lambda d: d["patch_set"].update(name="v0_20"), (),
+     f"the record ran patch set v0_20, the matrix puts {INSTALLED.vllm} in {INSTALLED.patch_set}"),
     (lambda d: d["patch_set"].update(digest="0" * 64), (), "declared other targets than this checkout's"),
     (lambda d: d["device"].update(soc=None), (), "the record does not say its SoC"),
     (lambda d: d["versions"].update(nnal=None), (), "the record does not say its nnal version"),
@@ -271,7 +275,7 @@ def test_record_matrix_run_refuses_a_record_that_is_not_evidence_of_the_row(
         emulated, matrix_copy, tmp_path, mutate, version, problem):
     _, data, _ = emulated
     fixture = _labelled_npu(data)
-    assert fixture["versions"]["vllm"] == "0.33.0"
+    assert fixture["versions"]["vllm"] == INSTALLED.vllm
     mutate(fixture)
     before = matrix_copy.read_bytes()
     line = _refusal(_convert(_write_record(tmp_path, fixture), matrix_copy, *version))
@@ -282,8 +286,8 @@ def test_record_matrix_run_refuses_a_record_that_is_not_evidence_of_the_row(
 def test_record_matrix_run_refuses_what_is_not_a_record(matrix_copy, tmp_path):
     path = tmp_path / "record.json"
     path.write_text("<html>not json</html>")
-    assert "not a readable JSON record" in _refusal(_convert(path, matrix_copy, "0.33.0"))
-    path.write_text(json.dumps({"versions": {"vllm": "0.33.0"}}))
+    assert "not a readable JSON record" in _refusal(_convert(path, matrix_copy, INSTALLED.vllm))
+    path.write_text(json.dumps({"versions": {"vllm": INSTALLED.vllm}}))
     assert _refusal(_convert(path, matrix_copy)).endswith("refused: not an ascend-patch verify record")
 
 

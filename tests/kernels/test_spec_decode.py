@@ -260,6 +260,7 @@ def _per_position(output: torch.Tensor) -> list[tuple[int, float, float]]:
     return results
 
 
+@pytest.mark.v1_runner
 def test_random_rejection_keeps_the_target_distribution():
     from vllm.v1.sample import rejection_sampler
 
@@ -282,6 +283,7 @@ def test_random_rejection_keeps_the_target_distribution():
         assert abs(rows - expected) < 5 * expected ** 0.5, (j, rows, expected)
 
 
+@pytest.mark.v1_runner
 def test_a_broken_recovered_token_step_fails_the_chi_square_test(monkeypatch):
     """Negative control: the same rows with recovered tokens drawn from p instead of the residual
     max(p - q, 0), the classic bug, substituted for the kernel vLLM's dispatcher launches (the

@@ -92,7 +92,7 @@ def graphs_off_by_default(vllm_config) -> str | None:
     refusal = graph_decode_refusal(model_config, head_size)
     if refusal is not None:
         return f"{refusal}, which FULL ACL graphs cannot hold"
-    verify = verify_graph_refusal(vllm_config, head_size)
+    verify = verify_graph_refusal(vllm_config, head_size) or drafter_graph_refusal(vllm_config)
     if verify is not None:
         return f"speculative decoding: {verify}"
     if not release.proven_end_to_end:
@@ -102,6 +102,20 @@ def graphs_off_by_default(vllm_config) -> str | None:
         return (f"head size {head_size}: the end-to-end suite proves graphs at head sizes "
                 f"{', '.join(map(str, GRAPH_PROVEN_HEAD_SIZES))}{ask}")
     return None
+
+
+def drafter_graph_refusal(vllm_config) -> str | None:
+    """Why FULL graphs cannot hold this engine's drafter, or None. Model Runner V2 (vLLM 0.34+)
+    captures the draft steps after the first of EAGLE, EAGLE-3, MTP and draft models in FULL graphs
+    of their own (``get_draft_decode_cudagraph_request_sizes``), whose attention host parameters
+    the NPU runner does not renew before replay yet."""
+    spec = vllm_config.speculative_config
+    if release.runner != "v2" or spec is None or spec.num_speculative_tokens < 2:
+        return None
+    if spec.method not in ("eagle", "eagle3", "mtp", "draft_model"):
+        return None
+    return (f"Model Runner V2 captures the {spec.method} drafter's draft steps in FULL graphs of "
+            "their own, whose attention host parameters ascend-patch does not renew yet")
 
 
 def settle_graph_mode(vllm_config) -> None:
@@ -134,14 +148,15 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs are not supported for models with recurrent "
                          "layers (their composed path reads sequence boundaries on the host): "
                          "run with --enforce-eager or -cc.cudagraph_mode=NONE")
-    verify = (verify_graph_refusal(vllm_config, vllm_config.model_config.get_head_size())
+    verify = ((verify_graph_refusal(vllm_config, vllm_config.model_config.get_head_size())
+               or drafter_graph_refusal(vllm_config))
               if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None
               else None)
     if verify is not None:
         # Where the builder cannot report UNIFORM_BATCH, vLLM would drop the graphs with no more
         # than a warning.
-        raise ValueError(f"{mode.name} ACL graphs cannot hold speculative decoding's verification "
-                         f"rows here ({verify}): run with --enforce-eager or "
+        raise ValueError(f"{mode.name} ACL graphs cannot hold speculative decoding here ({verify}): "
+                         "run with --enforce-eager or "
                          "-cc.cudagraph_mode=NONE")
     full, piecewise = mode.has_full_cudagraphs(), mode.has_piecewise_cudagraphs()
     cache = vllm_config.cache_config  # its block size is the backend's unless given
@@ -220,6 +235,9 @@ def _settle_request_keyed_sizes(vllm_config, null_slots: int, budget) -> None:
     if prefill:
         compilation.prefill_cudagraph_capture_token_sizes = kept_prefill
         compilation.max_prefill_cudagraph_capture_tokens = max(kept_prefill, default=0)
+    # The record also counts the drafter's one-token decode graphs (their request counts), as vLLM
+    # records them: a config resolved again (the draft model's) checks the record against it.
+    tokens = sorted({*tokens, *vllm_config.get_draft_decode_cudagraph_request_sizes()})
     compilation.cudagraph_capture_sizes = tokens
     compilation.max_cudagraph_capture_size = tokens[-1]
     compilation.post_init_cudagraph_sizes()

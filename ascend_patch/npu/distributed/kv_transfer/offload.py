@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -99,6 +98,8 @@ class NPUOffloadingWorker(OffloadingWorker):
                 "KV-cache manager) is not supported on Ascend by ascend-patch: one group only")
         self.blocks_per_chunk = blocks_per_chunk
         rows = [t.tensor for t in kv_caches.tensors]
+        # The cache tensor of each data ref, in the order of the addresses vLLM 0.34 resolves.
+        self._ref_rows = [rows[ref.tensor_idx] for ref in kv_caches.group_data_refs[0]]
         self.bytes_per_block = sum(t.shape[1] for t in rows)
         # [num_blocks, bytes] views of the device cache, each with the name of what it holds.
         self.device_tensors, self.planes = [], []
@@ -114,24 +115,40 @@ class NPUOffloadingWorker(OffloadingWorker):
                                          device="cpu", pin_memory=pin_memory) for t in self.device_tensors]
         self._finished: list[TransferResult] = []
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(self, job_id: int, src_spec, dst_spec: LoadStoreSpec) -> bool:
         pairs = self._pairs(src_spec, dst_spec.block_ids)
         return self._copy(job_id, self.device_tensors, self.host_tensors, pairs)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    expedited: bool = False) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec, expedited: bool = False) -> bool:
         pairs = self._pairs(dst_spec, src_spec.block_ids)[:, ::-1]
         return self._copy(job_id, self.host_tensors, self.device_tensors, pairs)
 
-    def _pairs(self, device_spec: GPULoadStoreSpec, chunk_ids: np.ndarray) -> np.ndarray:
+    def _pairs(self, device_side, chunk_ids: np.ndarray) -> np.ndarray:
         """(device block, host row) pairs: the request's blocks from its ``block_indices[0]``-th on
         lie in consecutive chunk sub-blocks, the first chunk's first ``skip`` belonging to
         blocks before them (as vLLM's CPU worker enumerates them)."""
-        (count,), (first,) = device_spec.group_sizes, device_spec.block_indices
+        block_ids, count, first = self._device_blocks(device_side)
         skip = first % self.blocks_per_chunk
         rows = (chunk_ids.astype(np.int64)[:, None] * self.blocks_per_chunk
                 + np.arange(self.blocks_per_chunk)).ravel()[skip: skip + count]
-        return np.stack([device_spec.block_ids.astype(np.int64), rows], axis=1)
+        return np.stack([block_ids, rows], axis=1)
+
+    def _device_blocks(self, device_side) -> tuple[np.ndarray, int, int]:
+        """The device side of a transfer as (block ids, count, first logical block): a
+        ``GPULoadStoreSpec`` of block ids before vLLM 0.34; from 0.34 the addresses vLLM resolved
+        from them (``DevicePointers``: per data ref, ``base + block * row stride``), turned back
+        into the block ids, which every data ref must agree on."""
+        if not hasattr(device_side, "ptrs"):  # seam: DevicePointers from vLLM 0.34
+            (count,), (first,) = device_side.group_sizes, device_side.block_indices
+            return device_side.block_ids.astype(np.int64), count, first
+        (count,), (first,) = device_side.group_block_counts, device_side.block_indices
+        ptrs = device_side.ptrs.astype(np.int64).reshape(len(self._ref_rows), count)
+        ids = [(ptrs[i] - row.data_ptr()) // row.stride(0) for i, row in enumerate(self._ref_rows)]
+        if any(not np.array_equal(ids[0], other) for other in ids[1:]) or (
+                count and not 0 <= ids[0].min() <= ids[0].max() < self._ref_rows[0].shape[0]):
+            raise ValueError("KV offload: the device addresses vLLM resolved are not the same blocks "
+                             "of every KV cache tensor")
+        return ids[0], count, first
 
     def _copy(self, job_id: int, sources, destinations, pairs: np.ndarray) -> bool:
         start = time.perf_counter()
