@@ -1,8 +1,241 @@
 """ascend-patch: run stock vLLM on Huawei Ascend NPUs through a monkey-patch overlay.
 
-This package is imported by the ``.pth`` bootstrap in every Python process of the
-environment, so it must stay empty of imports: everything heavy lives in submodules
-that are loaded only once ``vllm`` itself is imported.
+This module is the interpreter-start hook: ``a1_ascend_patch.pth`` imports it, and only it,
+in every Python process of the environment, so it must cost nothing: standard library only,
+no module that plain Python does not already import at start-up (``os``, ``sys`` and
+``_thread`` are), and no submodule of this package. All it does is put one finder at the
+front of ``sys.meta_path`` that notices when ``vllm`` (or, if first, ``vllm.platforms``) has
+been imported and hands over to :mod:`ascend_patch.overlay.loader`. The patch registry reuses
+the same finder to patch vLLM submodules right after they execute. Everything heavy lives in
+submodules, loaded only once ``vllm`` itself is imported.
+
+It also holds how the ``ASCEND_PATCH`` mode and the ``ASCEND_PATCH_*`` flags read
+(:func:`read_mode`, :func:`read_flag`) and the base of deliberate errors, which the settings
+registry (:mod:`ascend_patch.env`) imports from here, so the two parse them the same way
+without the hook importing the registry; and :func:`resolve` for the ``"module:attribute"``
+paths that name code to import only when it runs.
+
+No exception may escape :func:`install`; the ``.pth`` line also guards the
+import of this module, so a ``.pth`` left behind by ``pip uninstall`` is inert.
+Once ``vllm`` is imported, a loader that fails for any reason other than the
+ones the user asked to be told about (a :class:`DeliberateError`: a refusal in an asked-for
+mode, strict mode, a malformed setting) leaves vLLM stock with one line on stderr, unless a
+mode was asked for (``npu``, ``emulate``) or strict mode is on: then ``import vllm`` fails.
+A deliberate error that nobody catches prints its message, not a traceback through vLLM's
+imports (:func:`_quiet_deliberate_errors`).
+
+Docs: docs/design.md, "What happens at `import vllm`"; start-up cost: docs/contributing.md,
+"Benchmarks".
 """
 
+import _thread
+import os
+import sys
+
 __version__ = "0.1.0"
+
+MODES = ("auto", "npu", "emulate", "off")
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def read_mode(text):
+    """An ``ASCEND_PATCH`` value as a mode (empty: ``auto``); None if it is not one."""
+    value = text.strip().lower() or "auto"
+    return value if value in MODES else None
+
+
+def read_flag(text):
+    """An ``ASCEND_PATCH_*`` flag value as True or False; None if it is not a flag."""
+    value = text.strip().lower()
+    return True if value in _ON else False if value in _OFF else None
+
+
+class DeliberateError(Exception):
+    """An error ascend-patch raises on purpose, with a message meant for the user: it stops
+    ``import vllm``. Anything else the loader raises is a fault of ascend-patch (a damaged
+    install, a bug), which must not take the user's vLLM down with it."""
+
+
+# module name -> callbacks to run, in order, right after that module executes.
+# A callback is a callable taking the module, or a "pkg.mod:function" string
+# that is imported only when it fires (so start-up never imports the loader).
+# Guarded by _lock: imports may race on several threads.
+_callbacks = {}
+_lock = _thread.RLock()
+_loader_failed = False
+
+
+def resolve(target):
+    """``target`` itself, or for a ``"module:attribute"`` path the attribute, imported now."""
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    __import__(module_name)
+    return getattr(sys.modules[module_name], attr)
+
+
+def _debug(message):
+    if read_flag(os.environ.get("ASCEND_PATCH_DEBUG", "")):
+        sys.stderr.write(f"ascend-patch: {message}\n")
+
+
+def _wants_errors():
+    """Whether the user asked for certainty: a mode asked for (npu, emulate), or strict mode
+    (a value that is not a flag counts: the loader refuses it)."""
+    return (read_mode(os.environ.get("ASCEND_PATCH", "")) in ("npu", "emulate")
+            or read_flag(os.environ.get("ASCEND_PATCH_STRICT", "")) is not False)
+
+
+def _quiet_deliberate_errors():
+    """Make an uncaught :class:`DeliberateError` print its message alone: it already says
+    what is wrong and what to do, and a traceback through vLLM's imports hides that."""
+    previous = sys.excepthook
+    if getattr(previous, "ascend_patch", False):
+        return
+
+    def hook(kind, value, traceback):
+        if not isinstance(value, DeliberateError):
+            return previous(kind, value, traceback)
+        text = str(value)
+        sys.stderr.write(text if text.startswith("ascend-patch:") else f"ascend-patch: {text}")
+        sys.stderr.write("\n")
+
+    hook.ascend_patch = True
+    sys.excepthook = hook
+
+
+def _run_loader(callback, module):
+    """Run a loader trigger; an unexpected failure disables the overlay in this process."""
+    global _loader_failed
+    if _loader_failed:
+        return
+    try:
+        resolve(callback)(module)
+    except Exception as exc:
+        if isinstance(exc, DeliberateError):
+            _quiet_deliberate_errors()
+            raise
+        if _wants_errors():
+            _quiet_deliberate_errors()
+            raise DeliberateError(
+                f"ascend-patch: cannot activate: the loader failed ({type(exc).__name__}: {exc})\n"
+                "ascend-patch: fix: reinstall ascend-patch, or set ASCEND_PATCH=off for stock vLLM\n"
+                "ascend-patch: details: ascend-patch doctor"
+            ) from exc
+        _loader_failed = True
+        sys.stderr.write(
+            f"ascend-patch: disabled in this process, vLLM stays stock: the loader failed "
+            f"({type(exc).__name__}: {exc}). Run `ascend-patch doctor`, or reinstall ascend-patch\n"
+        )
+
+
+def _notify(module):
+    with _lock:
+        pending = _callbacks.pop(module.__name__, [])
+    for index, callback in enumerate(pending):
+        try:
+            if isinstance(callback, str):
+                _run_loader(callback, module)
+            else:
+                callback(module)
+        except BaseException:
+            # The import of `module` now fails. Keep the failed callback and
+            # the ones after it, so a retried import cannot come back unpatched.
+            with _lock:
+                _callbacks.setdefault(module.__name__, [])[:0] = pending[index:]
+            raise
+
+
+class _NotifyingLoader:
+    """Wraps a module's real loader for one import, then steps aside."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def exec_module(self, module):
+        # Give the module its real loader back before it runs, so inspect,
+        # reload and pkgutil never see this wrapper.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _notify(module)
+
+
+class PostImportFinder:
+    """A ``sys.meta_path`` entry that only answers for watched module names."""
+
+    def __init__(self):
+        self._resolving = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _callbacks or fullname in self._resolving:  # a dict read: no lock
+            return None
+        self._resolving.add(fullname)
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._resolving.discard(fullname)
+        if spec is not None and getattr(spec.loader, "exec_module", None) is not None:
+            spec.loader = _NotifyingLoader(spec.loader)
+        return spec
+
+
+def _ensure_finder():
+    if not any(isinstance(entry, PostImportFinder) for entry in sys.meta_path):
+        sys.meta_path.insert(0, PostImportFinder())
+
+
+def watch(module_name, callback):
+    """Run ``callback(module)`` right after ``module_name`` is imported.
+
+    If the module is already imported, the callback runs now.
+    """
+    with _lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            _ensure_finder()
+            _callbacks.setdefault(module_name, []).append(callback)
+            return
+    if isinstance(callback, str):
+        _run_loader(callback, module)
+    else:
+        callback(module)
+
+
+def unwatch(module_name, callback):
+    """Forget a callback that has not fired yet."""
+    with _lock:
+        pending = _callbacks.get(module_name, [])
+        if callback in pending:
+            pending.remove(callback)
+            if not pending:
+                del _callbacks[module_name]
+
+
+def install():
+    """Entry point of the ``.pth`` file (and of the ``.start`` file on Python 3.15+)."""
+    try:
+        if read_mode(os.environ.get("ASCEND_PATCH", "")) == "off":
+            return
+        if "vllm" in _callbacks or "vllm" in sys.modules:
+            return
+        watch("vllm", "ascend_patch.overlay.loader:on_vllm_imported")
+        # vLLM 0.24-0.31 resolve current_platform while vllm/__init__.py still runs
+        # (vllm.utils.torch_utils computes PIN_MEMORY on import): the platform
+        # module's import is the last moment the overlay can still choose it.
+        watch("vllm.platforms", "ascend_patch.overlay.loader:on_vllm_imported")
+        _debug("watching for `import vllm`")
+    except BaseException as exc:  # never break interpreter start-up
+        sys.stderr.write(f"ascend-patch: bootstrap disabled: {exc!r}\n")

@@ -179,7 +179,7 @@ def test_the_bootstrap_knows_a_deliberate_error_by_its_class():
     """Any DeliberateError stops ``import vllm`` whatever its name; any other failure of the
     loader disables the overlay with one line."""
     proc = run_python("""
-        import ascend_patch.overlay.bootstrap as bootstrap
+        import ascend_patch as bootstrap
 
         class Refusal(bootstrap.DeliberateError):
             pass
@@ -241,7 +241,7 @@ def test_a_damaged_loader_leaves_vllm_stock_in_auto_mode(tmp_path):
     site = _copy_of_the_package(tmp_path)
     (site / "ascend_patch" / "overlay" / "loader.py").write_text("def broken(:\n")
     env = clean_env(ASCEND_PATCH="auto", PYTHONPATH=str(site))
-    assert run_python("import ascend_patch.overlay.bootstrap as b; print(b.__file__)", env=env).stdout.startswith(
+    assert run_python("import ascend_patch.overlay as o; print(o.__file__)", env=env).stdout.startswith(
         str(site)), "the damaged copy is the one in use"
     _stock_with_one_line(env, "disabled in this process, vLLM stays stock", "SyntaxError")
     code, data = _doctor(env)
