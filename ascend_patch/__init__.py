@@ -24,8 +24,8 @@ mode was asked for (``npu``, ``emulate``) or strict mode is on: then ``import vl
 A deliberate error that nobody catches prints its message, not a traceback through vLLM's
 imports (:func:`_quiet_deliberate_errors`).
 
-Docs: docs/design.md, "What happens at `import vllm`"; start-up cost: docs/contributing.md,
-"Benchmarks".
+Docs: docs/design.md, "What happens at `import vllm`"; docs/contributing.md, "Benchmarks" (its
+cost at start-up).
 """
 
 import _thread

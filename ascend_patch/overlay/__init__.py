@@ -11,5 +11,5 @@ asks by path. It imports neither ``ascend_patch.npu`` nor torch (``scripts/impor
 The interpreter-start hook that triggers the loader is :mod:`ascend_patch` itself, the one
 module the ``.pth`` imports.
 
-Docs: README.md, "What happens at `import vllm`" and "Version selection".
+Docs: docs/design.md, "What happens at `import vllm`"; docs/compatibility.md, "Version selection".
 """

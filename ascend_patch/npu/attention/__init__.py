@@ -3,6 +3,6 @@ share (:mod:`.base`: the backend's face to vLLM, the impls' constructor, the cau
 the paths each layer runs and the KV block size they page with (:mod:`.paths`), and the
 KV-cache page layout they read (:mod:`.kv_layout`).
 
-Docs: README.md, "What the overlay does on the NPU" and
+Docs: docs/design.md, "What the overlay does on the NPU" and
 "Sliding windows, soft-capping and head sizes".
 """
