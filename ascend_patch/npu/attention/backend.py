@@ -309,23 +309,8 @@ class AscendAttentionImpl(AscendImpl[AscendMetadata]):
                                                       self.sliding_window, self.soft_cap)
         return paths
 
-    def forward(
-        self,
-        layer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AscendMetadata,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported on Ascend")
-        if attn_metadata is None:  # memory-profiling pass: no KV cache yet
-            return output.fill_(0)
-        meta = attn_metadata
+    def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AscendMetadata, output: torch.Tensor) -> None:
         n = meta.num_tokens
         key_cache, value_cache = kv_cache_layout.kernel_caches(kv_cache)
         if self.kv_sharing_target_layer_name is None and key is not None and meta.kv_slots is not None:
@@ -342,15 +327,15 @@ class AscendAttentionImpl(AscendImpl[AscendMetadata]):
         path = paths.decode if meta.decode_only else paths.prefill
         if path == "paged_attention":
             self._paged_attention(layer.layer_name, query.contiguous(), key_cache, value_cache, meta, out)
-            return output
+            return
         if path == "fused_masked" and self._graph_decode:
             self._windowed_decode(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                   meta, out)
-            return output
+            return
         if path == "fused" and meta.verification and self._graph_decode:
             self._verification(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                meta, out)
-            return output
+            return
         if acl_graph.capturing():  # FULL graphs hold decode batches of the kernels above only
             raise RuntimeError(f"{path} attention inside a graph capture: its host query/KV lengths "
                                "would be replayed unchanged")
@@ -368,7 +353,6 @@ class AscendAttentionImpl(AscendImpl[AscendMetadata]):
                 atten_mask=causal_mask(query.device), actual_seq_lengths=meta.query_ends,
                 input_layout="TND", **self._band(),
             )
-        return output
 
     def _paged_attention(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                          out) -> None:

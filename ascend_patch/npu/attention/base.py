@@ -70,8 +70,10 @@ class AscendBackend(AttentionBackend):
 
 
 class AscendImpl(AttentionImpl[Metadata]):
-    """The constructor vLLM calls for the decoder and encoder-only layers (MLA layers have their
-    own): what no kernel path of the impl takes is refused in one line, the rest recorded."""
+    """The constructor and ``forward`` vLLM calls for the decoder and encoder-only layers (MLA
+    layers have their own): what no kernel path of the impl takes is refused in one line, the
+    rest recorded; ``forward`` refuses fused output quantization, zeroes the output of the
+    memory-profiling pass and hands every real step to :meth:`attend`."""
 
     served_attn_type: str = AttentionType.DECODER
     """The one attention type the impl serves."""
@@ -107,3 +109,28 @@ class AscendImpl(AttentionImpl[Metadata]):
         self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Metadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported on Ascend")
+        if attn_metadata is None:  # the memory-profiling pass
+            return output.fill_(0)
+        self.attend(layer, query, key, value, kv_cache, attn_metadata, output)
+        return output
+
+    def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, meta: Metadata, output: torch.Tensor) -> None:
+        """One step of the layer's attention written into ``output`` (rows past the step's real
+        tokens are padding)."""
+        raise NotImplementedError

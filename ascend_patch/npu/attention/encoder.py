@@ -107,29 +107,15 @@ class AscendEncoderOnlyImpl(AscendImpl[AscendEncoderMetadata]):
             return f"{self.num_heads} heads: npu_fusion_attention takes at most {limits.FA_MAX_HEADS}"
         return None
 
-    def forward(
-        self,
-        layer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AscendEncoderMetadata,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported on Ascend")
-        if attn_metadata is None:  # memory-profiling pass
-            return output.fill_(0)
+    def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AscendEncoderMetadata, output: torch.Tensor) -> None:
         if acl_graph.capturing():
             raise RuntimeError("encoder-only attention inside a graph capture: npu_fusion_attention "
                                "is not documented for ACL graphs and takes host lengths")
-        n = attn_metadata.num_tokens
+        n = meta.num_tokens
         query, key, value = (t[:n].contiguous() for t in (query, key, value))
         out = output[:n]
-        ends = attn_metadata.query_ends
+        ends = meta.query_ends
         if self.composed_reason() is not None:
             starts = [0, *ends[:-1]]
             for start, end in zip(starts, ends):
@@ -137,7 +123,7 @@ class AscendEncoderOnlyImpl(AscendImpl[AscendEncoderMetadata]):
                 out[rows] = composed.attend(query[rows], key[rows], value[rows], self.scale,
                                          pre_tokens=self.reach, next_tokens=self.reach,
                                          soft_cap=self.soft_cap)
-            return output
+            return
         band = {} if self.reach is None else {
             "sparse_mode": 4, "pre_tockens": self.reach, "next_tockens": self.reach,
             "atten_mask": causal_mask(query.device, torch.bool, limits.FA_MASK_SIZE)}
@@ -149,4 +135,3 @@ class AscendEncoderOnlyImpl(AscendImpl[AscendEncoderMetadata]):
             out[rows] = kernels.fusion_attention(
                 query[rows], key[rows], value[rows], self.num_heads, "TND", scale=self.scale,
                 actual_seq_qlen=group_ends, actual_seq_kvlen=group_ends, **band)
-        return output
