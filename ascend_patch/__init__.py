@@ -6,8 +6,9 @@ no module that plain Python does not already import at start-up (``os``, ``sys``
 ``_thread`` are), and no submodule of this package. All it does is put one finder at the
 front of ``sys.meta_path`` that notices when ``vllm`` (or, if first, ``vllm.platforms``) has
 been imported and hands over to :mod:`ascend_patch.overlay.loader`. The patch registry reuses
-the same finder to patch vLLM submodules right after they execute. Everything heavy lives in
-submodules, loaded only once ``vllm`` itself is imported.
+the same finder to patch vLLM submodules right after they execute. Everything else lives in
+submodules, loaded only once a watched module is found: what runs after it executes (its
+callbacks, and the guard around the loader) is :mod:`ascend_patch.overlay.post_import`.
 
 It also holds how the ``ASCEND_PATCH`` mode and the ``ASCEND_PATCH_*`` flags read
 (:func:`read_mode`, :func:`read_flag`) and the base of deliberate errors, which the settings
@@ -17,12 +18,6 @@ paths that name code to import only when it runs.
 
 No exception may escape :func:`install`; the ``.pth`` line also guards the
 import of this module, so a ``.pth`` left behind by ``pip uninstall`` is inert.
-Once ``vllm`` is imported, a loader that fails for any reason other than the
-ones the user asked to be told about (a :class:`DeliberateError`: a refusal in an asked-for
-mode, strict mode, a malformed setting) leaves vLLM stock with one line on stderr, unless a
-mode was asked for (``npu``, ``emulate``) or strict mode is on: then ``import vllm`` fails.
-A deliberate error that nobody catches prints its message, not a traceback through vLLM's
-imports (:func:`_quiet_deliberate_errors`).
 
 Docs: docs/design.md, "What happens at `import vllm`"; docs/contributing.md, "Benchmarks" (its
 cost at start-up).
@@ -63,7 +58,8 @@ class DeliberateError(Exception):
 # Guarded by _lock: imports may race on several threads.
 _callbacks = {}
 _lock = _thread.RLock()
-_loader_failed = False
+# What runs once a watched module has executed, imported only then (never at start-up).
+_AFTER_IMPORT = "ascend_patch.overlay.post_import"
 
 
 def resolve(target):
@@ -78,92 +74,6 @@ def resolve(target):
 def _debug(message):
     if read_flag(os.environ.get("ASCEND_PATCH_DEBUG", "")):
         sys.stderr.write(f"ascend-patch: {message}\n")
-
-
-def _wants_errors():
-    """Whether the user asked for certainty: a mode asked for (npu, emulate), or strict mode
-    (a value that is not a flag counts: the loader refuses it)."""
-    return (read_mode(os.environ.get("ASCEND_PATCH", "")) in ("npu", "emulate")
-            or read_flag(os.environ.get("ASCEND_PATCH_STRICT", "")) is not False)
-
-
-def _quiet_deliberate_errors():
-    """Make an uncaught :class:`DeliberateError` print its message alone: it already says
-    what is wrong and what to do, and a traceback through vLLM's imports hides that."""
-    previous = sys.excepthook
-    if getattr(previous, "ascend_patch", False):
-        return
-
-    def hook(kind, value, traceback):
-        if not isinstance(value, DeliberateError):
-            return previous(kind, value, traceback)
-        text = str(value)
-        sys.stderr.write(text if text.startswith("ascend-patch:") else f"ascend-patch: {text}")
-        sys.stderr.write("\n")
-
-    hook.ascend_patch = True
-    sys.excepthook = hook
-
-
-def _run_loader(callback, module):
-    """Run a loader trigger; an unexpected failure disables the overlay in this process."""
-    global _loader_failed
-    if _loader_failed:
-        return
-    try:
-        resolve(callback)(module)
-    except Exception as exc:
-        if isinstance(exc, DeliberateError):
-            _quiet_deliberate_errors()
-            raise
-        if _wants_errors():
-            _quiet_deliberate_errors()
-            raise DeliberateError(
-                f"ascend-patch: cannot activate: the loader failed ({type(exc).__name__}: {exc})\n"
-                "ascend-patch: fix: reinstall ascend-patch, or set ASCEND_PATCH=off for stock vLLM\n"
-                "ascend-patch: details: ascend-patch doctor"
-            ) from exc
-        _loader_failed = True
-        sys.stderr.write(
-            f"ascend-patch: disabled in this process, vLLM stays stock: the loader failed "
-            f"({type(exc).__name__}: {exc}). Run `ascend-patch doctor`, or reinstall ascend-patch\n"
-        )
-
-
-def _notify(module):
-    with _lock:
-        pending = _callbacks.pop(module.__name__, [])
-    for index, callback in enumerate(pending):
-        try:
-            if isinstance(callback, str):
-                _run_loader(callback, module)
-            else:
-                callback(module)
-        except BaseException:
-            # The import of `module` now fails. Keep the failed callback and
-            # the ones after it, so a retried import cannot come back unpatched.
-            with _lock:
-                _callbacks.setdefault(module.__name__, [])[:0] = pending[index:]
-            raise
-
-
-class _NotifyingLoader:
-    """Wraps a module's real loader for one import, then steps aside."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-    def exec_module(self, module):
-        # Give the module its real loader back before it runs, so inspect,
-        # reload and pkgutil never see this wrapper.
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        _notify(module)
 
 
 class PostImportFinder:
@@ -188,7 +98,10 @@ class PostImportFinder:
         finally:
             self._resolving.discard(fullname)
         if spec is not None and getattr(spec.loader, "exec_module", None) is not None:
-            spec.loader = _NotifyingLoader(spec.loader)
+            try:
+                spec.loader = resolve(f"{_AFTER_IMPORT}:NotifyingLoader")(spec.loader)
+            except Exception as exc:  # a damaged install: vLLM stays stock, as without the .pth
+                sys.stderr.write(f"ascend-patch: bootstrap failed: {exc!r}\n")
         return spec
 
 
@@ -208,10 +121,7 @@ def watch(module_name, callback):
             _ensure_finder()
             _callbacks.setdefault(module_name, []).append(callback)
             return
-    if isinstance(callback, str):
-        _run_loader(callback, module)
-    else:
-        callback(module)
+    resolve(f"{_AFTER_IMPORT}:run")(callback, module)
 
 
 def unwatch(module_name, callback):

@@ -104,11 +104,15 @@ def main() -> int:
     passes = _interleave([py, "-c", "pass"], {"pth": lambda: on, "off": lambda: off}, args.runs)
     with_pth, without = passes["pth"], passes["off"]
     line_runs = []
-    for _ in range(args.runs):
-        out = subprocess.run(
-            [py, "-c", LINE_COST, str(PTH)], env=off, check=True, capture_output=True, text=True
-        ).stdout.split()
-        line_runs.append((float(out[0]), out[1:]))
+    # From a directory of its own: `-c` puts the working directory first on sys.path, where a
+    # checkout's ascend_patch/ would stand in for the installed one.
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as elsewhere:
+        for _ in range(args.runs):
+            out = subprocess.run(
+                [py, "-c", LINE_COST, str(PTH)], env=off, check=True, capture_output=True,
+                text=True, cwd=elsewhere,
+            ).stdout.split()
+            line_runs.append((float(out[0]), out[1:]))
     added = sorted({m for _, mods in line_runs for m in mods})
 
     med = statistics.median
