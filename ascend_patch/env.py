@@ -1,10 +1,10 @@
 """Every ``ASCEND_PATCH*`` environment variable, in one place.
 
 Nothing else in the package reads ``os.environ`` for these names, except the ``.pth``
-bootstrap, which must not import this module at interpreter start: it reads
-``ASCEND_PATCH``, ``ASCEND_PATCH_STRICT`` and ``ASCEND_PATCH_DEBUG`` with the same
-parsers (:func:`~ascend_patch.modes.read_mode`, :func:`~ascend_patch.modes.read_flag`),
-which both import from the standard-library-only :mod:`ascend_patch.modes`. The table of
+bootstrap (:mod:`ascend_patch` itself), which must not import this module at interpreter
+start: it reads ``ASCEND_PATCH``, ``ASCEND_PATCH_STRICT`` and ``ASCEND_PATCH_DEBUG`` with
+the same parsers (:func:`~ascend_patch.read_mode`, :func:`~ascend_patch.read_flag`), which
+this module imports from there (standard library only). The table of
 variables in docs/reference.md is checked against :data:`VARIABLES` by the test suite.
 """
 
@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ascend_patch.modes import MODES, DeliberateError, read_flag, read_mode
+from ascend_patch import MODES, DeliberateError, read_flag, read_mode
 
 
 @dataclass(frozen=True)

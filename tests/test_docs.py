@@ -3,6 +3,7 @@ flag and variable exists, and the generated tables match the matrix."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 
@@ -76,6 +77,36 @@ def test_every_relative_link_resolves(document):
         assert resolved.exists(), f"{document.name}: {target}"
         if anchor:
             assert anchor in _anchors(resolved), f"{document.name}: {target}"
+
+
+def _docs_references(path) -> list[tuple[str, str]]:
+    """The ``(page, heading)`` pairs a module docstring's "Docs:" paragraph names, written as
+    ``Docs: docs/a.md, "Heading" and "Other"; docs/b.md, "Third".``"""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph = doc.partition("Docs:")[2].split("\n\n")[0]
+    return [(page, heading) for page, headings in re.findall(r"(\S+\.md), ((?:\"[^\"]+\"(?: and |\s)*)+)", paragraph)
+            for heading in re.findall(r'"([^"]+)"', headings)]
+
+
+MODULES = sorted((ROOT / "ascend_patch").rglob("*.py"))
+ROOMS = sorted((ROOT / "ascend_patch" / "npu").rglob("__init__.py"))
+
+
+def test_every_docs_reference_of_a_module_names_a_heading_of_its_page():
+    named = {}
+    for module in MODULES:
+        for page, heading in _docs_references(module):
+            assert (ROOT / page).is_file(), f"{module.relative_to(ROOT)}: {page}"
+            assert _slug(heading) in _anchors(ROOT / page), f"{module.relative_to(ROOT)}: {page}, {heading!r}"
+            named[module] = page
+    assert len(named) >= len(ROOMS), "the references are read at all"
+
+
+@pytest.mark.parametrize("room", ROOMS, ids=[str(r.parent.relative_to(ROOT)) for r in ROOMS])
+def test_every_room_says_what_it_owns_and_links_its_docs_page(room):
+    doc = ast.get_docstring(ast.parse(room.read_text())) or ""
+    assert len(doc.partition("Docs:")[0].split()) >= 10, "what the room owns"
+    assert _docs_references(room), "Docs: docs/<page>.md, \"<heading>\""
 
 
 def _documented_invocations() -> list[tuple[str, str]]:

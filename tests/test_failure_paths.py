@@ -179,9 +179,10 @@ def test_the_bootstrap_knows_a_deliberate_error_by_its_class():
     """Any DeliberateError stops ``import vllm`` whatever its name; any other failure of the
     loader disables the overlay with one line."""
     proc = run_python("""
-        import ascend_patch.overlay.bootstrap as bootstrap
+        from ascend_patch import DeliberateError
+        from ascend_patch.overlay import post_import
 
-        class Refusal(bootstrap.DeliberateError):
+        class Refusal(DeliberateError):
             pass
 
         def deliberate(module):
@@ -191,11 +192,11 @@ def test_the_bootstrap_knows_a_deliberate_error_by_its_class():
             raise KeyError("a bug")
 
         try:
-            bootstrap._run_loader(deliberate, None)
+            post_import.run_loader(deliberate, None)
         except Refusal:
             print("raised")
-        bootstrap._run_loader(fault, None)
-        print("disabled" if bootstrap._loader_failed else "not disabled")
+        post_import.run_loader(fault, None)
+        print("disabled" if post_import.loader_failed else "not disabled")
     """, env=clean_env(ASCEND_PATCH="auto"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["raised", "disabled"]
@@ -241,7 +242,7 @@ def test_a_damaged_loader_leaves_vllm_stock_in_auto_mode(tmp_path):
     site = _copy_of_the_package(tmp_path)
     (site / "ascend_patch" / "overlay" / "loader.py").write_text("def broken(:\n")
     env = clean_env(ASCEND_PATCH="auto", PYTHONPATH=str(site))
-    assert run_python("import ascend_patch.overlay.bootstrap as b; print(b.__file__)", env=env).stdout.startswith(
+    assert run_python("import ascend_patch.overlay as o; print(o.__file__)", env=env).stdout.startswith(
         str(site)), "the damaged copy is the one in use"
     _stock_with_one_line(env, "disabled in this process, vLLM stays stock", "SyntaxError")
     code, data = _doctor(env)
@@ -259,7 +260,7 @@ def test_a_damaged_loader_is_an_error_where_the_user_asked_for_certainty(tmp_pat
 
 def test_the_pth_survives_a_bootstrap_that_raises_baseexception(tmp_path):
     site = _copy_of_the_package(tmp_path)
-    bootstrap = site / "ascend_patch" / "overlay" / "bootstrap.py"
+    bootstrap = site / "ascend_patch" / "__init__.py"
     bootstrap.write_text(bootstrap.read_text() + "\ndef install():\n    raise SystemExit(3)\n")
     env = clean_env(ASCEND_PATCH="emulate", PYTHONPATH=str(site))
     proc = run_python("print('still here')", env=env)

@@ -1,7 +1,8 @@
 """The ``ascend-patch`` command (also ``python -m ascend_patch``): ``doctor``, ``probe`` and
 ``verify``.
 
-Docs: README.md, "Installing for real use", "Probing a release" and "Hardware acceptance kit".
+Docs: docs/installation.md, "Installing for real use"; docs/compatibility.md, "Probing a release";
+docs/hardware-kit.md, "Hardware acceptance kit: `ascend-patch verify`".
 """
 
 from __future__ import annotations

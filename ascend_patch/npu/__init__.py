@@ -10,5 +10,5 @@ layout), :mod:`.ops` (custom ops, recurrent layers), :mod:`.quantization`, :mod:
 seam that talks to torch_npu, with the reference kernels that are its executable contract) and
 :mod:`.emulation` (what exists only to emulate the device on CPU).
 
-Docs: README.md, "What the overlay does on the NPU" and "Repository layout".
+Docs: docs/design.md, "What the overlay does on the NPU"; docs/contributing.md, "Repository layout".
 """

@@ -10,7 +10,7 @@ API directly. :meth:`Runtime.device_api` gives the stand-ins the manifest's devi
 patches install: ``torch.npu``'s (through :mod:`ascend_patch.npu.kernels.npu`, the only module
 that talks to torch_npu) on real hardware, the emulated NPU's otherwise.
 
-Docs: README.md, "Modes".
+Docs: docs/reference.md, "Modes".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ There are two classes with one code path. :class:`NPUPlatform` drives real
 Ascend devices through torch_npu. ``EmulatedNPUPlatform``
 (:mod:`ascend_patch.npu.emulation.platform`) is the same platform on CPU tensors.
 
-Docs: README.md, "What the overlay does on the NPU".
+Docs: docs/design.md, "What the overlay does on the NPU".
 """
 
 from __future__ import annotations

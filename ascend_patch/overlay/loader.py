@@ -35,9 +35,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ascend_patch import __version__, env, release
-from ascend_patch.modes import DeliberateError
-from ascend_patch.overlay import bootstrap, matrix
+from ascend_patch import DeliberateError, __version__, env, release, resolve
+from ascend_patch.overlay import matrix
 from ascend_patch.overlay import version as versions
 from ascend_patch.overlay.decision import Decision, decide, patch_set_runner
 from ascend_patch.overlay.declarations import Declaration, Patch, Setting, TargetStatus, TextEnum
@@ -157,7 +156,7 @@ def refusal(act: Activation) -> str:
 
 def _decide_mode(act: Activation) -> Activation | None:
     """Set ``act.mode``; return ``act`` early if the overlay stays out of the way."""
-    device = bootstrap.resolve(DEVICE_CHECK)(act.requested)
+    device = resolve(DEVICE_CHECK)(act.requested)
     if device.vllm_ascend is not None:
         if act.requested == "auto":
             return _deviation(

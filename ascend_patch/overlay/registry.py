@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from ascend_patch.overlay import bootstrap
+from ascend_patch import resolve, unwatch, watch
 from ascend_patch.overlay.declarations import Contract, Declaration, Patch, Seam, Setting
 from ascend_patch.overlay.source import render_signature
 
@@ -114,7 +114,7 @@ class Registry:
                 self._apply_all(module, ps)
 
             self._watchers.append((module_name, apply))
-            bootstrap.watch(module_name, apply)
+            watch(module_name, apply)
 
     def _set(self, setting: Setting) -> None:
         original = os.environ.get(setting.variable, _UNSET)
@@ -142,9 +142,9 @@ class Registry:
         if patch.wrapper is not None:
             import wrapt
 
-            installed = wrapt.FunctionWrapper(original, bootstrap.resolve(patch.wrapper))
+            installed = wrapt.FunctionWrapper(original, resolve(patch.wrapper))
         else:
-            installed = bootstrap.resolve(patch.replacement)(original)
+            installed = resolve(patch.replacement)(original)
         setattr(owner, attr, installed)
         record = _Applied(patch, owner, attr, original, installed)
         if isinstance(owner, ModuleType) and patch.rebind:
@@ -176,7 +176,7 @@ class Registry:
                         setattr(other, record.attr, record.original)
             restored.append(target)
         for module_name, callback in self._watchers:
-            bootstrap.unwatch(module_name, callback)
+            unwatch(module_name, callback)
         self._applied.clear()
         self._scheduled.clear()
         self._watchers.clear()

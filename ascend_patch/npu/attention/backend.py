@@ -67,9 +67,7 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backend import (
-    AttentionBackend,
     AttentionCGSupport,
-    AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -77,7 +75,7 @@ from vllm.v1.attention.backend import (
 
 from ascend_patch.npu import kernels
 from ascend_patch.npu.attention import kv_layout as kv_cache_layout
-from ascend_patch.npu.attention import paths
+from ascend_patch.npu.attention.base import AscendBackend, AscendImpl, causal_mask
 from ascend_patch.npu.attention.paths import (
     FUSED_DTYPES,
     KERNEL_BLOCK_SIZE,
@@ -92,16 +90,7 @@ from ascend_patch.npu.kernels import composed, limits
 logger = logging.getLogger("vllm.ascend_patch")
 
 
-class AscendAttentionBackend(AttentionBackend):
-    accept_output_buffer = True
-    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
-    forward_includes_kv_cache_update = True
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"
-
+class AscendAttentionBackend(AscendBackend):
     @staticmethod
     def get_impl_cls() -> type[AscendAttentionImpl]:
         return AscendAttentionImpl
@@ -122,20 +111,10 @@ class AscendAttentionBackend(AttentionBackend):
 
         return (KVCacheLayout.LBNHC,)
 
-    if hasattr(AttentionBackend, "get_kv_cache_shape"):  # seam: until vLLM 0.29
-        # vLLM 0.20–0.28 view each layer's raw KV bytes in the shape the backend
-        # names here (with the default identity stride order): block-outermost pages,
-        # K half then V half (kv_cache.py). 0.29 removed the hook.
-
-        @staticmethod
-        def get_kv_cache_shape(
-            num_blocks: int,
-            block_size: int,
-            num_kv_heads: int,
-            head_size: int,
-            cache_dtype_str: str = "auto",
-        ) -> tuple[int, ...]:
-            return (num_blocks, 2, block_size, num_kv_heads, head_size)
+    @classmethod
+    def kv_block_shape(cls, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        # K half then V half of each block (kv_layout.py).
+        return (2, block_size, num_kv_heads, head_size)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -314,35 +293,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         )
 
 
-class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        **unsupported,
-    ) -> None:
-        paths.refuse_unsupported("Ascend attention backend", {
-            "ALiBi": alibi_slopes is not None,
-            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
-        }, unsupported)
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads or num_heads
-        # vLLM's window: the query's own key and the sliding_window - 1 before it.
-        self.sliding_window = sliding_window
-        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
-        self.kv_cache_dtype = kv_cache_dtype
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self._mask: torch.Tensor | None = None
+class AscendAttentionImpl(AscendImpl[AscendMetadata]):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._paths: dict[torch.dtype, AttentionPaths] = {}
         # In an engine with FULL graphs the windowed decode launches FIA's .out form, whose
         # workspace is sized at capture and whose host lengths every replay re-issues.
@@ -356,32 +309,8 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                                                       self.sliding_window, self.soft_cap)
         return paths
 
-    def _causal_mask(self, device: torch.device) -> torch.Tensor:
-        if self._mask is None or self._mask.device != device:
-            # A normal tensor, not an inference-mode one, so kernels can cache checks on it.
-            with torch.inference_mode(False):
-                size = limits.CAUSAL_MASK_SIZE
-                ones = torch.ones(size, size, dtype=torch.int8, device=device)
-                self._mask = ones.triu_(1)
-        return self._mask
-
-    def forward(
-        self,
-        layer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AscendMetadata,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported on Ascend")
-        if attn_metadata is None:  # memory-profiling pass: no KV cache yet
-            return output.fill_(0)
-        meta = attn_metadata
+    def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AscendMetadata, output: torch.Tensor) -> None:
         n = meta.num_tokens
         key_cache, value_cache = kv_cache_layout.kernel_caches(kv_cache)
         if self.kv_sharing_target_layer_name is None and key is not None and meta.kv_slots is not None:
@@ -398,15 +327,15 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         path = paths.decode if meta.decode_only else paths.prefill
         if path == "paged_attention":
             self._paged_attention(layer.layer_name, query.contiguous(), key_cache, value_cache, meta, out)
-            return output
+            return
         if path == "fused_masked" and self._graph_decode:
             self._windowed_decode(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                   meta, out)
-            return output
+            return
         if path == "fused" and meta.verification and self._graph_decode:
             self._verification(layer.layer_name, query.contiguous(), key_cache, value_cache,
                                meta, out)
-            return output
+            return
         if acl_graph.capturing():  # FULL graphs hold decode batches of the kernels above only
             raise RuntimeError(f"{path} attention inside a graph capture: its host query/KV lengths "
                                "would be replayed unchanged")
@@ -421,10 +350,9 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
         else:
             self._fused_attention(
                 query.contiguous(), key_cache, value_cache, meta, out,
-                atten_mask=self._causal_mask(query.device), actual_seq_lengths=meta.query_ends,
+                atten_mask=causal_mask(query.device), actual_seq_lengths=meta.query_ends,
                 input_layout="TND", **self._band(),
             )
-        return output
 
     def _paged_attention(self, layer_name, query, key_cache, value_cache, meta: AscendMetadata,
                          out) -> None:
@@ -461,7 +389,7 @@ class AscendAttentionImpl(AttentionImpl[AscendMetadata]):
                       value_cache, meta, out,
                       lambda params: dict(actual_seq_lengths=params.query_ends,
                                           actual_seq_lengths_kv=params.seq_lens),
-                      atten_mask=self._causal_mask(query.device), **self._band())
+                      atten_mask=causal_mask(query.device), **self._band())
 
     def _fia_out(self, layer_name, op: str, query, key_cache, value_cache, meta: AscendMetadata,
                  out, lengths, **call) -> None:

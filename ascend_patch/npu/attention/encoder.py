@@ -28,30 +28,19 @@ from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backend import (
-    AttentionBackend,
     AttentionCGSupport,
-    AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
 )
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.attention import paths
+from ascend_patch.npu.attention.base import AscendBackend, AscendImpl, causal_mask
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import composed, limits
 
 
-class AscendEncoderOnlyBackend(AttentionBackend):
-    accept_output_buffer = True
-    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
-    forward_includes_kv_cache_update = True  # there is no cache to update
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"
-
+class AscendEncoderOnlyBackend(AscendBackend):
     @staticmethod
     def get_impl_cls() -> type[AscendEncoderOnlyImpl]:
         return AscendEncoderOnlyImpl
@@ -60,12 +49,9 @@ class AscendEncoderOnlyBackend(AttentionBackend):
     def get_builder_cls() -> type[AscendEncoderMetadataBuilder]:
         return AscendEncoderMetadataBuilder
 
-    if hasattr(AttentionBackend, "get_kv_cache_shape"):  # seam: until vLLM 0.29 (abstract there)
-
-        @staticmethod
-        def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
-                               cache_dtype_str="auto"):
-            raise NotImplementedError("encoder-only attention has no KV cache")
+    @classmethod
+    def kv_block_shape(cls, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        raise NotImplementedError("encoder-only attention has no KV cache")
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -101,34 +87,14 @@ class AscendEncoderMetadataBuilder(AttentionMetadataBuilder[AscendEncoderMetadat
         return AscendEncoderMetadata(num_tokens=meta.num_actual_tokens, query_ends=ends)
 
 
-class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.ENCODER_ONLY,
-        kv_sharing_target_layer_name: str | None = None,
-        **unsupported,
-    ) -> None:
-        paths.refuse_unsupported("Ascend encoder-only attention", {
-            "ALiBi": alibi_slopes is not None,
-            f"attention type {attn_type}": attn_type != AttentionType.ENCODER_ONLY,
-        }, unsupported)
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads or num_heads
+class AscendEncoderOnlyImpl(AscendImpl[AscendEncoderMetadata]):
+    served_attn_type = AttentionType.ENCODER_ONLY
+    label = "Ascend encoder-only attention"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         # W keys either side of the query, itself included (vLLM's window_size=(W-1, W-1)).
-        self.reach = None if sliding_window is None else sliding_window - 1
-        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
-        self.kv_cache_dtype = kv_cache_dtype
-        self._mask: torch.Tensor | None = None
+        self.reach = None if self.sliding_window is None else self.sliding_window - 1
 
     def composed_reason(self) -> str | None:
         """Why npu_fusion_attention cannot serve this layer, or None when it can."""
@@ -141,35 +107,15 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
             return f"{self.num_heads} heads: npu_fusion_attention takes at most {limits.FA_MAX_HEADS}"
         return None
 
-    def _band_mask(self, device: torch.device) -> torch.Tensor:
-        if self._mask is None or self._mask.device != device:
-            size = limits.FA_MASK_SIZE
-            self._mask = torch.ones(size, size, dtype=torch.bool, device=device).triu_(1)
-        return self._mask
-
-    def forward(
-        self,
-        layer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AscendEncoderMetadata,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported on Ascend")
-        if attn_metadata is None:  # memory-profiling pass
-            return output.fill_(0)
+    def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AscendEncoderMetadata, output: torch.Tensor) -> None:
         if acl_graph.capturing():
             raise RuntimeError("encoder-only attention inside a graph capture: npu_fusion_attention "
                                "is not documented for ACL graphs and takes host lengths")
-        n = attn_metadata.num_tokens
+        n = meta.num_tokens
         query, key, value = (t[:n].contiguous() for t in (query, key, value))
         out = output[:n]
-        ends = attn_metadata.query_ends
+        ends = meta.query_ends
         if self.composed_reason() is not None:
             starts = [0, *ends[:-1]]
             for start, end in zip(starts, ends):
@@ -177,10 +123,10 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
                 out[rows] = composed.attend(query[rows], key[rows], value[rows], self.scale,
                                          pre_tokens=self.reach, next_tokens=self.reach,
                                          soft_cap=self.soft_cap)
-            return output
+            return
         band = {} if self.reach is None else {
-            "sparse_mode": 4, "atten_mask": self._band_mask(query.device),
-            "pre_tockens": self.reach, "next_tockens": self.reach}
+            "sparse_mode": 4, "pre_tockens": self.reach, "next_tockens": self.reach,
+            "atten_mask": causal_mask(query.device, torch.bool, limits.FA_MASK_SIZE)}
         for first in range(0, len(ends), limits.FA_TND_MAX_SEQUENCES):
             group = ends[first: first + limits.FA_TND_MAX_SEQUENCES]
             start = ends[first - 1] if first else 0
@@ -189,4 +135,3 @@ class AscendEncoderOnlyImpl(AttentionImpl[AscendEncoderMetadata]):
             out[rows] = kernels.fusion_attention(
                 query[rows], key[rows], value[rows], self.num_heads, "TND", scale=self.scale,
                 actual_seq_qlen=group_ends, actual_seq_kvlen=group_ends, **band)
-        return output

@@ -66,7 +66,6 @@ from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backend import (
-    AttentionBackend,
     AttentionCGSupport,
     AttentionType,
     CommonAttentionMetadata,
@@ -74,16 +73,14 @@ from vllm.v1.attention.backend import (
 )
 
 from ascend_patch.npu import kernels
-from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
 from ascend_patch.npu.attention import paths
+from ascend_patch.npu.attention.backend import AscendAttentionBackend, AscendMetadataBuilder
+from ascend_patch.npu.attention.base import causal_mask
 from ascend_patch.npu.attention.paths import FUSED_DTYPES, KERNEL_BLOCK_SIZE
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.kernels import composed, limits
 
 logger = logging.getLogger("vllm.ascend_patch")
-
-_MASK_SIZE = limits.CAUSAL_MASK_SIZE  # sparse_mode=3 reads this fixed-size "optimised" mask
-_masks: dict[torch.device, torch.Tensor] = {}
 
 
 def latent_planes(kv_cache: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,17 +93,6 @@ def latent_planes(kv_cache: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tens
     split = blocks * block_size * kv_lora_rank
     return (flat[:split].view(blocks, block_size, 1, kv_lora_rank),
             flat[split:].view(blocks, block_size, 1, width - kv_lora_rank))
-
-
-def _causal_mask(device: torch.device) -> torch.Tensor:
-    """The sparse_mode=3 mask, one per device for every layer (the reference kernel verifies a
-    mask's content once per tensor)."""
-    if device not in _masks:
-        # A normal tensor, not an inference-mode one, so kernels can cache checks on it.
-        with torch.inference_mode(False):
-            ones = torch.ones(_MASK_SIZE, _MASK_SIZE, dtype=torch.int8, device=device)
-            _masks[device] = ones.triu_(1)
-    return _masks[device]
 
 
 class AscendMLABackend(AscendAttentionBackend):
@@ -125,17 +111,10 @@ class AscendMLABackend(AscendAttentionBackend):
     def is_mla(cls) -> bool:
         return True
 
-    if hasattr(AttentionBackend, "get_kv_cache_shape"):  # seam: until vLLM 0.29
-
-        @staticmethod
-        def get_kv_cache_shape(
-            num_blocks: int,
-            block_size: int,
-            num_kv_heads: int,
-            head_size: int,
-            cache_dtype_str: str = "auto",
-        ) -> tuple[int, ...]:
-            return (num_blocks, block_size, head_size)
+    @classmethod
+    def kv_block_shape(cls, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        # One latent + rope vector per token, read as two planes (latent_planes).
+        return (block_size, head_size)
 
 
 @dataclass
@@ -580,7 +559,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
                     num_key_value_heads=1, scale=self.scale, input_layout="BNSD",
                     block_size=block_size)
         if rows > 1:  # each row sees the keys up to its own token (rightDownCausal)
-            call.update(atten_mask=_causal_mask(query.device), sparse_mode=3)
+            call.update(atten_mask=causal_mask(query.device), sparse_mode=3)
 
         def issue(params: AscendMLAMetadata, workspace) -> None:
             kernels.fused_infer_attention_score_mla_decode(
@@ -640,7 +619,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         query, key, value = (_pad_heads(x, padded).to(torch.bfloat16).contiguous()
                              for x in (q, key, value))
         out, lse = kernels.fused_infer_attention_score_mla(
-            query, key, value, atten_mask=_causal_mask(q.device) if launch.causal else None,
+            query, key, value, atten_mask=causal_mask(q.device) if launch.causal else None,
             actual_seq_lengths=launch.query_ends, actual_seq_lengths_kv=launch.kv_ends,
             num_heads=padded, num_key_value_heads=padded, scale=self.scale, input_layout="TND",
             sparse_mode=3 if launch.causal else 0, softmax_lse_flag=with_lse,

@@ -9,5 +9,5 @@ The emulated NPU graph (``ASCEND_PATCH=emulate``), which records the device work
 replays exactly that work so graph-mode bugs fail off-hardware, is
 :mod:`ascend_patch.npu.emulation.graph`.
 
-Docs: README.md, "Graph mode (ACL graphs)".
+Docs: docs/graph-mode.md, "Graph mode (ACL graphs)".
 """

@@ -6,7 +6,7 @@ torch; FULL_DECODE_ONLY ACL graphs where they are proven, else off with the reas
 the NPU can hold (:func:`settle_graph_mode`). The wrapper that captures and replays is
 :mod:`.acl_graph`.
 
-Docs: README.md, "Graph mode (ACL graphs)".
+Docs: docs/graph-mode.md, "Graph mode (ACL graphs)".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Device collectives on the NPU (HCCL, or gloo when emulated), and which parallel configurations
 the NPU path serves (:func:`check_config`).
 
-Docs: README.md, "Multi-device and multi-node".
+Docs: docs/distributed.md, "Multi-device and multi-node".
 """
 
 # vLLM's all-gather/reduce-scatter expert all-to-all (its config turns ``naive`` into it).

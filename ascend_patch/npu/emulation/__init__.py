@@ -7,5 +7,5 @@
 Nothing on the hardware path imports it. The reference kernels, the seam's executable contract
 that the emulated platform runs, live beside the seam (:mod:`ascend_patch.npu.kernels.reference`).
 
-Docs: README.md, "Modes".
+Docs: docs/reference.md, "Modes".
 """

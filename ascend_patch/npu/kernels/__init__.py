@@ -14,7 +14,7 @@ and :func:`swapped` wraps every op for the length of a block (:func:`count_launc
 per-call dispatch. Call them through the module (``kernels.rms_norm(...)``): a name imported with
 ``from ascend_patch.npu.kernels import rms_norm`` keeps whatever backend was active at import time.
 
-Docs: README.md, "Modes" and "What the overlay does on the NPU".
+Docs: docs/reference.md, "Modes"; docs/design.md, "What the overlay does on the NPU".
 """
 
 import collections

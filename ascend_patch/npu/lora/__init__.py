@@ -1,7 +1,7 @@
 """LoRA adapters on the NPU path: the punica wrapper vLLM's LoRA layers call (:mod:`.punica`),
 the MoE experts' LoRA (:mod:`.moe`), and which LoRA configurations are served (:func:`check_config`).
 
-Docs: README.md, "What the overlay does on the NPU".
+Docs: docs/design.md, "What the overlay does on the NPU".
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Registered two ways, both sanctioned by vLLM:
 Nothing here can fall back to vLLM's CUDA/CPU ``_C`` kernels: a disabled custom op
 runs ``forward_native``, which is plain torch.
 
-Docs: README.md, "What the overlay does on the NPU".
+Docs: docs/design.md, "What the overlay does on the NPU".
 """
 
 from vllm.model_executor.custom_op import CustomOp

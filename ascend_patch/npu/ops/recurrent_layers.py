@@ -3,7 +3,7 @@ where, and how, settled at start-up (:func:`check_config`). The composed path th
 :mod:`ascend_patch.npu.ops.recurrent`; its declarations are ``patches/recurrent.py``, and a
 release serves them where the active patch set installs them there.
 
-Docs: README.md, "Recurrent layers (Mamba-2, gated DeltaNet)".
+Docs: docs/design.md, "Recurrent layers (Mamba-2, gated DeltaNet)".
 """
 
 from __future__ import annotations

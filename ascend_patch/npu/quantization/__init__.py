@@ -17,7 +17,7 @@ declares them):
 
 The W8A8 math both share is :mod:`.w8a8`; the load-time checks, :mod:`.checkpoint`.
 
-Docs: README.md, "What the overlay does on the NPU".
+Docs: docs/design.md, "What the overlay does on the NPU".
 """
 
 from __future__ import annotations

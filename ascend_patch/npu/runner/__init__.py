@@ -9,7 +9,7 @@ are shared. Which generation runs is not derived here: the active patch set decl
 (:data:`ascend_patch.release.runner`). Outside this room no module imports
 ``vllm.v1.worker`` (``scripts/import_graph.py`` checks it).
 
-Docs: README.md, "Repository layout".
+Docs: docs/contributing.md, "Repository layout".
 """
 
 from __future__ import annotations

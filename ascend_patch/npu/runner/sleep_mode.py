@@ -16,7 +16,7 @@ the storages themselves instead:
   the attention layers' cache views and vLLM's KV-cache tensors stay bound; their device addresses
   change, so the captured graphs are dropped at sleep and captured again once everything is awake.
 
-Docs: README.md, "Sleep mode".
+Docs: docs/distributed.md, "Sleep mode".
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ It overrides only what is device-specific:
 Everything else — scheduling glue, input preparation, sampling, KV-cache
 binding, memory profiling — is vLLM's code.
 
-Docs: README.md, "Repository layout" and "Sleep mode".
+Docs: docs/contributing.md, "Repository layout"; docs/distributed.md, "Sleep mode".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ vLLM builds the drafter (n-gram, draft model, EAGLE, MTP) and the rejection samp
 NPU implementations of the Triton kernels on that path belong to a runner generation
 (:mod:`ascend_patch.npu.runner.v1.spec_decode`).
 
-Docs: README.md, "What the overlay does on the NPU".
+Docs: docs/design.md, "What the overlay does on the NPU".
 """
 
 from ascend_patch.npu.spec_decode import config

@@ -34,7 +34,7 @@ storages the connector holds); a KV block size other than the kernel's 128; vLLM
 the others are not verified); every other connector vLLM ships (CUDA transports, or not
 verified on Ascend).
 
-Docs: README.md, "Disaggregated prefill (KV connectors)" and "KV offload to host memory".
+Docs: docs/distributed.md, "Disaggregated prefill (KV connectors)" and "KV offload to host memory".
 """
 
 from __future__ import annotations

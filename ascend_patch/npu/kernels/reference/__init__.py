@@ -10,7 +10,7 @@ One module per area: :mod:`.attention` (the KV-cache write, fused and paged atte
 copies between device and host) and :mod:`.recurrent` (the gated delta rule's decode); this
 package's namespace is the backend.
 
-Docs: README.md, "Modes" (the emulated NPU).
+Docs: docs/reference.md, "Modes".
 """
 
 from .attention import (

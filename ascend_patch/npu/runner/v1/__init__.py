@@ -3,5 +3,5 @@ slot mapping of its block table (:mod:`.slot_mapping`), the sampler hooks (:mod:
 the NPU implementations of its speculative-decoding Triton kernels (:mod:`.spec_decode`).
 Declared in ``patches/runner_v1.py``.
 
-Docs: README.md, "Repository layout".
+Docs: docs/contributing.md, "Repository layout".
 """
