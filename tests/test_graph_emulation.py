@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
 
 from ascend_patch.npu import device, kernels
 from ascend_patch.npu.compilation import acl_graph
@@ -263,11 +265,24 @@ def test_graphs_sharing_a_pool_hold_the_largest_graphs_memory():
 
 def test_sampled_sizes_keep_the_smallest_and_largest_evenly():
     sizes = [1, 2, 4, *range(8, 257, 8)]
-    kept = sample_sizes(sizes, 6)
-    step = (len(sizes) - 1) / 5
-    assert kept == [sizes[round(i * step)] for i in range(6)]
-    assert kept[0] == 1 and kept[-1] == 256
+    # 35 sizes, 34 gaps in 5 steps of 6.8: indices 0, 7, 14, 20, 27, 34 (worked out by hand)
+    assert sample_sizes(sizes, 6) == [1, 40, 96, 144, 200, 256]
+    assert sample_sizes(sizes, 1) == [256]
     assert sample_sizes(sizes, 100) == sizes
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(2, 60), data=st.data())
+def test_sampled_sizes_are_spread_evenly(count, data):
+    """Evenly: ``keep`` sizes whose positions in the list step by the same count, give or take
+    one (the steps round (count - 1) / (keep - 1)), from the first to the last."""
+    sizes = sorted(data.draw(st.sets(st.integers(1, 1024), min_size=count, max_size=count)))
+    keep = data.draw(st.integers(2, count))
+    kept = sample_sizes(sizes, keep)
+    positions = [sizes.index(size) for size in kept]
+    assert len(kept) == keep and positions[0] == 0 and positions[-1] == count - 1
+    step = (count - 1) / (keep - 1)
+    assert {b - a for a, b in zip(positions, positions[1:])} <= {math.floor(step), math.ceil(step)}
 
 
 _STREAM_BUDGET = """

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
-import os
 import textwrap
 import tokenize
 from importlib.metadata import entry_points, version
@@ -523,21 +522,33 @@ def test_loaded_too_late_refuses(tmp_path):
     """A process whose platform was resolved before the overlay loaded (no .pth) must
     not swap platforms under modules that already hold the stock one; emulate was asked
     for, so that is a refusal, not a silent stock vLLM."""
-    proc = run_python(
+    result = run_json(
         """
         import json
-        from vllm.platforms import current_platform   # resolved stock: ASCEND_PATCH=off here
         import os
+        from vllm.platforms import current_platform   # resolved stock: ASCEND_PATCH=off here
+        import vllm.platforms
         os.environ["ASCEND_PATCH"] = "emulate"
         from ascend_patch.overlay import loader
+        from ascend_patch.overlay.registry import REGISTRY
+
+        def settings():  # what the overlay would force, and the mode the user asked for
+            return {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "ASCEND_PATCH"))}
+
+        before = settings()
         try:
             loader.activate("test")
         except loader.AscendPatchError as exc:
-            print(json.dumps(str(exc).splitlines()))
+            refusal = str(exc).splitlines()
+        print(json.dumps({"refusal": refusal, "before": before, "after": settings(),
+                          "changed": REGISTRY.applied_targets(),
+                          "platform": type(vllm.platforms._current_platform).__name__}))
         """,
         env=clean_env(ASCEND_PATCH="off"),
     )
-    cause, fix, _ = json.loads(proc.stdout.splitlines()[-1])
+    cause, fix, _ = result["refusal"]
     assert "already resolved its platform to UnspecifiedPlatform" in cause
     assert "install ascend-patch with pip" in fix
-    assert os.environ.get("ASCEND_PATCH") is None
+    # What the refused process itself holds afterwards: nothing forced, nothing changed.
+    assert result["after"] == result["before"] and result["before"]["ASCEND_PATCH"] == "emulate"
+    assert result["changed"] == [] and result["platform"] == "UnspecifiedPlatform"

@@ -170,8 +170,9 @@ def test_a_reference_kernel_allocates_only_its_outputs_on_the_emulated_device():
     with runtime.track_activations():
         out = kernels.quant_matmul(x1, x2, scale, output_dtype=torch.bfloat16)
     assert runtime._memory_stats()["allocated_bytes.all.peak"] == out.numel() * 2
-    torch.testing.assert_close(out, kernels.quant_matmul(x1, x2, scale,
-                                                         output_dtype=torch.bfloat16))
+    # Exact integer products, scaled per column; the op rounds through fp32 to bf16: one bf16 step.
+    expected = ((x1.long() @ x2.long()).double() * scale.double()).to(torch.bfloat16)
+    torch.testing.assert_close(out.double(), expected.double(), atol=0, rtol=2**-7)
 
 
 # --- the sampler's top-k/top-p filter ---------------------------------------------------------

@@ -74,12 +74,13 @@ def test_the_oracle_sees_the_image(model, prompts):
     assert first != other
 
 
-# --- M-RoPE (the Qwen VL decoders' rotary) on npu_mrope, against vLLM's own forward_native ----------
+# --- M-RoPE (the Qwen VL decoders' rotary) on npu_mrope, against M-RoPE written out here -----------
 
 # (sections, interleaved, head size): Qwen2-VL / Qwen2.5-VL, a smaller documented section, Qwen3-VL.
 MROPE_LAYERS = {"qwen2.5-vl": ([16, 24, 24], False, 128), "sections-8-12-12": ([8, 12, 12], False, 64),
                 "qwen3-vl": ([24, 20, 20], True, 128)}
 MROPE_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # bf16: vLLM rounds per op, the kernel once
+MROPE_BASE = 1000000.0
 
 
 def _mrope_layer(cls, sections, interleaved, head_size, dtype):
@@ -87,8 +88,34 @@ def _mrope_layer(cls, sections, interleaved, head_size, dtype):
 
     # vLLM's CustomOp layers read the current config when built; this machine has no accelerator.
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        return cls(head_size, head_size, 1024, 1000000.0, True, dtype, mrope_section=sections,
+        return cls(head_size, head_size, 1024, MROPE_BASE, True, dtype, mrope_section=sections,
                    mrope_interleaved=interleaved)
+
+
+def _mrope_oracle(positions, x, sections, interleaved, head_size):
+    """M-RoPE written out per frequency (NeoX halves, the rotary over the whole head): frequency
+    ``j`` turns the pair ``(j, j + head_size / 2)`` of every head by ``p * base^(-2j / head_size)``
+    (angle in fp32, as the models compute it), ``p`` the temporal, height or width position its
+    section gives (interleaved, Qwen3-VL: height for j = 1 mod 3 below 3 x its section, width for
+    j = 2 mod 3 below 3 x its, else temporal); ``[T]`` positions turn every frequency."""
+    import torch
+
+    half = head_size // 2
+    if positions.dim() == 1:
+        rows = [0] * half
+        positions = positions[None]
+    elif interleaved:
+        rows = [1 if j % 3 == 1 and j < 3 * sections[1] else 2 if j % 3 == 2 and j < 3 * sections[2]
+                else 0 for j in range(half)]
+    else:
+        rows = [row for row, size in enumerate(sections) for _ in range(size)]
+    inv_freq = 1.0 / MROPE_BASE ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size)
+    angle = positions[rows, :].T.float() * inv_freq  # [T, half]: token t, frequency j
+    cos, sin = angle.cos().double()[:, None], angle.sin().double()[:, None]
+    heads = x.view(x.shape[0], -1, head_size).double()
+    first, second = heads[..., :half], heads[..., half:]
+    turned = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return turned.reshape(x.shape)
 
 
 def _mrope_inputs(head_size, dtype, rows, tokens=9, heads=4, kv_heads=2):
@@ -107,11 +134,12 @@ def _mrope_inputs(head_size, dtype, rows, tokens=9, heads=4, kv_heads=2):
 @pytest.mark.parametrize("rows", [3, 1])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layer", MROPE_LAYERS, ids=MROPE_LAYERS)
-def test_mrotary_embedding_on_npu_mrope_equals_vllm_native(layer, dtype, rows, reference_kernels):
-    """The registered MRotaryEmbedding against vLLM's own forward_native: one npu_mrope launch for
-    query and key, its mrope mode with the layer's sections for ``[3, T]`` positions and its RoPE
-    mode for ``[T]``; Qwen3-VL's interleaved sections, which the seam's cache_mode cannot lay out,
-    run vLLM's native torch for ``[3, T]`` (no launch) and say why."""
+def test_mrotary_embedding_on_npu_mrope_follows_mrope_written_out(layer, dtype, rows, reference_kernels):
+    """The registered MRotaryEmbedding, and vLLM's own forward_native, against M-RoPE written out
+    here: one npu_mrope launch for query and key, its mrope mode with the layer's sections for
+    ``[3, T]`` positions and its RoPE mode for ``[T]``; Qwen3-VL's interleaved sections, which the
+    seam's cache_mode cannot lay out, run vLLM's native torch for ``[3, T]`` (no launch) and say
+    why."""
     import torch
     from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding
 
@@ -123,14 +151,16 @@ def test_mrotary_embedding_on_npu_mrope_equals_vllm_native(layer, dtype, rows, r
     vllm_rope = _mrope_layer(MRotaryEmbedding, sections, interleaved, head_size, dtype)
     ours = _mrope_layer(AscendMRotaryEmbedding, sections, interleaved, head_size, dtype)
     positions, query, key = _mrope_inputs(head_size, dtype, rows)
-    expected = vllm_rope.forward_native(positions, query.clone(), key.clone())
+    expected = [_mrope_oracle(positions, x, sections, interleaved, head_size) for x in (query, key)]
+    native = vllm_rope.forward_native(positions, query.clone(), key.clone())
 
     with kernels.record_calls() as records:
         got = ours.forward_oot(positions, query, key)
     tolerance = MROPE_TOLERANCE[str(dtype).removeprefix("torch.")]
-    for result, want in zip(got, expected):
-        assert result.shape == want.shape
-        torch.testing.assert_close(result.float(), want.float(), atol=tolerance, rtol=tolerance)
+    for result, vllms, want in zip(got, native, expected):
+        assert result.shape == vllms.shape == want.shape
+        torch.testing.assert_close(result.double(), want, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(vllms.double(), want, atol=tolerance, rtol=tolerance)
     calls = [(call["op"], call["args"]["tuple"]) for call in records.values()]
     if interleaved and rows == 3:
         assert calls == [] and "cache_mode 'interleave'" in ours.native_reason()

@@ -8,10 +8,11 @@ and most must be exactly the oracle's best. Two tolerances, as the engine tests 
 - :func:`precision_tracking`: relative to what the dtype alone does, i.e. twice HF's own
   largest logit error in that dtype on the same sequence (the best and the chosen logit may
   both move), and the share of exact tokens at least HF's own share in that dtype, less 5 points;
-- :func:`logit_tracking`: bf16 rounding of the best logit (5 % of its magnitude + 1), against
-  one oracle or several (HF fp32, HF in the model dtype, a dequantised model), with a share of
-  exact tokens; for routed (MoE) models 1 token in 20 may miss every oracle, since a rounding
-  can flip a router's near-tie, a discrete change no logit tolerance bounds.
+- :func:`logit_tracking`: the drift of the best logit measured on bf16 engines
+  (:data:`LOGIT_DRIFT`, 5 % of its magnitude), against one oracle or several (HF fp32, HF in
+  the model dtype, a dequantised model), with a share of exact tokens; for routed (MoE) models
+  1 token in 20 may miss every oracle, since a rounding can flip a router's near-tie, a
+  discrete change no logit tolerance bounds.
 
 Each returns a :class:`Tracking` with the verdict, a one-line message and the numbers (tokens,
 exact tokens, the worst gap in logits — equal to the gap in log-probabilities — and its
@@ -135,11 +136,21 @@ def precision_tracking(model_dir: Path, prompts: list[list[int]], tokens: list[l
                           f"{hf_hits}/{total}), worst gap {worst[1]:.3f} <= {worst[2]:.3f}", numbers)
 
 
+LOGIT_DRIFT = 0.05
+"""How far below an oracle's best logit, as a share of that logit's magnitude, the logit of a
+token a bf16 engine chose may lie. Measured on vLLM 0.33.0 (emulated, 2026-12-05) over the 2,673
+tokens the engine tests and ``ascend-patch verify`` score with :func:`logit_tracking`: at most
+4.35 % (one token of the bf16 KV-offload run beside decode graphs), next 2.96 % (W8A8 MoE in
+bf16), 2.88 % (W8A8 in bf16) and 2.5 % (Mistral's windowed layers in bf16). It is what a bf16
+forward pass accumulates, far more than bf16's rounding of the logit itself (8 significant bits,
+0.4 %)."""
+
+
 def logit_tracking(oracles: list[list], prompts: list[list[int]], generated: list[list[int]],
                    min_exact: float = 0.9, routed: bool = False) -> Tracking:
     """Every token the engine chose is, for at least one oracle (per oracle: the next-token
-    logits at every position of each prompt + generated sequence), its argmax or within bf16
-    rounding of it (8 significant bits of the top logit), and at least ``min_exact`` of the
+    logits at every position of each prompt + generated sequence), its argmax or short of it by
+    at most :data:`LOGIT_DRIFT` of the top logit's magnitude, and at least ``min_exact`` of the
     tokens are an oracle's argmax. ``routed``: at most 1 token in 20 may miss every oracle."""
     exact = total = 0
     misses, worst = [], (-1.0, 0.0, 0.0)  # (gap / tolerance, gap, tolerance) of the closest oracle
@@ -149,8 +160,9 @@ def logit_tracking(oracles: list[list], prompts: list[list[int]], generated: lis
             scored = []
             for row in rows:
                 best = float(row.max())
-                gap, tolerance = best - float(row[token]), 0.05 * (abs(best) + 1)
-                scored.append((gap / tolerance, gap, tolerance))
+                gap, tolerance = best - float(row[token]), LOGIT_DRIFT * abs(best)
+                ratio = gap / tolerance if tolerance else (0.0 if gap == 0 else float("inf"))
+                scored.append((ratio, gap, tolerance))
             closest = min(scored)
             worst = max(worst, closest)
             if closest[0] > 1:
@@ -162,13 +174,13 @@ def logit_tracking(oracles: list[list], prompts: list[list[int]], generated: lis
                "allowed_beyond_tolerance": allowed, "worst_gap": round(worst[1], 4),
                "worst_gap_tolerance": round(worst[2], 4)}
     if len(misses) > allowed:
-        return Tracking(False, f"{len(misses)} of {total} tokens beyond bf16 rounding: {misses}", numbers)
+        return Tracking(False, f"{len(misses)} of {total} tokens beyond the bf16 drift: {misses}", numbers)
     if not total or exact / total < min_exact:
         return Tracking(False, f"{exact}/{total} tokens are an oracle's argmax", numbers)
     return Tracking(True, f"{exact}/{total} tokens are an oracle's argmax, {len(misses)} beyond "
-                          f"rounding (allowed {allowed}), worst gap {worst[1]:.3f} <= {worst[2]:.3f}"
+                          f"the drift (allowed {allowed}), worst gap {worst[1]:.3f} <= {worst[2]:.3f}"
                           if not misses else f"{exact}/{total} tokens are an oracle's argmax, "
-                          f"{len(misses)} beyond rounding (allowed {allowed})", numbers)
+                          f"{len(misses)} beyond the drift (allowed {allowed})", numbers)
 
 
 def hf_logit_tracking(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
@@ -278,3 +290,29 @@ def dequantized_logits(float_dir: Path, checkpoint: Path, sequences, dtype=torch
              layers.items()}, prefix), block)
     with torch.no_grad():
         return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+
+
+def quantised_not_float(quantised: list[list], floats: list[list], prompts: list[list[int]],
+                        logprobs: list[list[list]]) -> Tracking:
+    """An engine's log-probabilities (per prompt, per generated position, its top-k as
+    ``[token, logprob, ...]``) lie nearer, on average, the quantised model's than the float
+    model's; each model given as oracles like :func:`logit_tracking`'s (e.g. fp32 and the
+    engine's dtype), the closest one counting for each value. The token checks cannot tell the
+    two apart on a model whose argmaxes quantisation barely moves; its log-probabilities it moves
+    everywhere (by about 0.2 on the tiny models, mean over the top 5)."""
+    def mean_distance(oracles):
+        rows = [[logits.float().log_softmax(-1) for logits in oracle] for oracle in oracles]
+        distances = [min(abs(value - float(oracle[n][len(prompt) - 1 + i, token])) for oracle in rows)
+                     for n, (prompt, positions) in enumerate(zip(prompts, logprobs))
+                     for i, top in enumerate(positions) for token, value, *_ in top]
+        return sum(distances) / len(distances), len(distances)
+
+    if not any(logprobs):
+        return Tracking(False, "no log-probabilities were reported")
+    (to_quantised, count), (to_float, _) = mean_distance(quantised), mean_distance(floats)
+    numbers = {"logprobs": count, "mean_to_quantised": round(to_quantised, 4),
+               "mean_to_float": round(to_float, 4)}
+    nearer = to_quantised < to_float
+    return Tracking(nearer, f"{count} log-probabilities {'' if nearer else 'not '}nearer the quantised "
+                            f"model's (mean distance {to_quantised:.4f}) than the float model's "
+                            f"({to_float:.4f})", numbers)

@@ -71,7 +71,7 @@ def assert_greedy_equals_hf(engine: dict, model_dir: Path, prompts: list[list[in
 def assert_tracks_hf_logits(model_dir: Path, prompts: list[list[int]], generated: list[list[int]],
                             min_exact: float = 0.9, routed: bool = False,
                             bf16_oracle: bool = False) -> None:
-    """Reduced-precision greedy output tracks the fp32 HF oracle within bf16 rounding
+    """Reduced-precision greedy output tracks the fp32 HF oracle within the measured bf16 drift
     (:func:`ascend_patch.kit.oracle.hf_logit_tracking`, which says why ``routed`` and
     ``bf16_oracle`` admit HF bf16 as a second oracle). The expert path's own bf16 numerics,
     routing held fixed, are checked tightly in tests/kernels/test_moe_ops.py."""

@@ -40,6 +40,9 @@ from tests.helpers.attention import (
 
 LATENT, ROPE, NOPE = 512, 64, 128
 BF16 = torch.bfloat16
+# The prefill's K and V, up-projected from the latent in bf16 by the backend and in fp32 by the
+# oracle: measured (2026-12-05) up to 1.0e-2 beyond 2^-7 of the oracle; about twice that.
+UP_PROJECTED = {"atol": 2e-2, "rtol": 2**-7}
 
 
 def latent_sequences(kv_lens, dtype, generator):
@@ -211,7 +214,7 @@ def test_up_projected_prefill_from_the_cache(batch, heads, dtype, budget, seed):
     assert (len(prefill.launches) > 1) == (budget < sum(seq_lens) and seq_lens != q_lens)
     for actual, expected in results:
         if fused:  # bf16 attention, whatever the model's half dtype
-            assert_close(actual, expected, BF16)
+            torch.testing.assert_close(actual.float(), expected, **UP_PROJECTED)
         else:
             torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
@@ -225,7 +228,7 @@ def test_prefill_of_other_head_dims_runs_composed():
         results, _ = run_prefill(impl, weight, [5, 30], [5, 170], BF16, 4096, generator)
     assert not launches
     for actual, expected in results:
-        assert_close(actual, expected, BF16)
+        torch.testing.assert_close(actual.float(), expected, **UP_PROJECTED)
 
 
 @settings(max_examples=15, deadline=None)

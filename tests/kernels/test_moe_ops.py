@@ -14,14 +14,18 @@ from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grou
 from ascend_patch.npu import kernels
 from ascend_patch.npu.kernels import KernelContractError
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# The oracles round to the op's dtype once; a kernel summing in another order may land one rounding
+# step of that dtype away (2^-7 of the value in bf16, 2^-10 in fp16; atol: fp16's subnormal step).
+# Measured (2026-12-05, this file's Hypothesis draws): bf16 equal to the rounded oracle in all 73
+# comparisons, fp16 within 1e-4 of the value.
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-7, "rtol": 2**-7},
+             torch.float16: {"atol": 1e-7, "rtol": 2**-10}}
 float_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 seeds = st.integers(0, 2**31 - 1)
 
 
 def assert_close(actual, expected, dtype=None):
-    tol = TOLERANCE[dtype or expected.dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype or expected.dtype])
 
 
 def grid_logits(generator, shape, dtype, steps):
