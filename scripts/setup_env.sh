@@ -13,7 +13,9 @@ VENV="${1:-$ROOT/.venv}"
 REQUIREMENTS="${ASCEND_PATCH_REQUIREMENTS:-$ROOT/requirements/test-vllm-0.33.0.txt}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.ascend-patch-stamp"
-want="$(sha256sum "$REQUIREMENTS" "$ROOT/pyproject.toml" "$ROOT/setup.py" | sha256sum | cut -c1-16)"
+# The installed .pth is a copy of the checkout's: a change to it must reinstall.
+want="$(sha256sum "$REQUIREMENTS" "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/ascend_patch/a1_ascend_patch.pth" \
+        | sha256sum | cut -c1-16)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     echo "setup_env: $VENV is up to date"
