@@ -68,6 +68,12 @@ class AscendExampleConnector(ExampleConnector):
                                for name, kv_cache in kv_caches.items()
                                if kv_cache.data_ptr() in regions}
 
+    def shutdown(self) -> None:
+        # Let go of the MLA caches with the engine: a worker-side connector can outlive it (on
+        # Model Runner V2 the next engine in the process found them still charged to the device).
+        self._latent_layers = {}
+        super().shutdown()
+
     def _rows(self, layer_name: str, kv_layer):
         if layer_name not in self._latent_layers:
             return kv_layer
