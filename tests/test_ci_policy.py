@@ -1,6 +1,6 @@
 """The CI run's policies (tests/helpers/ci.py), each in a pytest run of its own on a sample file:
 under ``CI=true`` a skip the run did not choose fails, a chosen one stays a skip; outside CI
-every skip stays one."""
+every skip stays one; and Hypothesis draws the same examples on every CI run."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tests.helpers.process import ROOT, clean_env
 
 SAMPLE = '''
 import pytest
+from hypothesis import given, settings, strategies as st
 
 
 def test_unreachable_index():
@@ -42,6 +43,11 @@ def test_expected_failure():
 def test_runs():
     pass
 
+
+@settings(max_examples=5)
+@given(st.integers())
+def test_draws(value):
+    print("drawn", value)
 '''
 
 
@@ -51,8 +57,9 @@ def _run(tmp_path, ci: str) -> tuple[dict[str, str], str]:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / f"report-{ci or 'none'}.xml"
     env = clean_env(CI=ci, PYTHONPATH=str(ROOT))
+    env.pop("HYPOTHESIS_PROFILE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.helpers.ci", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-p", "tests.helpers.ci", "-p", "no:cacheprovider", "-s",
          f"--junitxml={report}", "--rootdir", str(tmp_path), "-c", str(tmp_path / "pytest.ini"),
          "test_sample.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     outcomes = {}
@@ -64,7 +71,7 @@ def _run(tmp_path, ci: str) -> tuple[dict[str, str], str]:
 
 OUTSIDE_CI = {"test_unreachable_index": "skipped", "test_unchosen_mark": "skipped",
               "test_chosen_mark": "skipped", "test_chosen_in_the_body": "skipped",
-              "test_expected_failure": "skipped", "test_runs": "passed"}
+              "test_expected_failure": "skipped", "test_runs": "passed", "test_draws": "passed"}
 
 
 @pytest.mark.parametrize("ci", ["true", "1"])
@@ -79,3 +86,10 @@ def test_under_ci_a_skip_the_run_did_not_choose_fails(tmp_path, ci):
 def test_outside_ci_every_skip_stays_a_skip(tmp_path, ci):
     assert _run(tmp_path, ci)[0] == OUTSIDE_CI
 
+
+def test_hypothesis_draws_the_same_examples_on_every_ci_run(tmp_path):
+    def drawn(ci):
+        return [line for line in _run(tmp_path, ci)[1].splitlines() if line.startswith("drawn")]
+
+    first = drawn("true")
+    assert len(first) > 1 and drawn("true") == first

@@ -1,5 +1,5 @@
-"""The CI run's policies (``CI=true``; .ci/run sets it): every skip is one the run chose. A
-pytest plugin (tests/conftest.py loads it).
+"""The CI run's policies (``CI=true``; .ci/run sets it): every skip is one the run chose, and
+Hypothesis draws the same examples every run. A pytest plugin (tests/conftest.py loads it).
 
 A skip nobody chose passes silently: the suite goes green while a claim went unchecked (a
 network test skipping because PyPI is down, a fixture skipping on a missing file). Under CI a
@@ -9,7 +9,10 @@ skip, so a laptop without network can still run the suite.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.helpers.process import under_ci
 
@@ -28,6 +31,15 @@ CHOSEN_SKIPS = {
 
 def unchosen_skip(reason: str) -> bool:
     return not any(chosen in reason for chosen in CHOSEN_SKIPS)
+
+
+# Hypothesis: in CI each test draws the examples its own source seeds (derandomize), so a red run
+# is reproduced by running the same test again, anywhere, with HYPOTHESIS_PROFILE=ci; elsewhere
+# each run draws new ones, and a failure prints the blob that replays it (@reproduce_failure).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if under_ci() else "dev"))
 
 
 @pytest.hookimpl(wrapper=True)
