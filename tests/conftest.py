@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ci import pytest_runtest_makereport  # noqa: F401 (the CI run's skip policy)
 from tests.helpers.engine import MODELS_DIR, installed_vllm_is_mrv2_only
 from tests.helpers.process import vllm_package_dir
 

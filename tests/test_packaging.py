@@ -222,13 +222,10 @@ def test_regular_install_runs_an_emulated_engine(regular_install, tiny_models, t
 # --- a fresh environment without vLLM -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bare_venv(tmp_path_factory, wheel) -> Path:
-    """A new environment with ascend-patch from the wheel and its own dependencies: no vLLM, no torch."""
-    venv = tmp_path_factory.mktemp("bare") / "venv"
+def _venv_with(wheel: Path, where: Path, deps: list[str]) -> Path:
+    """A new environment at ``where`` with ascend-patch from the wheel and ``deps``: no vLLM, no torch."""
+    venv = where / "venv"
     subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    pins = _pins()
-    deps = [f"{name}=={pins[name]}" for name in RUNTIME_DEPENDENCIES]
     subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel), *deps],
         check=True,
@@ -236,6 +233,14 @@ def bare_venv(tmp_path_factory, wheel) -> Path:
         timeout=600,
     )
     return venv
+
+
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory, wheel) -> Path:
+    """ascend-patch from the wheel with its own dependencies, shared by the tests that leave it as is."""
+    pins = _pins()
+    deps = [f"{name}=={pins[name]}" for name in RUNTIME_DEPENDENCIES]
+    return _venv_with(wheel, tmp_path_factory.mktemp("bare"), deps)
 
 
 def test_regular_install_runs_the_pth(bare_venv):
@@ -263,9 +268,12 @@ def test_no_vllm_installed(bare_venv):
     assert "vLLM is not installed" in emulate.stdout
 
 
-def test_uninstall_removes_the_pth_and_a_stale_copy_is_harmless(bare_venv):
-    python = str(bare_venv / "bin" / "python")
-    site = _site(bare_venv)
+def test_uninstall_removes_the_pth_and_a_stale_copy_is_harmless(wheel, tmp_path):
+    """In an environment of its own (uninstalling from the shared one would break the tests after
+    it); the .pth needs no dependency to be found and removed."""
+    venv = _venv_with(wheel, tmp_path, [])
+    python = str(venv / "bin" / "python")
+    site = _site(venv)
     subprocess.run([python, "-m", "pip", "uninstall", "-y", "ascend-patch"], check=True, capture_output=True)
     assert not (site / PTH).exists()
     (site / PTH).write_bytes((ROOT / "ascend_patch" / PTH).read_bytes())

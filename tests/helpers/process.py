@@ -83,13 +83,18 @@ def _pypi_problem() -> str | None:
     return None
 
 
+def under_ci() -> bool:
+    """Whether this is a CI run (``CI=true``, as .ci/run and most CI services set it)."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 def require_pypi(what: str) -> None:
     """Skip when PyPI cannot be reached, except in CI (``CI=true``), where the network is
     part of the contract and a silent skip would hide that a claim went unchecked."""
     problem = _pypi_problem()
     if problem is None:
         return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if under_ci():
         pytest.fail(f"{problem}: {what} needs it, and CI must not skip it")
     pytest.skip(f"{problem}: {what} needs it")
 
