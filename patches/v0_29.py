@@ -104,10 +104,6 @@ NEUTRAL_MANIFEST = [
          "the NPU offloading spec reads the host chunk count CPUOffloadingSpec sized under its name "
          "of the release (num_chunks from 0.30, num_blocks before)", since="0.30",
          implementation="ascend_patch.npu.distributed.kv_transfer.offload:NPUOffloadingSpec"),
-    Seam("vllm.v1.kv_offload.base:DevicePointers",
-         "the NPU offloading worker turns the device addresses vLLM resolves for a transfer from "
-         "0.34 back into block ids (block ids before)", since="0.34",
-         implementation="ascend_patch.npu.distributed.kv_transfer.offload:NPUOffloadingWorker"),
 ]
 
 MANIFEST = [*PATCHES, *NEUTRAL_MANIFEST, *runner_v1.SETTINGS, *runner_v1.SEAMS]

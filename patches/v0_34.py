@@ -8,7 +8,7 @@ allocation; less those limited to releases before 0.34) with Model Runner V2's
 (:mod:`ascend_patch.patches.runner_v2`) in place of the V1 runner's.
 """
 
-from ascend_patch.overlay.declarations import admits
+from ascend_patch.overlay.declarations import Seam, admits
 from ascend_patch.patches import graphs, runner_v2, v0_29
 
 RUNNER = "v2"
@@ -21,6 +21,13 @@ def _on_0_34(declarations) -> list:
 
 PATCHES = [*_on_0_34(v0_29.NEUTRAL), *runner_v2.RUNNER]
 
-MANIFEST = [*PATCHES, *_on_0_34(v0_29.NEUTRAL_MANIFEST), *runner_v2.GRAPH_DEVICE_API, *graphs.SEAMS]
+SEAMS = [
+    Seam("vllm.v1.kv_offload.base:DevicePointers",
+         "the NPU offloading worker turns the device addresses vLLM resolves for a transfer from "
+         "0.34 back into block ids (block ids before)", since="0.34",
+         implementation="ascend_patch.npu.distributed.kv_transfer.offload:NPUOffloadingWorker"),
+]
+
+MANIFEST = [*PATCHES, *_on_0_34(v0_29.NEUTRAL_MANIFEST), *runner_v2.GRAPH_DEVICE_API, *graphs.SEAMS, *SEAMS]
 """Everything the overlay changes or relies on for these releases: the loader verifies all of
 it before applying any, and ``doctor``, ``probe`` and ``docs/patches.md`` list it."""

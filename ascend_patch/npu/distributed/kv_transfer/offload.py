@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 import torch
+from vllm.v1.kv_offload import base as kv_offload_base
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     LoadStoreSpec,
@@ -138,7 +139,7 @@ class NPUOffloadingWorker(OffloadingWorker):
         ``GPULoadStoreSpec`` of block ids before vLLM 0.34; from 0.34 the addresses vLLM resolved
         from them (``DevicePointers``: per data ref, ``base + block * row stride``), turned back
         into the block ids, which every data ref must agree on."""
-        if not hasattr(device_side, "ptrs"):  # seam: DevicePointers from vLLM 0.34
+        if not hasattr(kv_offload_base, "DevicePointers"):  # seam: block ids before vLLM 0.34
             (count,), (first,) = device_side.group_sizes, device_side.block_indices
             return device_side.block_ids.astype(np.int64), count, first
         (count,), (first,) = device_side.group_block_counts, device_side.block_indices
