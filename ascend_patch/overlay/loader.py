@@ -283,45 +283,9 @@ def activate(trigger: str, vllm_install: versions.VllmInstall | None = None) -> 
             return None
         _activating = True
         try:
-            return _activate(trigger, vllm_install)
+            act = _apply(trigger, vllm_install)
         finally:
             _activating = False
-
-
-def _activate(trigger: str, vllm_install: versions.VllmInstall | None) -> Activation:
-    global _activation
-    with _lock:
-        act = plan(trigger, vllm_install)
-        if act.state is ActivationState.VERIFIED:
-            resolved = _platform_already_resolved()
-            if resolved is not None:
-                act = _deviation(
-                    act,
-                    f"vLLM already resolved its platform to {type(resolved).__name__} before "
-                    f"ascend-patch loaded (trigger: {trigger}); install ascend-patch with pip "
-                    "so its .pth runs at interpreter start",
-                    "install ascend-patch with pip into this environment (its .pth must run at "
-                    "interpreter start), or set ASCEND_PATCH=off",
-                )
-            else:
-                act.warnings += _overridden_settings(act)
-                scheduled = [d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))]
-                # the release facts first: a patch applied at once (torch's device API) reads them
-                entry = act.selection.entry
-                release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
-                release.patched = patched(scheduled)
-                release.mode = act.mode
-                release.runner = patch_set_runner(act.selection.patch_set.name)
-                REGISTRY.schedule(scheduled)
-                act.state = ActivationState.ACTIVE
-                act.reason = (
-                    f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
-                    f"NPU, patch set {act.selection.patch_set.name}, "
-                    f"{len(act.statuses)} targets verified"
-                )
-                release.activation_line = activation_line(act)
-        if act.deviation and asked_for(act):
-            raise AscendPatchError(refusal(act))
         _activation = act
     if act.active:
         _announce_if_logging_is_configured()
@@ -331,6 +295,43 @@ def _activate(trigger: str, vllm_install: versions.VllmInstall | None) -> Activa
         _logger().warning("ascend-patch: %s", act.reason)
     else:
         _debug(act.reason)
+    return act
+
+
+def _apply(trigger: str, vllm_install: versions.VllmInstall | None) -> Activation:
+    """:func:`plan`, then schedule its patches where it verified; a deviation in an asked-for
+    mode raises. Called by :func:`activate` under its lock."""
+    act = plan(trigger, vllm_install)
+    if act.state is ActivationState.VERIFIED:
+        resolved = _platform_already_resolved()
+        if resolved is not None:
+            act = _deviation(
+                act,
+                f"vLLM already resolved its platform to {type(resolved).__name__} before "
+                f"ascend-patch loaded (trigger: {trigger}); install ascend-patch with pip "
+                "so its .pth runs at interpreter start",
+                "install ascend-patch with pip into this environment (its .pth must run at "
+                "interpreter start), or set ASCEND_PATCH=off",
+            )
+        else:
+            act.warnings += _overridden_settings(act)
+            scheduled = [d for d in act.patches if act.mode in getattr(d, "modes", (act.mode,))]
+            # the release facts first: a patch applied at once (torch's device API) reads them
+            entry = act.selection.entry
+            release.proven_end_to_end = entry is not None and entry.status in matrix.RUN_END_TO_END
+            release.patched = patched(scheduled)
+            release.mode = act.mode
+            release.runner = patch_set_runner(act.selection.patch_set.name)
+            REGISTRY.schedule(scheduled)
+            act.state = ActivationState.ACTIVE
+            act.reason = (
+                f"vLLM {act.vllm.version} on {'emulated ' if act.mode == 'emulate' else ''}"
+                f"NPU, patch set {act.selection.patch_set.name}, "
+                f"{len(act.statuses)} targets verified"
+            )
+            release.activation_line = activation_line(act)
+    if act.deviation and asked_for(act):
+        raise AscendPatchError(refusal(act))
     return act
 
 

@@ -13,19 +13,6 @@ from tests.helpers import prefetch
 from tests.helpers.process import ROOT, clean_env
 
 
-def for_installed_vllm(declarations) -> list:
-    """The declarations of a patch set that apply to the installed vLLM (their own sub-range
-    admits it), as the loader selects them."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    from ascend_patch.overlay.declarations import applies_to
-
-    release = Version(Version(version("vllm")).base_version)
-    return [d for d in declarations if applies_to(d, release)]
-
-
 def installed_vllm_is_mrv2_only() -> bool:
     """Whether the installed vLLM has only Model Runner V2 (0.34+: the V1 runner is gone)."""
     from importlib.metadata import version

@@ -14,13 +14,18 @@ from ascend_patch.overlay.decision import load_patch_set
 from ascend_patch.overlay.declarations import applies_to
 
 
+def _selected(version: str) -> tuple[str, list]:
+    """The patch set the shipped matrix picks for vLLM ``version``, and its declarations that
+    apply to that release, as the loader selects them."""
+    table = matrix.load()
+    name = table.select(version).patch_set.name
+    return name, [d for d in load_patch_set(table, name) if applies_to(d, Version(version))]
+
+
 @contextlib.contextmanager
 def patched_as_on(version: str):
     """``release.patched`` as activation on vLLM ``version`` sets it, restored on exit."""
-    table = matrix.load()
-    declarations = [d for d in load_patch_set(table, table.select(version).patch_set.name)
-                    if applies_to(d, Version(version))]
-    saved, release.patched = release.patched, loader.patched(declarations)
+    saved, release.patched = release.patched, loader.patched(_selected(version)[1])
     try:
         yield
     finally:
@@ -69,9 +74,7 @@ def installed() -> Installed:
     from ascend_patch.overlay.decision import patch_set_runner
 
     version = Version(importlib.metadata.version("vllm")).base_version
-    table = matrix.load()
-    name = table.select(version).patch_set.name
-    release = Version(version)
-    manifest = [d for d in load_patch_set(table, name) if applies_to(d, release)]
-    patches = [d for d in importlib.import_module(f"ascend_patch.patches.{name}").PATCHES if applies_to(d, release)]
+    name, manifest = _selected(version)
+    patches = [d for d in importlib.import_module(f"ascend_patch.patches.{name}").PATCHES
+               if applies_to(d, Version(version))]
     return Installed(version, name, patch_set_runner(name).upper(), manifest, patches)

@@ -75,7 +75,7 @@ def graphs_off_by_default(vllm_config) -> str | None:
     (:func:`~ascend_patch.npu.attention.paths.verify_graph_refusal`)."""
     import vllm
 
-    from ascend_patch.npu.attention.paths import graph_decode_refusal, verify_graph_refusal
+    from ascend_patch.npu.attention.paths import graph_decode_refusal
     from ascend_patch.npu.ops.recurrent_layers import recurrent_layers
 
     ask = "; ask for it with -cc.cudagraph_mode=FULL_DECODE_ONLY"
@@ -92,7 +92,7 @@ def graphs_off_by_default(vllm_config) -> str | None:
     refusal = graph_decode_refusal(model_config, head_size)
     if refusal is not None:
         return f"{refusal}, which FULL ACL graphs cannot hold"
-    verify = verify_graph_refusal(vllm_config, head_size) or drafter_graph_refusal(vllm_config)
+    verify = _speculation_refusal(vllm_config, head_size)
     if verify is not None:
         return f"speculative decoding: {verify}"
     if not release.proven_end_to_end:
@@ -102,6 +102,14 @@ def graphs_off_by_default(vllm_config) -> str | None:
         return (f"head size {head_size}: the end-to-end suite proves graphs at head sizes "
                 f"{', '.join(map(str, GRAPH_PROVEN_HEAD_SIZES))}{ask}")
     return None
+
+
+def _speculation_refusal(vllm_config, head_size: int) -> str | None:
+    """Why FULL graphs cannot hold this engine's speculative decoding (its verification rows, or
+    its drafter's own graphs), or None."""
+    from ascend_patch.npu.attention.paths import verify_graph_refusal
+
+    return verify_graph_refusal(vllm_config, head_size) or drafter_graph_refusal(vllm_config)
 
 
 def drafter_graph_refusal(vllm_config) -> str | None:
@@ -128,7 +136,7 @@ def settle_graph_mode(vllm_config) -> None:
     """
     from vllm.config import CUDAGraphMode
 
-    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE, verify_graph_refusal
+    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
     from ascend_patch.npu.compilation import acl_graph
     from ascend_patch.npu.ops.recurrent_layers import recurrent_layers
 
@@ -148,8 +156,7 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs are not supported for models with recurrent "
                          "layers (their composed path reads sequence boundaries on the host): "
                          "run with --enforce-eager or -cc.cudagraph_mode=NONE")
-    verify = ((verify_graph_refusal(vllm_config, vllm_config.model_config.get_head_size())
-               or drafter_graph_refusal(vllm_config))
+    verify = (_speculation_refusal(vllm_config, vllm_config.model_config.get_head_size())
               if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None
               else None)
     if verify is not None:

@@ -43,6 +43,8 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from ascend_patch.npu import kernels
 
 SPEC_NAME = "NPUOffloadingSpec"
+RESOLVED_ADDRESSES = hasattr(kv_offload_base, "DevicePointers")  # seam: block ids before vLLM 0.34
+"""Whether vLLM hands the worker a transfer's device side as addresses (``DevicePointers``)."""
 
 
 class NPUOffloadingSpec(CPUOffloadingSpec):
@@ -116,12 +118,12 @@ class NPUOffloadingWorker(OffloadingWorker):
                                          device="cpu", pin_memory=pin_memory) for t in self.device_tensors]
         self._finished: list[TransferResult] = []
 
-    def submit_store(self, job_id: int, src_spec, dst_spec: LoadStoreSpec) -> bool:
-        pairs = self._pairs(src_spec, dst_spec.block_ids)
+    def submit_store(self, job_id: int, device_side, dst_spec: LoadStoreSpec) -> bool:
+        pairs = self._pairs(device_side, dst_spec.block_ids)
         return self._copy(job_id, self.device_tensors, self.host_tensors, pairs)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec, expedited: bool = False) -> bool:
-        pairs = self._pairs(dst_spec, src_spec.block_ids)[:, ::-1]
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, device_side, expedited: bool = False) -> bool:
+        pairs = self._pairs(device_side, src_spec.block_ids)[:, ::-1]
         return self._copy(job_id, self.host_tensors, self.device_tensors, pairs)
 
     def _pairs(self, device_side, chunk_ids: np.ndarray) -> np.ndarray:
@@ -139,13 +141,16 @@ class NPUOffloadingWorker(OffloadingWorker):
         ``GPULoadStoreSpec`` of block ids before vLLM 0.34; from 0.34 the addresses vLLM resolved
         from them (``DevicePointers``: per data ref, ``base + block * row stride``), turned back
         into the block ids, which every data ref must agree on."""
-        if not hasattr(kv_offload_base, "DevicePointers"):  # seam: block ids before vLLM 0.34
+        if not RESOLVED_ADDRESSES:
             (count,), (first,) = device_side.group_sizes, device_side.block_indices
             return device_side.block_ids.astype(np.int64), count, first
         (count,), (first,) = device_side.group_block_counts, device_side.block_indices
         ptrs = device_side.ptrs.astype(np.int64).reshape(len(self._ref_rows), count)
-        ids = [(ptrs[i] - row.data_ptr()) // row.stride(0) for i, row in enumerate(self._ref_rows)]
-        if any(not np.array_equal(ids[0], other) for other in ids[1:]) or (
+        # Read now, not at construction: sleep mode can give the caches new storage.
+        bases = np.array([[row.data_ptr()] for row in self._ref_rows], dtype=np.int64)
+        strides = np.array([[row.stride(0)] for row in self._ref_rows], dtype=np.int64)
+        ids = (ptrs - bases) // strides
+        if (ids != ids[0]).any() or (
                 count and not 0 <= ids[0].min() <= ids[0].max() < self._ref_rows[0].shape[0]):
             raise ValueError("KV offload: the device addresses vLLM resolved are not the same blocks "
                              "of every KV cache tensor")
