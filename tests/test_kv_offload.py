@@ -208,7 +208,20 @@ def _worker(blocks_per_chunk: int, num_chunks: int, blocks: int = 4):
     page = cache[0].numel() * cache.element_size()
     rows = torch.tensor([], dtype=torch.int8).set_(cache.untyped_storage(), 0, (blocks, page), (page, 1))
     caches = CanonicalKVCaches([CanonicalKVCacheTensor(rows, page)], [[CanonicalKVCacheRef(0, page)]])
-    return cache, NPUOffloadingWorker(caches, blocks_per_chunk, num_chunks, pin_memory=False)
+    return cache, caches, NPUOffloadingWorker(caches, blocks_per_chunk, num_chunks, pin_memory=False)
+
+
+def _handed(caches, block_ids: list[int], group_sizes: list[int], block_indices: list[int]):
+    """A transfer's device side as the installed vLLM hands it to the worker: from 0.34 the
+    addresses vLLM's own ``resolve_device_pointers`` makes of the block ids, before it the spec."""
+    from vllm.v1.kv_offload import base
+
+    spec = base.GPULoadStoreSpec(block_ids, group_sizes, block_indices)
+    if not hasattr(base, "DevicePointers"):
+        return spec
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+    return resolve_device_pointers(spec, caches)
 
 
 def _write(cache, block: int, key, value):
@@ -223,23 +236,22 @@ def test_a_block_goes_to_host_and_back_with_its_keys_and_values():
     """Device block 2, written through the attention kernels' views, is stored to host chunk 1 and
     loaded into device block 3: block 3 then reads, through the same views, block 2's keys and
     values, and no other block changes. A wrong block mapping (chunk 0) loads other bytes."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    cache, worker = _worker(blocks_per_chunk=1, num_chunks=2)
+    cache, caches, worker = _worker(blocks_per_chunk=1, num_chunks=2)
     generator = torch.Generator().manual_seed(0)
     key, value = (torch.randn(BLOCK, 2, 64, generator=generator) for _ in range(2))
     _write(cache, 2, key, value)
     _write(cache, 1, -key, -value)
-    assert worker.submit_store(7, GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([1]))
+    assert worker.submit_store(7, _handed(caches, [2], [1], [0]), CPULoadStoreSpec([1]))
     before = cache.clone()
-    assert worker.submit_load(8, CPULoadStoreSpec([1]), GPULoadStoreSpec([3], [1], [0]))
+    assert worker.submit_load(8, CPULoadStoreSpec([1]), _handed(caches, [3], [1], [0]))
     torch.testing.assert_close(cache[3, 0], key, rtol=0, atol=0)
     torch.testing.assert_close(cache[3, 1], value, rtol=0, atol=0)
     torch.testing.assert_close(cache[:3], before[:3], rtol=0, atol=0)
     assert [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()] == [
         (7, True, 2 * BLOCK * 2 * 64 * 4), (8, True, 2 * BLOCK * 2 * 64 * 4)]
-    worker.submit_load(9, CPULoadStoreSpec([0]), GPULoadStoreSpec([3], [1], [0]))
+    worker.submit_load(9, CPULoadStoreSpec([0]), _handed(caches, [3], [1], [0]))
     assert not torch.equal(cache[3, 0], key)
 
 
@@ -251,7 +263,7 @@ def test_an_mla_block_goes_to_host_and_back_with_its_latent_and_rope_rows():
     rows, and no other block changes. vLLM's row of block 2 holds neither (it is latent rows of
     blocks 2 and 3): a worker copying vLLM's rows moves other bytes."""
     from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec)
+        CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor)
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     from ascend_patch.npu.attention.mla import latent_planes
@@ -271,17 +283,17 @@ def test_an_mla_block_goes_to_host_and_back_with_its_latent_and_rope_rows():
     for block, sign in ((2, 1), (1, -1)):
         kernels.scatter_pa_kv_cache(sign * kv_c, sign * k_pe, latent, rope,
                                     torch.arange(block * BLOCK, (block + 1) * BLOCK))
-    assert worker.submit_store(7, GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([1]))
+    assert worker.submit_store(7, _handed(caches, [2], [1], [0]), CPULoadStoreSpec([1]))
     before = cache.clone()
-    assert worker.submit_load(8, CPULoadStoreSpec([1]), GPULoadStoreSpec([3], [1], [0]))
+    assert worker.submit_load(8, CPULoadStoreSpec([1]), _handed(caches, [3], [1], [0]))
     torch.testing.assert_close(latent[3], kv_c, rtol=0, atol=0)
     torch.testing.assert_close(rope[3], k_pe, rtol=0, atol=0)
     for plane, plane_before in zip((latent, rope), latent_planes(before, 512)):
         torch.testing.assert_close(plane[:3], plane_before[:3], rtol=0, atol=0)
     assert [r.transfer_size for r in worker.get_finished()] == [page, page]
     rows_only = NPUOffloadingWorker(caches, 1, 2, pin_memory=False)  # vLLM's rows, not the planes
-    rows_only.submit_store(9, GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([0]))
-    rows_only.submit_load(10, CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1], [0]))
+    rows_only.submit_store(9, _handed(caches, [2], [1], [0]), CPULoadStoreSpec([0]))
+    rows_only.submit_load(10, CPULoadStoreSpec([0]), _handed(caches, [0], [1], [0]))
     assert not torch.equal(rope[0], k_pe) and not torch.equal(latent[0], kv_c)
 
 
@@ -289,13 +301,12 @@ def test_an_mla_block_goes_to_host_and_back_with_its_latent_and_rope_rows():
 def test_chunks_of_two_blocks_skip_the_blocks_before_the_request_offset():
     """With two blocks per host chunk, a store starting at a request's second block fills the
     second half of its first chunk, as vLLM's CPU worker lays chunks out."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    cache, worker = _worker(blocks_per_chunk=2, num_chunks=3)
+    cache, caches, worker = _worker(blocks_per_chunk=2, num_chunks=3)
     for block in range(4):
         cache[block] = block + 1
-    worker.submit_store(1, GPULoadStoreSpec([3, 0, 2], [3], [1]), CPULoadStoreSpec([2, 0]))
+    worker.submit_store(1, _handed(caches, [3, 0, 2], [3], [1]), CPULoadStoreSpec([2, 0]))
     (host,) = worker.host_tensors
     as_blocks = host.view(torch.float32).view(6, *cache.shape[1:])
     assert [int(as_blocks[row].flatten()[0]) for row in range(6)] == [1, 3, 0, 0, 0, 4]
