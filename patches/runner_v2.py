@@ -353,13 +353,36 @@ RUNNER = [
                     "host sampling parameters",
     ),
     Patch(
-        f"{_GPU}.cudagraph_utils:ModelCudaGraphManager",
+        f"{_GPU}.cudagraph_utils:CudaGraphManager.run_fullgraph",
         reason="renew the captured host-parameter launches of a FULL graph (paged attention's "
-               "context lengths) with the step's attention metadata before each replay",
-        replacement="ascend_patch.npu.runner.v2.graphs:npu_graph_manager",
-        implementation="ascend_patch.npu.runner.v2.graphs:NPUModelGraphManagerMixin",
+               "context lengths, FIA's query ends and KV lengths) with the attention metadata "
+               "last built for their layers before each replay, the target's and the drafter's",
+        signature=("(self, desc)",),
+        wrapper="ascend_patch.npu.runner.v2.graphs:renew_before_replay",
         upstream="vllm/v1/worker/gpu/cudagraph_utils.py: run_fullgraph replays outside "
                  "set_forward_context; a CUDA graph reads device lengths and needs no renewal",
+        remove_when="the Ascend attention kernels take device-side lengths",
+    ),
+    Patch(
+        f"{_GPU}.cudagraph_utils:CudaGraphManager.capture",
+        reason="keep a weak list of the process's graph managers, the target's and each "
+               "speculator's, whose graphs the engine reports count",
+        # No signature: torch.inference_mode's decorator shows (*args, **kwargs) at runtime, and
+        # the wrapper hands every argument on untouched.
+        wrapper="ascend_patch.npu.runner.v2.graphs:register_manager",
+        upstream="vllm/v1/worker/gpu/cudagraph_utils.py: the managers are the runner's and its "
+                 "speculator's attributes, under names that differ per speculator",
+        remove_when="never while the emulated NPU exists",
+    ),
+    Patch(
+        f"{_GPU}.spec_decode.speculator:DraftModelSpeculator._build_attn_metadata",
+        reason="file each draft step's attention metadata for the drafter's FULL graph replayed "
+               "next (its launches' host parameters are renewed from it)",
+        signature=("(self, num_reqs, batch_desc, query_start_loc_np, seq_lens_cpu_upper_bound, "
+                   "step, causal=..., dcp_local_seq_lens=..., slot_mappings=...)",),
+        wrapper="ascend_patch.npu.runner.v2.graphs:record_drafter_metadata",
+        upstream="vllm/v1/worker/gpu/spec_decode/speculator.py: the draft steps' metadata "
+                 "reaches only set_forward_context; their graphs replay outside it",
         remove_when="the Ascend attention kernels take device-side lengths",
     ),
     Patch(
@@ -382,10 +405,6 @@ RUNNER = [
           ("compute_slot_mappings",
            "(self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=...)"),
           ("apply_staged_writes", "(self)"))),
-    contract(f"{_GPU}.cudagraph_utils:CudaGraphManager.run_fullgraph", "(self, desc)",
-             "NPUModelGraphManager renews the graph's host parameters, then replays through it",
-             implementation="ascend_patch.npu.runner.v2.graphs:NPUModelGraphManagerMixin",
-             upstream="vllm/v1/worker/gpu/cudagraph_utils.py"),
     contract("vllm.v1.worker.gpu_worker:Worker._make_model_runner", "(self)",
              "NPUWorker builds NPUModelRunnerV2 through it",
              implementation="ascend_patch.npu.runner.worker:NPUWorker",

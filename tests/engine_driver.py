@@ -25,11 +25,11 @@ RUN, by "kind":
   "zero_offloaded_kv"   zeroes every block the NPU offloading worker holds in host memory (the
                         negative control of the KV offload tests; an in-process engine only), or
                         with "planes": ["rope"] (or "latent") only those planes of MLA layers
-  "stale_drafter_inputs" replaces the EAGLE drafter's input buffers (token ids, positions, hidden
-                        states) by copies: vLLM writes each later step's inputs into the copies,
-                        which eager drafter passes read, while the drafter's replayed PIECEWISE
-                        graphs still read the captured buffers (the negative control of the
-                        drafter-graph tests; an in-process engine only)
+  "stale_drafter_inputs" replaces the V1 runner's EAGLE drafter's input buffers (token ids,
+                        positions, hidden states) by copies: vLLM writes each later step's
+                        inputs into the copies, which eager drafter passes read, while the
+                        drafter's replayed PIECEWISE graphs still read the captured buffers (the
+                        negative control of the drafter-graph tests; an in-process engine only)
 A sampling dict may carry "structured_outputs": {...StructuredOutputsParams}. One sampling
 dict applies to every prompt, a list pairs them one by one. A run with "layer_launches": true also
 reports the device launches per decoder-layer call, op by op, as scripts/bench_engine.py counts
@@ -46,11 +46,12 @@ An engine that keeps stats (``"disable_log_stats": false``) also reports, per ru
 speculative-decoding counters ("spec_decode": drafts, draft_tokens, accepted_tokens and
 accepted_per_position, vLLM's accepted drafts by draft position), and a run with "counters":
 [metric names] how much each of those vLLM counters grew during it ("counters").
-Each run also reports the graph replays ("graph_replays", and by padded size); each engine
-its vLLM-settled cudagraph mode, async scheduling, capture sizes and the graphs it captured. An
-engine spec with ``"stale_host_params": true`` runs with the graphs' host-parameter updates left
-out (the negative control of the graph tests), with a layer name's part (e.g. "layers.1.") only
-those of the layers whose name holds it; one with ``"stale_recurrent_state": true`` runs
+Each run also reports the graph replays ("graph_replays", by padded size, by model and by model
+and size: ascend_patch.kit.engine.measured); each engine its vLLM-settled cudagraph mode, async
+scheduling, capture sizes and the graphs it captured. An engine spec with
+``"stale_host_params": true`` runs with the graphs' host-parameter updates left out (the negative
+control of the graph tests), with a layer name's part (e.g. "layers.1.") only those of the layers
+whose name holds it; one with ``"stale_recurrent_state": true`` runs
 Mamba-2 and gated-DeltaNet decode steps (composed) that never advance their state (the negative
 control of the recurrent tests); one with ``"stale_lora_slots": true`` has the LoRA wrapper put
 each step's adapter slots into new tensors instead of its fixed buffers (eager steps read them, a

@@ -15,10 +15,15 @@ often accepted (:mod:`ascend_patch.kit.tiny_drafts`' shifted MTP): its verificat
 FIA's MLA form (1 + k absorbed queries per request, causal, whole batches of them accepted), in
 graphs against the same engine run eagerly and against the same graphs without their
 host-parameter updates.
-The drafter's own graphs: with a target mode that has PIECEWISE graphs (FULL_AND_PIECEWISE
-under torch.compile) vLLM's runner gives the EAGLE drafter PIECEWISE graphs of its own (the
-shifted EAGLE head drafting for its tiny Llama, whose drafts are often accepted), against the
-same pair run eagerly and against the same graphs replaying stale drafter inputs.
+The drafter's own graphs: on the V1 runner, with a target mode that has PIECEWISE graphs
+(FULL_AND_PIECEWISE under torch.compile) vLLM's runner gives the EAGLE drafter PIECEWISE graphs of
+its own (the shifted EAGLE head drafting for its tiny Llama, whose drafts are often accepted),
+against the same pair run eagerly and against the same graphs replaying stale drafter inputs.
+Model Runner V2 (vLLM 0.34+) captures the drafter in FULL graphs of its own by default: its
+prefill over the verified tokens (1 + k rows per request; 2 + k for a draft model, which adds a
+correction token) and each draft step after the first (one token per request), whose attention
+host parameters are renewed before each replay like the target's; against the same pair run
+eagerly and against the same graphs with the drafter's updates left out.
 """
 
 from __future__ import annotations
@@ -28,12 +33,41 @@ import pytest
 from ascend_patch.kit import tiny_drafts
 from ascend_patch.kit.oracle import prompt_token_ids
 from tests.helpers.engine import MODELS_DIR, assert_tracks_hf_logits, run_engine
+from tests.helpers.patch_sets import installed
 
 SPEC_TOKENS = 3
 ROWS = 1 + SPEC_TOKENS
 LAYERS = 2  # attention layers of the tiny Llama (ascend_patch/kit/tiny_models.py)
 MTP_LAYERS = 1  # the shifted MTP model's target layers (ascend_patch/kit/tiny_drafts.py)
 SHIFTED_LAYERS = 1  # tiny-llama-shifted's layers; its EAGLE head has one more
+MRV2 = installed().runner == "V2"
+# Attention layers of each engine's drafter: the tiny Llama drafting for itself, an EAGLE head,
+# DeepSeek's MTP layer.
+DRAFT_LAYERS = {"self_draft": LAYERS, "mistral self_draft": LAYERS, "eagle": 1, "mtp": 1,
+                "shifted eagle": 1}
+# The EAGLE head's attention layer is numbered after its one-layer target's.
+SHIFTED_DRAFTER_LAYER = "layers.1."
+# MRV2's drafter graphs: its prefill at the target's three request counts, and one-token draft
+# steps at vLLM's request-count grid up to max_num_seqs (1, 2, 3, 4), which the engine's capture
+# sizes list beside the target's.
+DRAFT_STEP_SIZES = {1, 2, 3, 4} if MRV2 else set()
+DRAFTER_CAPTURES = 3 + len(DRAFT_STEP_SIZES)
+
+
+def _verification_sizes(engine: dict) -> list[int]:
+    """The target's capture sizes: vLLM rounds them to multiples of 1 + k (verification rows per
+    request); on Model Runner V2 the drafter's one-token steps add theirs."""
+    sizes = engine["capture_sizes"]
+    assert {size for size in sizes if size % ROWS} <= DRAFT_STEP_SIZES
+    return [size for size in sizes if size % ROWS == 0]
+
+
+def _task_updates(run: dict, name: str, target_layers: int = LAYERS) -> int:
+    """One re-issued launch per captured attention layer and replay: the target's layers per
+    target replay, the drafter's per drafter replay (Model Runner V2's FULL drafter graphs)."""
+    by_model = run["graph_replays_by_model"]
+    drafter = by_model.get("drafter", 0)
+    return target_layers * by_model.get("backbone", 0) + (drafter and DRAFT_LAYERS[name] * drafter)
 PIECES = 2  # PIECEWISE pieces of a one-layer model (split at its attention)
 ENGINE = {"dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4,
           "gpu_memory_utilization": 0.9, "disable_log_stats": False}
@@ -109,12 +143,16 @@ def engines(llama, prompts, tiny_models, mistral_prompts, mtp_model, mtp_prompts
         "mtp graph": ({**ENGINE, **mtp}, deepseek),
         "mtp eager": ({**ENGINE, **mtp, "enforce_eager": True}, deepseek),
         "mtp stale host parameters": ({**ENGINE, **mtp}, {**deepseek, "stale_host_params": True}),
-        # Then the control, in the same engine: its drafter's graphs replaying stale inputs.
-        "shifted eagle full and piecewise": ({**ENGINE, **shifted_eagle, **piecewise},
-                                             {**shifted_target, "then": [
-                                                 {"kind": "stale_drafter_inputs"}, None]}),
         "shifted eagle eager": ({**ENGINE, **shifted_eagle, "enforce_eager": True}, shifted_target),
     }
+    if MRV2:  # the drafter's FULL graphs (by default), and the same without their updates
+        configs["shifted eagle graph"] = ({**ENGINE, **shifted_eagle}, shifted_target)
+        configs["shifted eagle stale drafter host parameters"] = (
+            {**ENGINE, **shifted_eagle}, {**shifted_target, "stale_host_params": SHIFTED_DRAFTER_LAYER})
+    else:  # then the control, in the same engine: its drafter's graphs replaying stale inputs
+        configs["shifted eagle full and piecewise"] = (
+            {**ENGINE, **shifted_eagle, **piecewise},
+            {**shifted_target, "then": [{"kind": "stale_drafter_inputs"}, None]})
     prompts_of = {mistral: mistral_prompts, str(mtp_model): mtp_prompts,
                   str(shifted): shifted_prompts}
 
@@ -137,8 +175,7 @@ def test_verification_graphs_are_on_by_default_and_replay_eager_tokens(engines, 
                                                                       method):
     graph, eager = engines[f"{method} graph"], engines[f"{method} eager"]
     assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
-    # vLLM rounds the capture sizes to multiples of 1 + k (verification rows per request).
-    assert graph["capture_sizes"] and all(size % ROWS == 0 for size in graph["capture_sizes"])
+    assert _verification_sizes(graph)
     run, eager_run = graph["runs"][0], eager["runs"][0]
     assert run["tokens"] == eager_run["tokens"]
     assert_tracks_hf_logits(llama, prompts, run["tokens"])
@@ -146,7 +183,9 @@ def test_verification_graphs_are_on_by_default_and_replay_eager_tokens(engines, 
     assert run["spec_decode"]["drafts"] > 0
     assert run["spec_decode"] == eager_run["spec_decode"]  # the same drafts, accepted alike
     # Replayed verification batches: 1 + k tokens per request, padded to a capture size.
-    assert {int(size) % ROWS for size in run["graph_replays_by_size"]} == {0}
+    assert {int(size) % ROWS for size in run["graph_replays_by_model_size"]["backbone"]} == {0}
+    if MRV2 and method != "ngram":  # the drafter's own FULL graphs, with the same drafts
+        assert run["graph_replays_by_model"]["drafter"] > 0
 
 
 def test_a_padded_verification_batch_replays_the_next_graph(engines):
@@ -154,7 +193,7 @@ def test_a_padded_verification_batch_replays_the_next_graph(engines):
     request is padding over vLLM's null block; two and one hit their sizes."""
     graph = engines["self_draft graph"]
     assert 12 not in graph["capture_sizes"]
-    assert set(graph["runs"][0]["graph_replays_by_size"]) == {"4", "8", "16"}
+    assert set(graph["runs"][0]["graph_replays_by_model_size"]["backbone"]) == {"4", "8", "16"}
 
 
 @pytest.mark.parametrize("name", ["self_draft", "mistral self_draft"])
@@ -170,18 +209,20 @@ def test_windowed_verification_rows_replay_eager_tokens(engines):
     assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY"
     run = graph["runs"][0]
     assert run["tokens"] == eager["runs"][0]["tokens"]
-    assert run["graph_replays"] > 0 and run["task_updates"] == LAYERS * run["graph_replays"]
+    assert run["graph_replays"] > 0 and run["task_updates"] == _task_updates(run, "mistral self_draft")
 
 
 def test_each_replay_updates_every_layers_verification(engines):
-    """One task update per captured attention launch: layers × replays (a missed layer fails)."""
-    for name in ("self_draft graph", "ngram graph", "eagle graph"):
-        run = engines[name]["runs"][0]
-        assert run["task_updates"] == LAYERS * run["graph_replays"], name
+    """One task update per captured attention launch: layers × replays, the target's and on
+    Model Runner V2 the drafter's (a missed layer fails)."""
+    for method in ("self_draft", "ngram", "eagle"):
+        engine = engines[f"{method} graph"]
+        run = engine["runs"][0]
+        assert run["task_updates"] == _task_updates(run, method) > 0, method
         # One FULL graph per capture size up to max_num_seqs requests of verification rows.
-        sizes = [size for size in engines[name]["capture_sizes"]
-                 if size <= ENGINE["max_num_seqs"] * ROWS]
-        assert engines[name]["graph_captures"] == len(sizes) == 3, name
+        sizes = [size for size in _verification_sizes(engine) if size <= ENGINE["max_num_seqs"] * ROWS]
+        drafter = DRAFTER_CAPTURES if MRV2 and method != "ngram" else 0
+        assert engine["graph_captures"] - drafter == len(sizes) == 3, method
 
 
 def test_lengths_are_exact_with_async_scheduling_off(engines):
@@ -210,7 +251,7 @@ def test_mtp_verification_rows_replay_eager_tokens(engines, mtp_model, mtp_promp
     against the engine without speculation)."""
     graph, eager = engines["mtp graph"], engines["mtp eager"]
     assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
-    assert graph["capture_sizes"] and all(size % ROWS == 0 for size in graph["capture_sizes"])
+    assert _verification_sizes(graph)
     run = graph["runs"][0]
     assert run["tokens"] == eager["runs"][0]["tokens"]
     assert_tracks_hf_logits(mtp_model, mtp_prompts, run["tokens"], routed=True)
@@ -221,20 +262,26 @@ def test_mtp_verification_rows_replay_eager_tokens(engines, mtp_model, mtp_promp
     assert 0 < counts["accepted_tokens"] < counts["draft_tokens"]
     assert counts["accepted_per_position"][-1] > 0 and run["graph_replays"] > 0
     # Three requests, then two, then one: padded to 16 and replayed at 8 and 4 (1 + k each).
-    assert set(run["graph_replays_by_size"]) == {"4", "8", "16"}
+    assert set(run["graph_replays_by_model_size"]["backbone"]) == {"4", "8", "16"}
     # Verification rows decode on FIA's MLA form, in graphs and eagerly alike; only the eager
     # engine's one-token decodes (the MTP layer's drafts) take the ATB op.
     assert run["launches"].get("multi_head_latent_attention", 0) == 0
     assert eager["runs"][0]["launches"]["multi_head_latent_attention"] > 0
-    for engine in (run, eager["runs"][0]):
-        assert engine["launches"]["fused_infer_attention_score_mla_decode"] > 0
+    assert eager["runs"][0]["launches"]["fused_infer_attention_score_mla_decode"] > 0
+    (captured,) = graph["captured_ops"]
+    assert captured["FULL"]["fused_infer_attention_score_mla_decode"] > 0
+    # The graph engine's MTP layer drafts eagerly on the V1 runner, on FIA's MLA form too; Model
+    # Runner V2 replays those one-token drafts from the drafter's graphs.
+    assert (run["launches"].get("fused_infer_attention_score_mla_decode", 0) > 0) != MRV2
 
 
 def test_each_replay_updates_every_mla_layers_verification(engines):
-    """One task update per captured MLA attention launch: the target's layers × replays (its MTP
-    layer drafts eagerly under FULL_DECODE_ONLY); a missed layer fails."""
+    """One task update per captured MLA attention launch: the target's layers × its replays, and
+    on Model Runner V2 the MTP layer's × the drafter's (on the V1 runner the MTP layer drafts
+    eagerly under FULL_DECODE_ONLY); a missed layer fails."""
     run = engines["mtp graph"]["runs"][0]
-    assert run["task_updates"] == MTP_LAYERS * run["graph_replays"] > 0
+    assert run["task_updates"] == _task_updates(run, "mtp", MTP_LAYERS) > 0
+    assert ("drafter" in run["graph_replays_by_model"]) == MRV2
 
 
 def test_without_host_parameter_updates_mtp_replays_diverge(engines):
@@ -244,6 +291,7 @@ def test_without_host_parameter_updates_mtp_replays_diverge(engines):
     assert all(diverged), diverged
 
 
+@pytest.mark.v1_runner
 def test_the_drafter_replays_its_own_piecewise_graphs(engines, shifted, shifted_prompts):
     """FULL_AND_PIECEWISE: the target verifies in FULL graphs and prefills in PIECEWISE ones,
     and vLLM gives the EAGLE drafter PIECEWISE graphs (``initialize_cudagraph_keys``: only
@@ -262,12 +310,7 @@ def test_the_drafter_replays_its_own_piecewise_graphs(engines, shifted, shifted_
     assert graph["graph_captures"] == 2 * PIECES * sizes + 3
     (captured,) = graph["captured_ops"]
     assert captured["FULL"]["fused_infer_attention_score_verify"] == SHIFTED_LAYERS
-    run, eager_run = graph["runs"][0], eager["runs"][0]
-    assert run["tokens"] == eager_run["tokens"]
-    assert_tracks_hf_logits(shifted, shifted_prompts, run["tokens"])
-    counts = run["spec_decode"]
-    assert counts == eager_run["spec_decode"]
-    assert counts["draft_tokens"] < 2 * counts["accepted_tokens"] < 2 * counts["draft_tokens"]
+    run, eager_run = _drafts_as_eager(graph, eager, shifted, shifted_prompts)
     by_model = run["graph_replays_by_model"]
     assert set(by_model) == {"backbone", "eagle_head"}
     full = run["task_updates"] // SHIFTED_LAYERS  # one per FULL replay
@@ -277,6 +320,7 @@ def test_the_drafter_replays_its_own_piecewise_graphs(engines, shifted, shifted_
     assert eager_run["graph_replays"] == 0
 
 
+@pytest.mark.v1_runner
 def test_drafter_graphs_replaying_stale_inputs_lose_the_drafts(engines):
     """The control: the same engine's prompts again once the drafter's input buffers are
     swapped for copies (vLLM refreshes the copies, the replays read the captured buffers). Its
@@ -284,14 +328,61 @@ def test_drafter_graphs_replaying_stale_inputs_lose_the_drafts(engines):
     above), while the output stays exact (rejection keeps the target's tokens), which is why
     the acceptance counters, not the tokens, are what proves the drafter's replays above."""
     engine, eager = engines["shifted eagle full and piecewise"], engines["shifted eagle eager"]
-    run = engine["runs"][2]
-    assert run["graph_replays_by_model"]["eagle_head"] > 0
+    _drafts_lost(engine["runs"][2], eager, "eagle_head")
+
+
+@pytest.mark.mrv2_only
+def test_the_drafter_replays_its_own_full_graphs(engines, shifted, shifted_prompts):
+    """Model Runner V2 captures the EAGLE drafter in FULL graphs of its own, by default: its
+    prefill over each step's verified tokens (1 + k per request, at the target's request counts)
+    and each draft step after the first (one token per request). Their attention launches are
+    renewed with the draft step's metadata before each replay. Tokens and the drafts accepted,
+    position by position, equal the eager pair's; the tokens track HF's logits."""
+    graph, eager = engines["shifted eagle graph"], engines["shifted eagle eager"]
+    assert graph["cudagraph_mode"] == "FULL_DECODE_ONLY" and eager["cudagraph_mode"] == "NONE"
+    assert graph["graph_captures"] == 3 + DRAFTER_CAPTURES
+    run, eager_run = _drafts_as_eager(graph, eager, shifted, shifted_prompts)
+    # After each target replay a drafter prefill replay at its size and k - 1 one-token draft
+    # steps (which also follow the target's eager prompt steps).
+    by_model = run["graph_replays_by_model"]
+    assert by_model["drafter"] >= SPEC_TOKENS * by_model["backbone"] > 0
+    assert run["task_updates"] == _task_updates(run, "shifted eagle", SHIFTED_LAYERS)
+    assert eager_run["graph_replays"] == 0
+
+
+@pytest.mark.mrv2_only
+def test_drafter_graphs_without_host_parameter_updates_lose_the_drafts(engines):
+    """The control: the same engine with the drafter layer's updates left out (the target's are
+    renewed). Its replays draft from the capture's lengths: almost no draft is accepted (a few by
+    chance; over half above), while the output stays exact (rejection keeps the target's
+    tokens), which is why the acceptance counters, not the tokens, prove the drafter's replays."""
+    stale, eager = engines["shifted eagle stale drafter host parameters"], engines["shifted eagle eager"]
+    _drafts_lost(stale["runs"][0], eager, "drafter")
+
+
+def _drafts_as_eager(graph: dict, eager: dict, model, prompts) -> tuple[dict, dict]:
+    """The drafter-graph engine's run and the eager one's: the same tokens (tracking HF's logits)
+    and the same drafts accepted, position by position, over half of them."""
+    run, eager_run = graph["runs"][0], eager["runs"][0]
+    assert run["tokens"] == eager_run["tokens"]
+    assert_tracks_hf_logits(model, prompts, run["tokens"])
+    counts = run["spec_decode"]
+    assert counts == eager_run["spec_decode"]
+    assert counts["draft_tokens"] < 2 * counts["accepted_tokens"] < 2 * counts["draft_tokens"]
+    return run, eager_run
+
+
+def _drafts_lost(run: dict, eager: dict, drafter: str) -> None:
+    """A control run whose drafter graphs replayed wrong inputs: exact tokens (rejection keeps
+    the target's), almost no draft accepted."""
+    assert run["graph_replays_by_model"][drafter] > 0
     assert run["tokens"] == eager["runs"][0]["tokens"]
     counts = run["spec_decode"]
     assert counts["draft_tokens"] > 0 and counts["accepted_tokens"] * 10 < counts["draft_tokens"]
 
 
-def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, soft_cap=None):
+def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, soft_cap=None,
+            method="eagle"):
     import types
 
     import torch
@@ -302,7 +393,7 @@ def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, s
         hf_text_config=types.SimpleNamespace(num_key_value_heads=2, attn_logit_softcapping=soft_cap,
                                              kv_lora_rank=512, qk_rope_head_dim=64,
                                              num_attention_heads=16))
-    spec = types.SimpleNamespace(num_speculative_tokens=spec_tokens)
+    spec = types.SimpleNamespace(method=method, num_speculative_tokens=spec_tokens)
     return types.SimpleNamespace(model_config=model, speculative_config=spec)
 
 
@@ -313,12 +404,19 @@ def _config(dtype="bfloat16", mla=False, window=None, spec_tokens=SPEC_TOKENS, s
     ({"mla": True, "spec_tokens": 16}, 576, "17 verification rows per request: "
                                             "npu_fused_infer_attention_score's MLA form takes at "
                                             "most 16 query tokens per sequence "
-                                            "(1 + num_speculative_tokens)"),
+                                            "(1 + num_speculative_tokens, one more for a "
+                                            "draft model)"),
     ({"mla": True, "dtype": "float32"}, 576, "float32 MLA decodes on composed attention"),
     ({"window": 32}, 128, None),
     ({"spec_tokens": 16}, 64, "17 verification rows per request: the TND "
                               "npu_fused_infer_attention_score takes at most 16 "
-                              "(1 + num_speculative_tokens)"),
+                              "(1 + num_speculative_tokens, one more for a draft model)"),
+    # A draft model's prefill adds a correction token per request: 2 + k rows.
+    ({"spec_tokens": 15, "method": "draft_model"}, 64, "17 verification rows per request: the TND "
+                                                       "npu_fused_infer_attention_score takes at "
+                                                       "most 16 (1 + num_speculative_tokens, one "
+                                                       "more for a draft model)"),
+    ({"spec_tokens": 14, "method": "draft_model"}, 64, None),
     ({}, 256, "head size 256: npu_fused_infer_attention_score over a paged cache (TND) takes 64 "
               "and 128: verification rows run composed attention"),
     ({"soft_cap": 50.0}, 64, "logits soft-cap 50: the fused attention kernels have no soft-cap "

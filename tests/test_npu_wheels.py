@@ -5,11 +5,12 @@ torch-npu release the matrix names and return the shapes and dtypes the referenc
 
 The calls are recorded (``kernels.record_calls``) from one engine-driver process running a compact
 workload per family: dense with prefix caching, chunked prefill and decode graphs (bf16 and fp16),
-the sampler's top-k/top-p, sliding-window attention, MLA, MoE (softmax and grouped biased routing),
-W8A8 (static, dynamic and MoE), an encoder-only embedder (npu_fusion_attention) and LoRA in fp16
-(npu_batch_gather_matmul_). The replay runs on meta tensors: binding is the real
-dispatcher's, the shapes and dtypes the wheel's meta kernels'. Ops the wheel has no meta kernel for
-(the ATB paged attention) are checked for binding only.
+the sampler's top-k/top-p, sliding-window attention, a head size npu_mrope does not take
+(npu_rotary_mul), MLA, MoE (softmax and grouped biased routing), W8A8 (static, dynamic and MoE),
+an encoder-only embedder (npu_fusion_attention) and LoRA in fp16 (npu_batch_gather_matmul_). The
+replay runs on meta tensors: binding is the real dispatcher's, the shapes and dtypes the wheel's
+meta kernels'. Ops the wheel has no meta kernel for (the ATB paged attention) are checked for
+binding only.
 
 The tests after the replay check, per release, what the wheels settle about single ops: binding
 by the schema's own names, the release-dependent npu_moe_gating_top_k, the traced top-p-only
@@ -57,6 +58,8 @@ FAMILIES = {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}}, [GREEDY]),
     "windowed": ("tiny-mistral", "bfloat16", {}, [GREEDY]),
+    # Head size 80, no multiple of 32: query and key rotate on npu_rotary_mul, not npu_mrope.
+    "head size 80": ("tiny-llama-hd80", "bfloat16", {}, []),
     "mla": ("tiny-deepseek-v3", "bfloat16", {}, [GREEDY]),  # FULL graphs: FIA's MLA decode form
     "mla eager": ("tiny-deepseek-v3", "bfloat16", {"enforce_eager": True}, []),  # ATB MLA decode
     "moe grouped": ("tiny-deepseek-v3-moe", "bfloat16", {}, [GREEDY]),

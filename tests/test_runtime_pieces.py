@@ -286,23 +286,3 @@ def test_sampler_filter_without_host_top_k_takes_vllms_torch_path(monkeypatch):
         ours = sampler.filter_top_k_top_p(logits.clone(), k, p)
     assert counter.syncs == 0 and launches["top_k_top_p"] == 0
     assert torch.equal(ours, apply_top_k_top_p_pytorch(logits.clone(), k, p))
-
-
-@pytest.mark.parametrize(("runner", "method", "tokens", "refused"), [
-    ("v2", "eagle", 3, True), ("v2", "mtp", 2, True), ("v2", "draft_model", 3, True),
-    ("v2", "eagle", 1, False),  # one draft step: no drafter graph of its own
-    ("v2", "ngram", 3, False),  # no drafter model
-    ("v1", "eagle", 3, False),  # the V1 runner: its drafter graphs are served (tests/test_graph_spec.py)
-])
-def test_mrv2_drafter_graphs_are_refused_where_their_attention_is_not_renewed(monkeypatch, runner, method,
-                                                                               tokens, refused):
-    from ascend_patch import release
-    from ascend_patch.npu.compilation.graph_mode import drafter_graph_refusal
-
-    monkeypatch.setattr(release, "runner", runner)
-    config = SimpleNamespace(speculative_config=SimpleNamespace(method=method, num_speculative_tokens=tokens))
-    reason = drafter_graph_refusal(config)
-    assert (reason is not None) == refused
-    if refused:
-        assert f"Model Runner V2 captures the {method} drafter's draft steps" in reason
-    assert drafter_graph_refusal(SimpleNamespace(speculative_config=None)) is None

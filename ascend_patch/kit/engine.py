@@ -63,8 +63,9 @@ def fused_batches(kernels):
 def measured():
     """Yield a dict that, once the block ends, holds what the block launched in this process:
     kernel-seam launches by op ("launches"), fused-attention launches by batch kind
-    ("fused_batches"), ACL graph replays ("graph_replays", and by padded size and by model tag:
-    "backbone" the target's, "eagle_head" or "draft_model" a drafter's pieces), captures
+    ("fused_batches"), ACL graph replays ("graph_replays"; by padded size, by model tag, and by
+    model tag and size: "backbone" the target's, "eagle_head" or "draft_model" a drafter's pieces
+    on the V1 runner, "drafter" a drafter's FULL graphs on Model Runner V2), captures
     ("graph_captures") and the captured launches re-issued before replays ("task_updates")."""
     from ascend_patch.npu import kernels
     from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper
@@ -78,12 +79,17 @@ def measured():
             yield report
         finally:
             by_size = NPUGraphWrapper.replays - replays
+            sizes_by_model: dict[str, dict[str, int]] = {}
+            for (model, size), n in sorted((NPUGraphWrapper.replays_by_model - by_model).items()):
+                sizes_by_model.setdefault(model, {})[str(size)] = n
             report.update(launches=dict(launches), fused_batches=dict(batches),
                           graph_replays=sum(by_size.values()),
                           graph_captures=NPUGraphWrapper.captures - captures,
                           task_updates=NPUGraphWrapper.task_updates - updates,
                           graph_replays_by_size={str(size): n for size, n in sorted(by_size.items())},
-                          graph_replays_by_model=dict(NPUGraphWrapper.replays_by_model - by_model))
+                          graph_replays_by_model={model: sum(sizes.values())
+                                                  for model, sizes in sizes_by_model.items()},
+                          graph_replays_by_model_size=sizes_by_model)
 
 
 def freeze_heap() -> None:

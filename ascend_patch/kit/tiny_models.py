@@ -7,10 +7,11 @@ tokenizer) that vLLM and transformers load the normal way:
 - random-weight ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with grouped-query
   attention (4 query heads, 2 KV heads), head_dim 64, fp32; and a Llama with head_dim
   128, the fused NPU kernels' other head size;
-- attention variants: a Llama with head_dim 96; Mistral with a sliding window on every
-  layer (head_dim 128); Gemma 2 (alternating windows, soft-capped attention logits) and
-  Gemma 3 (alternating windows, q/k norms; and five windowed layers to one global), all
-  head_dim 256; a Mamba (refused);
+- attention variants: a Llama with head_dim 96, and one with 80 for the torch-npu wheel replay
+  (its rotary runs npu_rotary_mul: npu_mrope takes multiples of 32); Mistral with a sliding
+  window on every layer (head_dim 128); Gemma 2 (alternating windows, soft-capped attention
+  logits) and Gemma 3 (alternating windows, q/k norms; and five windowed layers to one global),
+  all head_dim 256; a Mamba (refused);
 - the mixture-of-experts families on the same attention: ``Qwen3MoeForCausalLM`` (8
   experts, top-2, renormalised), ``Qwen2MoeForCausalLM`` (8 experts, top-2, not
   renormalised, plus a gated shared expert), ``MixtralForCausalLM`` (8 experts, top-2) and
@@ -104,6 +105,8 @@ MODELS = {
         "routed_scaling_factor": 2.5, "norm_topk_prob": False}),
     # Head sizes other than the 64 and 128 of the fused prefill kernel.
     "tiny-llama-hd96": ("LlamaForCausalLM", {"head_dim": 96}),
+    # ... and one npu_mrope does not take (multiples of 32): its rotary runs npu_rotary_mul.
+    "tiny-llama-hd80": ("LlamaForCausalLM", {"head_dim": 80}),
     # Sliding windows shorter than the test prompts, so the windows cut. Mistral: every layer
     # windowed (vLLM frees the blocks that fall out of the window), head_dim 128.
     "tiny-mistral": ("MistralForCausalLM", {"head_dim": 128, "sliding_window": 100}),

@@ -82,6 +82,7 @@ from ascend_patch.npu.attention.paths import (
     AttentionPaths,
     choose_paths,
     graph_decode_refusal,
+    speculative_rows,
     verify_graph_refusal,
 )
 from ascend_patch.npu.compilation import acl_graph
@@ -202,7 +203,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         # (spec_decode/utils.py extend_all_queries_by_N).
         self._host_lengths_exact = vllm_config.speculative_config is None
         spec = vllm_config.speculative_config
-        self._verify_rows = 1 + spec.num_speculative_tokens if spec is not None else None
+        self._verify_rows = speculative_rows(spec) if spec is not None else None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -274,8 +275,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
                 f"a padded batch of {num_tokens} tokens for {num_seqs} requests ending at "
                 f"{query_ends[-1]}: the Ascend backend pads uniform decode batches only")
         starts = [0, *query_ends[:-1]]
-        verification = self._verify_rows is not None and bool(query_ends) and all(
-            end - start == self._verify_rows for start, end in zip(starts, query_ends))
+        widths = {end - start for start, end in zip(starts, query_ends)}
+        verification = (self._verify_rows is not None and len(widths) == 1
+                        and widths.pop() in self._verify_rows)
         block_table = meta.block_table_tensor[:num_seqs]
         if block_table.dtype != torch.int32:
             block_table = block_table.to(torch.int32)

@@ -273,10 +273,11 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Verification rows are decodes where FIA's MLA form takes them (QueryLenSupport.UNIFORM):
-        # uniform 1 + k ≤ 16 rows per request, at the dimensions and dtypes it takes.
+        # uniform 1 + k ≤ 16 rows per request (paths.speculative_rows), at the dimensions and
+        # dtypes it takes.
         if (self._verify_rows is not None
                 and paths.verify_graph_refusal(vllm_config, kv_cache_spec.head_size) is None):
-            self.reorder_batch_threshold = self._verify_rows
+            self.reorder_batch_threshold = max(self._verify_rows)
         self.prefill_budget = prefill_workspace_rows(vllm_config.model_config.max_model_len,
                                                      vllm_config.scheduler_config.max_num_seqs,
                                                      KERNEL_BLOCK_SIZE)

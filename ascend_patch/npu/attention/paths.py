@@ -49,9 +49,18 @@ def graph_decode_refusal(model_config, head_size: int) -> str | None:
     return None
 
 
+def speculative_rows(spec) -> tuple[int, ...]:
+    """Query tokens per request of the uniform batches speculative decoding runs, which FULL
+    graphs hold: 1 + k verification rows (an EAGLE or MTP drafter's prefill runs over the same),
+    and 2 + k for a draft model's prefill, which adds a correction token per request (Model
+    Runner V2 captures it in graphs of its own)."""
+    rows = 1 + spec.num_speculative_tokens
+    return (rows, rows + 1) if spec.method == "draft_model" else (rows,)
+
+
 def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
     """Why FULL graphs cannot hold this engine's speculative verification rows (1 + k queries per
-    request, uniform), or None: they run on the TND ``npu_fused_infer_attention_score`` with the
+    request, uniform; :func:`speculative_rows`), or None: they run on the TND ``npu_fused_infer_attention_score`` with the
     causal mask (the band in windowed layers) in its ``.out`` form, whose host query and KV
     lengths every replay re-issues, at the head sizes and dtypes its paged TND form takes, for at
     most 16 rows per request; in MLA models on the op's MLA form (BNSD, causal), where its
@@ -61,17 +70,18 @@ def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
     if spec is None:
         return None
     model_config = vllm_config.model_config
-    rows = 1 + spec.num_speculative_tokens
+    rows = max(speculative_rows(spec))
     if model_config.use_mla:  # FIA's MLA form, causal over 1 + k absorbed queries (BNSD)
         refusal = mla_graph_decode_refusal(model_config.dtype, model_config.hf_text_config)
         if refusal is None and rows > limits.FIA_ROPE_MAX_QUERY:
             refusal = (f"{rows} verification rows per request: npu_fused_infer_attention_score's "
                        f"MLA form takes at most {limits.FIA_ROPE_MAX_QUERY} query tokens per "
-                       "sequence (1 + num_speculative_tokens)")
+                       "sequence (1 + num_speculative_tokens, one more for a draft model)")
         return refusal
     if rows > limits.FIA_VERIFY_MAX_QUERY:
         return (f"{rows} verification rows per request: the TND npu_fused_infer_attention_score "
-                f"takes at most {limits.FIA_VERIFY_MAX_QUERY} (1 + num_speculative_tokens)")
+                f"takes at most {limits.FIA_VERIFY_MAX_QUERY} (1 + num_speculative_tokens, one more "
+                "for a draft model)")
     hf = model_config.hf_text_config
     soft_cap = getattr(hf, "attn_logit_softcapping", None)  # not a seam: HF
     kv_heads = getattr(hf, "num_key_value_heads", None) or 1  # not a seam: HF

@@ -75,7 +75,7 @@ def graphs_off_by_default(vllm_config) -> str | None:
     (:func:`~ascend_patch.npu.attention.paths.verify_graph_refusal`)."""
     import vllm
 
-    from ascend_patch.npu.attention.paths import graph_decode_refusal
+    from ascend_patch.npu.attention.paths import graph_decode_refusal, verify_graph_refusal
     from ascend_patch.npu.ops.recurrent_layers import recurrent_layers
 
     ask = "; ask for it with -cc.cudagraph_mode=FULL_DECODE_ONLY"
@@ -92,7 +92,7 @@ def graphs_off_by_default(vllm_config) -> str | None:
     refusal = graph_decode_refusal(model_config, head_size)
     if refusal is not None:
         return f"{refusal}, which FULL ACL graphs cannot hold"
-    verify = _speculation_refusal(vllm_config, head_size)
+    verify = verify_graph_refusal(vllm_config, head_size)
     if verify is not None:
         return f"speculative decoding: {verify}"
     if not release.proven_end_to_end:
@@ -102,28 +102,6 @@ def graphs_off_by_default(vllm_config) -> str | None:
         return (f"head size {head_size}: the end-to-end suite proves graphs at head sizes "
                 f"{', '.join(map(str, GRAPH_PROVEN_HEAD_SIZES))}{ask}")
     return None
-
-
-def _speculation_refusal(vllm_config, head_size: int) -> str | None:
-    """Why FULL graphs cannot hold this engine's speculative decoding (its verification rows, or
-    its drafter's own graphs), or None."""
-    from ascend_patch.npu.attention.paths import verify_graph_refusal
-
-    return verify_graph_refusal(vllm_config, head_size) or drafter_graph_refusal(vllm_config)
-
-
-def drafter_graph_refusal(vllm_config) -> str | None:
-    """Why FULL graphs cannot hold this engine's drafter, or None. Model Runner V2 (vLLM 0.34+)
-    captures the draft steps after the first of EAGLE, EAGLE-3, MTP and draft models in FULL graphs
-    of their own (``get_draft_decode_cudagraph_request_sizes``), whose attention host parameters
-    the NPU runner does not renew before replay yet."""
-    spec = vllm_config.speculative_config
-    if release.runner != "v2" or spec is None or spec.num_speculative_tokens < 2:
-        return None
-    if spec.method not in ("eagle", "eagle3", "mtp", "draft_model"):
-        return None
-    return (f"Model Runner V2 captures the {spec.method} drafter's draft steps in FULL graphs of "
-            "their own, whose attention host parameters ascend-patch does not renew yet")
 
 
 def settle_graph_mode(vllm_config) -> None:
@@ -136,7 +114,7 @@ def settle_graph_mode(vllm_config) -> None:
     """
     from vllm.config import CUDAGraphMode
 
-    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE
+    from ascend_patch.npu.attention.paths import KERNEL_BLOCK_SIZE, verify_graph_refusal
     from ascend_patch.npu.compilation import acl_graph
     from ascend_patch.npu.ops.recurrent_layers import recurrent_layers
 
@@ -156,7 +134,7 @@ def settle_graph_mode(vllm_config) -> None:
         raise ValueError(f"{mode.name} ACL graphs are not supported for models with recurrent "
                          "layers (their composed path reads sequence boundaries on the host): "
                          "run with --enforce-eager or -cc.cudagraph_mode=NONE")
-    verify = (_speculation_refusal(vllm_config, vllm_config.model_config.get_head_size())
+    verify = (verify_graph_refusal(vllm_config, vllm_config.model_config.get_head_size())
               if mode.has_full_cudagraphs() and vllm_config.speculative_config is not None
               else None)
     if verify is not None:

@@ -1,16 +1,21 @@
-"""Model Runner V2's FULL graphs as ACL graphs.
+"""Model Runner V2's FULL graphs as ACL graphs, the target's and the drafter's.
 
 MRV2 captures FULL graphs itself (``CudaGraphManager.capture``): ``torch.cuda.CUDAGraph()`` and
 ``with torch.cuda.graph(graph, pool, stream=...)`` around a forward, then ``graph.replay()`` in
-``run_fullgraph``, **outside** ``set_forward_context``. On the NPU:
+``run_fullgraph``, **outside** ``set_forward_context``. The target model's graphs belong to a
+``ModelCudaGraphManager``; a speculator's (the EAGLE/MTP/draft-model drafter's prefill over the
+verified tokens, and each draft step after the first) to ``SpeculatorCudaGraphManager``s. On the
+NPU:
 
 - ``torch.cuda.CUDAGraph`` is the device runtime's ``NPUGraph`` and ``torch.cuda.graph`` its
   ``graph`` context, which also collects the capture's host-parameter launches
   (:func:`ascend_patch.npu.compilation.acl_graph.launch`: kernels such as
   ``_npu_paged_attention`` whose host arguments change every step) and files them under the graph;
-- the graph manager renews those launches with the step's attention metadata before each
-  replay (:func:`~ascend_patch.npu.compilation.acl_graph.renew_host_params`), the metadata the
-  runner recorded when it prepared the step (:attr:`NPUModelGraphManagerMixin.step_metadata`).
+- every manager renews those launches before each replay
+  (:func:`~ascend_patch.npu.compilation.acl_graph.renew_host_params`) with the attention metadata
+  last built for each layer: the runner's for the step (which the drafter's prefill reuses) and the
+  speculator's for each draft step (:data:`step_metadata`). A CUDA graph needs none of this: its
+  kernels read the lengths from device buffers the metadata builders refill.
 
 Attention chooses its capturable forms from ``acl_graph.capturing()``, never from the forward
 context's runtime mode: MRV2 captures FULL graphs with ``cudagraph_runtime_mode=NONE``.
@@ -29,6 +34,15 @@ from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper  # the proces
 managers: weakref.WeakSet = weakref.WeakSet()
 """The process's graph managers, whose ``graphs`` hold its FULL graphs by batch descriptor (what
 the engine tests inspect, as ``NPUGraphWrapper._all_instances`` for V1's)."""
+step_metadata: dict = {}
+"""The attention metadata last built for each layer, by layer name: what each replay renews its
+launches with. Layers are named apart (the drafter's from the target's), and every build precedes
+the replay that reads it in MRV2's step; a new runner starts it afresh (:func:`forget_steps`)."""
+
+
+def forget_steps() -> None:
+    """A new runner's graphs read none of an earlier engine's metadata (nor keep it alive)."""
+    step_metadata.clear()
 
 
 def _graph_api():
@@ -62,34 +76,46 @@ def npu_graph_capture(original):
     return graph
 
 
-class NPUModelGraphManagerMixin:
-    """In front of MRV2's ``ModelCudaGraphManager`` (:func:`npu_graph_manager`)."""
-
-    step_metadata: dict | None = None
-    """The attention metadata of the step about to replay, by layer name (set by the runner)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        managers.add(self)
-
-    def run_fullgraph(self, desc):
-        graph = self.graphs.get(desc)
-        launches = getattr(graph, "host_param_launches", ())  # not a seam: set at capture
-        if launches:
-            graphs = _graph_api()
-            if getattr(self, "_update_stream", None) is None:  # not a seam: ours
-                self._update_stream = graphs.Stream()  # not the capture's stream
-            # Kept alive until the next replay's update: the replay reads them.
-            self._workspaces = acl_graph.renew_host_params(graphs, self._update_stream, launches,
-                                                           self.step_metadata)
-            NPUGraphWrapper.task_updates += len(launches)
-        NPUGraphWrapper.replays[desc.num_tokens] += 1
-        NPUGraphWrapper.replays_by_model["backbone"] += 1
-        return super().run_fullgraph(desc)
+def record_step_metadata(metadata: dict | None) -> None:
+    """File attention metadata just built (by layer name) for the replays that follow."""
+    if metadata:
+        step_metadata.update(metadata)
 
 
-def npu_graph_manager(original: type) -> type:
-    """Replacement of ``vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager`` (and of the
-    name the runner builds it by)."""
-    return type("ModelCudaGraphManager", (NPUModelGraphManagerMixin, original),
-                {"__module__": __name__, "__qualname__": "NPUModelGraphManager"})
+def register_manager(wrapped, instance, args, kwargs):
+    """Wrapper of ``CudaGraphManager.capture``: the process's managers, for the engine tests."""
+    managers.add(instance)
+    return wrapped(*args, **kwargs)
+
+
+def renew_before_replay(wrapped, instance, args, kwargs):
+    """Wrapper of ``CudaGraphManager.run_fullgraph(desc)``: renew the graph's host-parameter
+    launches with the metadata last built for their layers, then replay."""
+    (desc,) = args
+    graph = instance.graphs.get(desc)
+    launches = getattr(graph, "host_param_launches", ())  # not a seam: set at capture
+    if launches:
+        graphs = _graph_api()
+        if getattr(instance, "_update_stream", None) is None:  # not a seam: ours
+            instance._update_stream = graphs.Stream()  # not the capture's stream
+        # Kept alive until the next replay's update: the replay reads them.
+        instance._workspaces = acl_graph.renew_host_params(graphs, instance._update_stream,
+                                                           launches, step_metadata)
+        NPUGraphWrapper.task_updates += len(launches)
+    NPUGraphWrapper.replays[desc.num_tokens] += 1
+    NPUGraphWrapper.replays_by_model[_model_of(instance), desc.num_tokens] += 1
+    return wrapped(*args, **kwargs)
+
+
+def record_drafter_metadata(wrapped, instance, args, kwargs):
+    """Wrapper of ``DraftModelSpeculator._build_attn_metadata``: a draft step's metadata, which
+    only its forward context sees, filed for the drafter graph replayed next."""
+    metadata = wrapped(*args, **kwargs)
+    record_step_metadata(metadata)
+    return metadata
+
+
+def _model_of(manager) -> str:
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    return "backbone" if isinstance(manager, ModelCudaGraphManager) else "drafter"

@@ -3,7 +3,7 @@
 vLLM 0.34 removed the V1 runner; MRV2 is the only one. This subclass overrides only what is
 device-specific, as the V1 runner's does: what every generation's NPU runner adds
 (:class:`~ascend_patch.npu.runner.device_runner.NPURunnerMixin`), new KV blocks zeroed in the
-Ascend layouts, and each step's attention metadata handed to the graph manager. Everything MRV2
+Ascend layouts, and each step's attention metadata filed for the graph replays. Everything MRV2
 launches as a Triton kernel runs a registered torch implementation
 (:mod:`ascend_patch.npu.runner.v2.kernels`), and its pointer-table block tables run
 :mod:`ascend_patch.npu.runner.v2.block_tables`; input preparation, attention metadata, sampling
@@ -17,6 +17,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from ascend_patch.npu.attention.backend import dummy_forward
 from ascend_patch.npu.runner.device_runner import NPURunnerMixin
 from ascend_patch.npu.runner.kv_zeroing import AscendKVBlockZeroer
+from ascend_patch.npu.runner.v2 import graphs
 
 
 class NPUModelRunnerV2(NPURunnerMixin, GPUModelRunner):
@@ -25,15 +26,16 @@ class NPUModelRunnerV2(NPURunnerMixin, GPUModelRunner):
         self._record_step_metadata()
 
     def _record_step_metadata(self) -> None:
-        """Hand each step's attention metadata to the graph manager: MRV2 gives it only to
-        ``set_forward_context``, and replays FULL graphs outside it, whose captured
-        host-parameter launches must be renewed with it (:mod:`.graphs`)."""
+        """File each step's attention metadata for the graph replays (:mod:`.graphs`): MRV2
+        gives it only to ``set_forward_context``, and replays FULL graphs outside it, whose
+        captured host-parameter launches must be renewed with it. The drafter prepares its
+        prefill through the same model state."""
+        graphs.forget_steps()
         prepare_attn = self.model_state.prepare_attn
 
         def prepare_and_record(*args, **kwargs):
             metadata = prepare_attn(*args, **kwargs)
-            if self.cudagraph_manager is not None:
-                self.cudagraph_manager.step_metadata = metadata
+            graphs.record_step_metadata(metadata)
             return metadata
 
         self.model_state.prepare_attn = prepare_and_record
