@@ -10,7 +10,7 @@ For each VERSION:
    chunked prefill, bf16 fused kernels, sampling, emulated HBM, LoRA) inside it, and, on a release
    in FEATURES, the feature tests carrying its marker (on 0.28.0, the v0_20 set's: speculative
    decoding, disaggregated prefill, data parallelism, encoder-only pooling, sleep mode, a
-   vision-language model; on 0.34.0, what only a Model Runner V2-only release can check);
+   vision-language model; on 0.33.0, what only a release with the V1 model runner can check);
 3. writes the outcome into the matrix: ``emulated-e2e`` when the suites passed,
    ``static-probe`` when only the probe ran and every target verified,
    ``unsupported`` when the probe found mismatches — with the date and the evidence.
@@ -50,15 +50,16 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "compat_matrix.yaml"
 E2E_SUITE = "tests/test_engine.py"
-FEATURES = {"0.28.0": "v0_20_features", "0.34.0": "mrv2_only"}
+FEATURES = {"0.28.0": "v0_20_features", "0.33.0": "v1_runner"}
 """Pinned release -> the pytest marker of the feature tests its run adds to the e2e suite."""
 FEATURE_SUITES = {
     "v0_20_features": ["tests/test_spec_decode.py", "tests/test_kv_transfer.py", "tests/test_kv_offload.py",
                        "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py",
                        "tests/test_vl.py", "tests/test_moe.py"],
-    # What only a Model Runner V2-only release can check (the main environment's vLLM has V1).
-    "mrv2_only": ["tests/test_npu_mode.py", "tests/kernels/test_mrv2_block_tables.py",
-                  "tests/kernels/test_mrv2_spec_decode_kernels.py"],
+    # What only a release with vLLM's V1 model runner can check (the main environment's, 0.34+,
+    # has Model Runner V2 only): V1's rejection sampler, the V1 sets' implementations, the V1
+    # drafter's PIECEWISE graphs.
+    "v1_runner": ["tests/kernels/test_spec_decode.py", "tests/test_graph_spec.py", "tests/test_manifest.py"],
 }
 """Marker -> the test files that carry it."""
 

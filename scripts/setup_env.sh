@@ -10,7 +10,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv}"
 # The main line (scripts/record_matrix_run.py reads it from here).
-REQUIREMENTS="${ASCEND_PATCH_REQUIREMENTS:-$ROOT/requirements/test-vllm-0.33.0.txt}"
+REQUIREMENTS="${ASCEND_PATCH_REQUIREMENTS:-$ROOT/requirements/test-vllm-0.34.0.txt}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.ascend-patch-stamp"
 # The installed .pth is a copy of the checkout's: a change to it must reinstall.

@@ -21,10 +21,10 @@ from ascend_patch.overlay import matrix
 from tests.helpers.process import ROOT, require_pypi
 
 TABLE = matrix.load()
-# The main line (scripts/setup_env.sh names it: vLLM 0.33.0) runs the whole suite; these releases
-# keep pinned runs. The longest run first: the pinned runs start one after another
-# (tests/helpers/pinned.py).
-CI_DYNAMIC = ["0.28.0", "0.34.0", "0.29.0"]
+# The main line (scripts/setup_env.sh names it: vLLM 0.34.0, the newest release served) runs the
+# whole suite; these releases keep pinned runs. The longest run first: the pinned runs start one
+# after another (tests/helpers/pinned.py).
+CI_DYNAMIC = ["0.28.0", "0.33.0", "0.29.0"]
 
 
 def _record_script():
@@ -84,6 +84,14 @@ def test_ci_pins_the_versions_the_issue_asks_for():
         assert (ROOT / "requirements" / f"test-vllm-{version}.txt").is_file(), version
 
 
+def test_the_main_line_is_the_newest_release_served():
+    """The README's commands set up and test the newest vLLM the matrix serves: new releases are
+    what the overlay exists to serve first."""
+    served = [version for version, entry in TABLE.versions.items()
+              if entry.status in ("emulated-e2e", "npu-verified")]
+    assert _main_line() == str(max(served))
+
+
 def test_ci_reruns_every_release_the_matrix_claims_ran():
     claimed = {str(v) for v, entry in TABLE.versions.items() if entry.status == "emulated-e2e"}
     assert claimed == {*CI_DYNAMIC, _main_line()}
@@ -91,8 +99,8 @@ def test_ci_reruns_every_release_the_matrix_claims_ran():
 
 def test_every_release_with_feature_tests_is_pinned_and_its_marker_names_their_files():
     """A pinned release runs the tests carrying its marker (the v0_20 set's features on 0.28.0,
-    what only a Model Runner V2-only vLLM can check on 0.34.0), and those live in the suites its
-    run names."""
+    what only a vLLM with the V1 model runner can check on 0.33.0), and those live in the suites
+    its run names."""
     record = _record_script()
     for version, marker in record.FEATURES.items():
         assert version in CI_DYNAMIC, version
