@@ -58,8 +58,9 @@ FEATURE_SUITES = {
                        "tests/test_vl.py", "tests/test_moe.py"],
     # What only a release with vLLM's V1 model runner can check (the main environment's, 0.34+,
     # has Model Runner V2 only): V1's rejection sampler, the V1 sets' implementations, the V1
-    # drafter's PIECEWISE graphs.
-    "v1_runner": ["tests/kernels/test_spec_decode.py", "tests/test_graph_spec.py", "tests/test_manifest.py"],
+    # drafter's PIECEWISE graphs, and what is served on 0.33 only (recurrent layers, Mooncake).
+    "v1_runner": ["tests/kernels/test_spec_decode.py", "tests/test_graph_spec.py", "tests/test_manifest.py",
+                  "tests/test_mooncake.py", "tests/test_recurrent.py"],
 }
 """Marker -> the test files that carry it."""
 

@@ -78,6 +78,7 @@ def _mooncake_worker(engine_id: str):
     return worker, caches, page
 
 
+@pytest.mark.v1_runner  # 0.33 is the last V1-runner release: its pinned run takes this
 @pytest.mark.skipif(not MOONCAKE, reason="the platform serves vLLM 0.33's MooncakeConnector only")
 def test_mooncake_moves_a_block_with_its_keys_and_values(reference_kernels):
     """vLLM's Mooncake worker registers each Ascend layer as one region of page-long blocks, and
