@@ -1,7 +1,7 @@
 """Speculative decoding on the tiny models, per method against the same engine without it
 (emulated: proxies of NPU cost counted on the emulated NPU, no NPU figures).
 
-Per engine, over one greedy batch (4 requests, eager: FULL graphs are refused with speculation):
+Per engine, over one greedy batch (4 requests, eager):
 
 - accepted drafts per draft step and vLLM's mean acceptance length (1 + that: the tokens a
   request gains per verification), from vLLM's own counters;
@@ -53,7 +53,9 @@ for name, config in spec["engines"].items():
     llm, _ = engine.start(config["model"], **config["kwargs"])
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     target = runner.get_model()
-    drafter = getattr(getattr(runner, "drafter", None), "model", None)  # the n-gram one has none
+    # The V1 runner's drafter, Model Runner V2's speculator (the n-gram ones have no model).
+    proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    drafter = getattr(proposer, "model", None)
     def with_logits(model):  # the model and the logits processors its compute_logits calls
         return [model, *(m for m in model.modules() if type(m).__name__ == "LogitsProcessor")]
     watched = {"target": with_logits(target), "sampling": [runner.sampler]}
@@ -66,10 +68,18 @@ for name, config in spec["engines"].items():
     depth, owner, launches = [0], [None], {part: 0 for part in watched}
     passes = {"target": 0, "drafter": 0}
 
+    class Called:  # MRV2's samplers are plain objects: called through the runner's attribute
+        def __init__(self, wrapped, call):
+            self.wrapped, self.call = wrapped, call
+        def __call__(self, *args, **kwargs):
+            return self.call(*args, **kwargs)
+        def __getattr__(self, name):
+            return getattr(self.wrapped, name)
+
     def watch(part, module, top):
         # Wrap the instance's forward, not hooks: vLLM's torch.compile decorator replaces some
         # models' __call__ (DeepSeek's MTP head) with one that skips the module hooks.
-        forward = module.forward
+        forward = getattr(module, "forward", None) or module.__call__
         def counted(*args, **kwargs):
             if depth[0] == 0:
                 owner[0], mode.active = part, True
@@ -85,7 +95,12 @@ for name, config in spec["engines"].items():
                     mode.active = False
                     launches[owner[0]] += (sum(mode.seam.values()) + sum(mode.aten.values())
                                            - before[0])
-        module.forward = counted
+        if hasattr(module, "forward"):
+            module.forward = counted
+        else:
+            for name in ("sampler", "rejection_sampler"):
+                if getattr(runner, name, None) is module:
+                    setattr(runner, name, Called(module, counted))
 
     before = [0]
     for part, modules in watched.items():
