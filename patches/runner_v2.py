@@ -342,6 +342,20 @@ RUNNER = [
         remove_when=_NO_TRITON_ASCEND,
     ),
     Patch(
+        f"{_GPU}.spec_decode.rejection_sampler:RejectionSampler._verify",
+        reason="verify an all-greedy batch's drafts with one argmax over its processed logits "
+               "instead of the torch rejection kernels' per-row statistics and Philox noise (the "
+               "same tokens)",
+        signature=("(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping, "
+                   "idx_mapping_np, expanded_idx_mapping, expanded_local_pos, "
+                   "seq_lens_upper_bound_np)",),
+        wrapper="ascend_patch.npu.runner.v2.sampler:greedy_verification_takes_argmax",
+        upstream="vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py: rejection_sample "
+                 "launches the same Triton kernels for every batch, whose greedy rows skip the "
+                 "noise on the device; without Triton each row pays for it",
+        remove_when=_NO_TRITON_ASCEND,
+    ),
+    Patch(
         f"{_GPU}.sample.states:SamplingStates.get_top_k_top_p",
         reason="hand the top-k/top-p mask the host copy of k, so it routes rows between "
                "npu_top_k_top_p (k ≤ 1024) and vLLM's sort without a per-step device sync",

@@ -442,12 +442,15 @@ def _greedy_case(drafts, targets_argmax, vocab=6):
         seed=torch.tensor([1, 2]), num_speculative_steps=3)
 
 
-@pytest.mark.parametrize("drafts,argmaxes,tokens,accepted", [
+GREEDY_CASES = [
     ((2, 4, 1), (2, 4, 1, 5), [2, 4, 1, 5], 3),  # all accepted: the bonus argmax follows
     ((3, 4, 1), (2, 4, 1, 5), [2], 0),  # first rejected: the target argmax replaces it
     ((2, 4, 0), (2, 4, 1, 5), [2, 4, 1], 2),  # partial
     ((2, -1, 1), (2, 4, 1, 5), [2, 4], 1),  # a placeholder is rejected, the argmax stored
-])
+]
+
+
+@pytest.mark.parametrize("drafts,argmaxes,tokens,accepted", GREEDY_CASES)
 def test_greedy_verification_by_hand(drafts, argmaxes, tokens, accepted):
     sampled, num_sampled, rejected, target_lse, _ = rejection_sample(
         **_greedy_case(drafts, argmaxes), vocab_block=4, resample_block=4)
@@ -913,11 +916,9 @@ def test_update_draft_inputs_by_hand(step, last):
 
 # --- vLLM's own host code over the overrides (0.34) ---------------------------------------------
 
-@pytest.mark.mrv2_only
-def test_vllm_rejection_sample_runs_the_overrides(monkeypatch):
-    """vLLM 0.34's rejection_sample() and gather_draft_sampled(), their kernels replaced by
-    KernelOverrides as register_kernels leaves them, give what this file's transcription of the
-    host code gives."""
+def _vllm_rejection_sample(monkeypatch):
+    """vLLM 0.34's rejection_sample(), its kernels replaced by KernelOverrides as register_kernels
+    leaves them, called on one of this file's batches."""
     from vllm.triton_utils import triton
     from vllm.triton_utils.dispatcher import KernelOverride
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler, rejection_sampler_utils
@@ -929,20 +930,75 @@ def test_vllm_rejection_sample_runs_the_overrides(monkeypatch):
         for impl in kernels.KERNELS[module.__name__]:
             monkeypatch.setattr(module, impl.__name__,
                                 KernelOverride(getattr(module, impl.__name__), impl))
-    for block in (False, True):
-        batch = _batch(21)
-        cache = DraftLogitsCache.__new__(DraftLogitsCache)
-        cache.values, cache.row_mapping = batch["draft_logits"], None
-        sampled, num_sampled = rejection_sampler_utils.rejection_sample(
+
+    def sample(batch, block=False):
+        cache = None
+        if batch["draft_logits"] is not None:
+            cache = DraftLogitsCache.__new__(DraftLogitsCache)
+            cache.values, cache.row_mapping = batch["draft_logits"], None
+        return rejection_sampler_utils.rejection_sample(
             batch["target_logits"], cache, batch["draft_sampled"], batch["cu_num_logits"],
             batch["pos"], batch["idx_mapping"], batch["expanded_idx_mapping"],
             batch["expanded_local_pos"], batch["temperature"], batch["seed"], 3,
             use_block_verification=block)
+
+    return sample
+
+
+def _sampled_as_lists(sampled, num_sampled) -> list[list[int]]:
+    return [sampled[r, :n].tolist() for r, n in enumerate(num_sampled.tolist())]
+
+
+@pytest.mark.mrv2_only
+def test_vllm_rejection_sample_runs_the_overrides(monkeypatch):
+    """vLLM 0.34's rejection_sample() and gather_draft_sampled(), their kernels replaced by
+    KernelOverrides as register_kernels leaves them, give what this file's transcription of the
+    host code gives."""
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler
+
+    vllm_sample = _vllm_rejection_sample(monkeypatch)
+    for block in (False, True):
+        batch = _batch(21)
+        sampled, num_sampled = vllm_sample(batch, block)
         expected, expected_num, *_ = rejection_sample(**batch, block=block)
         assert num_sampled.tolist() == expected_num.tolist()
-        for r, n in enumerate(expected_num.tolist()):
-            assert sampled[r, :n].tolist() == expected[r, :n].tolist()
+        assert _sampled_as_lists(sampled, num_sampled) == _sampled_as_lists(expected, expected_num)
     draft, pos = rejection_sampler.gather_draft_sampled(
         torch.tensor([11, 12, 13]), torch.tensor([3, 4, 6]), torch.tensor([0, 1, 2]),
         torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]), torch.tensor([4]))
     assert draft.tolist() == [11, -1, 13] and pos.tolist() == [3, 4, 6]  # 4 - 1 < 4 <= 6 - 2
+
+
+# --- all-greedy batches on one argmax (ascend_patch.npu.runner.v2.sampler) ----------------------
+
+@pytest.mark.parametrize("drafts,argmaxes,tokens,accepted", GREEDY_CASES)
+def test_greedy_verification_by_hand_on_one_argmax(drafts, argmaxes, tokens, accepted):
+    from ascend_patch.npu.runner.v2.sampler import greedy_verification
+
+    case = _greedy_case(drafts, argmaxes)
+    sampled, num_sampled = greedy_verification(case["target_logits"], case["draft_sampled"],
+                                               case["cu_num_logits"], 3)
+    assert num_sampled.dtype == torch.int32 and num_sampled.tolist() == [accepted + 1]
+    assert sampled[0, : len(tokens)].tolist() == tokens
+
+
+@pytest.mark.mrv2_only
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_verification_equals_vllms_kernels(monkeypatch, seed):
+    """Greedy batches of prefills (one logit) and 1 to 3 drafts per request, drafts and
+    placeholders mixed, without and with draft logits (a narrower draft vocabulary is cut by the
+    wrapper, not here): the accepted drafts and the tokens vLLM's rejection_sample gives; a
+    draft column read one row behind (the control) does not."""
+    from ascend_patch.npu.runner.v2.sampler import greedy_verification
+
+    vllm_sample = _vllm_rejection_sample(monkeypatch)
+    batch = _batch(seed, temperatures=(0.0,), draft_logits=bool(seed % 2), drafts=(3, 0, 2, 3, 1, 3))
+    batch["draft_sampled"][3] = -1  # a placeholder in the first request's drafts
+    expected = _sampled_as_lists(*vllm_sample(batch))
+    ours = greedy_verification(batch["target_logits"], batch["draft_sampled"],
+                               batch["cu_num_logits"], 3)
+    assert _sampled_as_lists(*ours) == expected
+    assert any(len(tokens) > 1 for tokens in expected)  # drafts were accepted
+    behind = greedy_verification(batch["target_logits"], batch["draft_sampled"].roll(1),
+                                 batch["cu_num_logits"], 3)
+    assert _sampled_as_lists(*behind) != expected
