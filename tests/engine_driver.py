@@ -270,7 +270,10 @@ def _worker_graphs(_worker=None, earlier: frozenset = frozenset()) -> dict:
     ops = {mode: Counter(launch[4] for graph in by_size[min(by_size)]
                          for launch in getattr(graph, "_launches", []) if launch[4])
            for mode, by_size in captured.items()}
-    return {"replays": dict(NPUGraphWrapper.replays), "task_updates": NPUGraphWrapper.task_updates,
+    replays = Counter()
+    for (_, size), n in NPUGraphWrapper.replays.items():
+        replays[size] += n
+    return {"replays": dict(replays), "task_updates": NPUGraphWrapper.task_updates,
             "captured_ops": {mode: dict(counts) for mode, counts in ops.items()}}
 
 

@@ -72,15 +72,15 @@ def measured():
 
     report: dict = {}
     replays, captures = NPUGraphWrapper.replays.copy(), NPUGraphWrapper.captures
-    by_model = NPUGraphWrapper.replays_by_model.copy()
     updates = NPUGraphWrapper.task_updates
     with kernels.count_launches() as launches, fused_batches(kernels) as batches:
         try:
             yield report
         finally:
-            by_size = NPUGraphWrapper.replays - replays
+            by_size: collections.Counter[int] = collections.Counter()
             sizes_by_model: dict[str, dict[str, int]] = {}
-            for (model, size), n in sorted((NPUGraphWrapper.replays_by_model - by_model).items()):
+            for (model, size), n in sorted((NPUGraphWrapper.replays - replays).items()):
+                by_size[size] += n
                 sizes_by_model.setdefault(model, {})[str(size)] = n
             report.update(launches=dict(launches), fused_batches=dict(batches),
                           graph_replays=sum(by_size.values()),

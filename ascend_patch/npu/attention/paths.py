@@ -60,12 +60,12 @@ def speculative_rows(spec) -> tuple[int, ...]:
 
 def verify_graph_refusal(vllm_config, head_size: int) -> str | None:
     """Why FULL graphs cannot hold this engine's speculative verification rows (1 + k queries per
-    request, uniform; :func:`speculative_rows`), or None: they run on the TND ``npu_fused_infer_attention_score`` with the
-    causal mask (the band in windowed layers) in its ``.out`` form, whose host query and KV
-    lengths every replay re-issues, at the head sizes and dtypes its paged TND form takes, for at
-    most 16 rows per request; in MLA models on the op's MLA form (BNSD, causal), where its
-    decode runs (:func:`mla_graph_decode_refusal`), for at most 16 rows per request. None also
-    without speculative decoding."""
+    request, uniform; :func:`speculative_rows`), or None: they run on the TND
+    ``npu_fused_infer_attention_score`` with the causal mask (the band in windowed layers) in its
+    ``.out`` form, whose host query and KV lengths every replay re-issues, at the head sizes and
+    dtypes its paged TND form takes, for at most 16 rows per request; in MLA models on the op's
+    MLA form (BNSD, causal), where its decode runs (:func:`mla_graph_decode_refusal`), for at
+    most 16 rows per request. None also without speculative decoding."""
     spec = vllm_config.speculative_config
     if spec is None:
         return None

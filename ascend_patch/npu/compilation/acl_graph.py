@@ -120,9 +120,9 @@ class NPUGraphWrapper(CUDAGraphWrapper):
     """
 
     captures = 0  # process-wide counts, for tests and benchmarks
-    replays: Counter[int] = Counter()  # by the replayed batch's (padded) token count
-    # by (model tag, padded token count): the wrapper's tag (see __init__), or MRV2's manager's
-    replays_by_model: Counter[tuple[str, int]] = Counter()
+    # by (model tag, the replayed batch's padded token count): the wrapper's tag (see __init__),
+    # or an MRV2 graph manager's
+    replays: Counter[tuple[str, int]] = Counter()
     task_updates = 0  # captured launches re-issued with a replay's host parameters
 
     def __init__(self, runnable, vllm_config, runtime_mode, cudagraph_options=None) -> None:
@@ -163,8 +163,7 @@ class NPUGraphWrapper(CUDAGraphWrapper):
                                                  context.attn_metadata)
             NPUGraphWrapper.task_updates += len(updates)
         entry.cudagraph.replay()
-        NPUGraphWrapper.replays[descriptor.num_tokens] += 1
-        NPUGraphWrapper.replays_by_model[self.model_tag, descriptor.num_tokens] += 1
+        NPUGraphWrapper.replays[self.model_tag, descriptor.num_tokens] += 1
         return entry.output
 
     def _capture(self, descriptor, args, kwargs):

@@ -31,9 +31,10 @@ from vllm.platforms import current_platform
 from ascend_patch.npu.compilation import acl_graph
 from ascend_patch.npu.compilation.acl_graph import NPUGraphWrapper  # the process's graph counters
 
-managers: weakref.WeakSet = weakref.WeakSet()
+managers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The process's graph managers, whose ``graphs`` hold its FULL graphs by batch descriptor (what
-the engine tests inspect, as ``NPUGraphWrapper._all_instances`` for V1's)."""
+the engine tests inspect, as ``NPUGraphWrapper._all_instances`` for V1's), each with the model
+tag its replays count under: "backbone" the target's, "drafter" a speculator's."""
 step_metadata: dict = {}
 """The attention metadata last built for each layer, by layer name: what each replay renews its
 launches with. Layers are named apart (the drafter's from the target's), and every build precedes
@@ -83,8 +84,11 @@ def record_step_metadata(metadata: dict | None) -> None:
 
 
 def register_manager(wrapped, instance, args, kwargs):
-    """Wrapper of ``CudaGraphManager.capture``: the process's managers, for the engine tests."""
-    managers.add(instance)
+    """Wrapper of ``CudaGraphManager.capture``: the process's managers and their model tags, for
+    the engine tests."""
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    managers[instance] = "backbone" if isinstance(instance, ModelCudaGraphManager) else "drafter"
     return wrapped(*args, **kwargs)
 
 
@@ -102,8 +106,7 @@ def renew_before_replay(wrapped, instance, args, kwargs):
         instance._workspaces = acl_graph.renew_host_params(graphs, instance._update_stream,
                                                            launches, step_metadata)
         NPUGraphWrapper.task_updates += len(launches)
-    NPUGraphWrapper.replays[desc.num_tokens] += 1
-    NPUGraphWrapper.replays_by_model[_model_of(instance), desc.num_tokens] += 1
+    NPUGraphWrapper.replays[managers[instance], desc.num_tokens] += 1  # captured, so registered
     return wrapped(*args, **kwargs)
 
 
@@ -113,9 +116,3 @@ def record_drafter_metadata(wrapped, instance, args, kwargs):
     metadata = wrapped(*args, **kwargs)
     record_step_metadata(metadata)
     return metadata
-
-
-def _model_of(manager) -> str:
-    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
-
-    return "backbone" if isinstance(manager, ModelCudaGraphManager) else "drafter"

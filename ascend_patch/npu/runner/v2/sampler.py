@@ -42,6 +42,11 @@ def attach_host_top_k(wrapped, instance, args, kwargs):
     return top_k, top_p, has_topp_only_rows
 
 
+def all_greedy(sampling_states, idx_mapping_np) -> bool:
+    """Whether every request of the batch samples at temperature 0, read from the host copy."""
+    return bool((sampling_states.temperature.np[idx_mapping_np] == 0.0).all())
+
+
 def greedy_batches_take_argmax(wrapped, instance, args, kwargs):
     """Wrapper of ``Sampler._sample_random``: a batch whose every request is greedy (temperature
     0, known on the host) and that masks no top-k/top-p is sampled with one ``argmax``. vLLM's
@@ -53,7 +58,7 @@ def greedy_batches_take_argmax(wrapped, instance, args, kwargs):
     (processed_logits, _expanded_idx_mapping, idx_mapping_np, _pos, top_k, top_p,
      _has_topp_only_rows, use_fused_sampler) = args
     if (top_k is None and top_p is None and not use_fused_sampler
-            and bool((instance.sampling_states.temperature.np[idx_mapping_np] == 0.0).all())):
+            and all_greedy(instance.sampling_states, idx_mapping_np)):
         return processed_logits.argmax(dim=-1), processed_logits
     return wrapped(*args, **kwargs)
 
@@ -75,7 +80,7 @@ def greedy_verification_takes_argmax(wrapped, instance, args, kwargs):
     if (instance.watermark_key is not None or instance.synthetic_conditional_rates is not None
             or instance.fly_window_size > 0 or instance.enable_adaptive_verification
             or sampler.trace_replay_state is not None
-            or not bool((sampler.sampling_states.temperature.np[idx_mapping_np] == 0.0).all())):
+            or not all_greedy(sampler.sampling_states, idx_mapping_np)):
         return wrapped(*args, **kwargs)
     processed = sampler.apply_sampling_params(
         logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, draft_sampled,
