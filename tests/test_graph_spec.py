@@ -52,6 +52,10 @@ SHIFTED_DRAFTER_LAYER = "layers.1."
 # sizes list beside the target's.
 DRAFT_STEP_SIZES = {1, 2, 3, 4} if MRV2 else set()
 DRAFTER_CAPTURES = 3 + len(DRAFT_STEP_SIZES)
+PIECES = 2  # PIECEWISE pieces of a one-layer model (split at its attention)
+ENGINE = {"dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4,
+          "gpu_memory_utilization": 0.9, "disable_log_stats": False}
+GREEDY = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (24, 15, 9)]
 
 
 def _verification_sizes(engine: dict) -> list[int]:
@@ -68,10 +72,6 @@ def _task_updates(run: dict, name: str, target_layers: int = LAYERS) -> int:
     by_model = run["graph_replays_by_model"]
     drafter = by_model.get("drafter", 0)
     return target_layers * by_model.get("backbone", 0) + (drafter and DRAFT_LAYERS[name] * drafter)
-PIECES = 2  # PIECEWISE pieces of a one-layer model (split at its attention)
-ENGINE = {"dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4,
-          "gpu_memory_utilization": 0.9, "disable_log_stats": False}
-GREEDY = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (24, 15, 9)]
 
 
 def _speculative(method: str, **config) -> dict:

@@ -63,7 +63,7 @@ def test_every_claimed_status_has_a_recorded_run(version):
         assert run["environment"]["vllm"] == version, "the run used exactly this release"
         record = _record_script()
         marker = record.FEATURES.get(str(version))
-        assert ("features" in run) == (marker is not None), "the feature tests of its patch set"
+        assert ("features" in run) == (marker is not None), "the feature tests of its pinned run"
         if marker:
             features = run["features"]
             assert features["run"] == "emulated-features" and features["marker"] == marker
