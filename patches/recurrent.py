@@ -12,8 +12,9 @@ _NO_TRITON = ("launches Triton kernels (CPU builds swap in vllm._C kernels), nei
 _REMOVE = "a torch_npu or triton-ascend op takes vLLM's convolution and selective scan"
 _FLA = "vllm.third_party.flash_linear_attention.ops"
 
-# Served and proven on 0.33 only: the mixers' calls changed across 0.20–0.32.
-RELEASES = "==0.33.*"
+# Served and proven from 0.33 (the V1 runner) and 0.34 (Model Runner V2's hybrid model state): the
+# mixers' calls changed across 0.20–0.32.
+RELEASES = ">=0.33"
 
 RECURRENT = [
     Patch(
@@ -97,4 +98,25 @@ RECURRENT = [
                  "Mamba cache mode 'align' checkpoints states (Triton kernels)",
         remove_when="the NPU path caches recurrent states (align mode)",
     ),
+]
+
+# From 0.34 Qwen3-Next's gated DeltaNet gathers and scatters its prefill states with two Triton
+# kernels of their own (v0_34 composes these beside RECURRENT).
+STATE_COPIES = [
+    Patch(
+        f"{_OPS}.{name}:{name}",
+        reason=f"run {what} on the composed path (one torch index op)",
+        signature=signature,
+        replacement=f"{_COMPOSED}:instead",
+        implementation=f"{_COMPOSED}:{name}",
+        upstream=f"vllm/model_executor/layers/mamba/ops/{name}.py (called by Qwen3-Next's gated "
+                 f"DeltaNet from 0.34): a Triton kernel that asserts a CUDA or XPU tensor",
+        remove_when="vLLM gives these row copies a torch fallback or a platform hook",
+    )
+    for name, what, signature in (
+        ("gather_initial_states", "the gated delta rule's gather of prefill initial states",
+         ("(state, indices, has_initial_state)",)),
+        # No signature: vLLM's warm-up decorator shows its Triton kernel's parameters at runtime.
+        ("scatter_states", "the gated delta rule's scatter of prefill final states", None),
+    )
 ]

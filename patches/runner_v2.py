@@ -54,6 +54,10 @@ _KERNELS = {
             '(idx_mapping_ptr, expanded_idx_mapping_ptr, expanded_local_pos_ptr, cu_num_logits_ptr, '
             'BLOCK_SIZE)',
     }),
+    "model_states.mamba_hybrid": ("input_kernels", {
+        "_scatter_num_accepted_kernel": "(idx_mapping_ptr, num_sampled_ptr, num_accepted_ptr)",
+        "_fill_num_accepted_kernel": "(idx_mapping_ptr, num_accepted_ptr, num_sampled)",
+    }),
     "buffer_utils": ("input_kernels", {
         "_apply_write_kernel":
             '(output_ptr, output_stride, write_indices_ptr, write_starts_ptr, write_contents_ptr, '

@@ -5,11 +5,12 @@
 ``block_table.py``, the V1 sampler and ``v1/spec_decode/``). This set is v0_29's runner-neutral
 declarations (``v0_29.NEUTRAL``: platform, attention, MoE, quantization, LoRA, graphs, KV
 allocation; less those limited to releases before 0.34) with Model Runner V2's
-(:mod:`ascend_patch.patches.runner_v2`) in place of the V1 runner's.
+(:mod:`ascend_patch.patches.runner_v2`) in place of the V1 runner's, and the recurrent layers'
+state copies that 0.34 added (``recurrent.STATE_COPIES``).
 """
 
 from ascend_patch.overlay.declarations import Seam, admits
-from ascend_patch.patches import graphs, runner_v2, v0_29
+from ascend_patch.patches import graphs, recurrent, runner_v2, v0_29
 
 RUNNER = "v2"
 
@@ -19,7 +20,7 @@ def _on_0_34(declarations) -> list:
     return [d for d in declarations if admits(d, "0.34")]
 
 
-PATCHES = [*_on_0_34(v0_29.NEUTRAL), *runner_v2.RUNNER]
+PATCHES = [*_on_0_34(v0_29.NEUTRAL), *recurrent.STATE_COPIES, *runner_v2.RUNNER]
 
 SEAMS = [
     Seam("vllm.v1.kv_offload.base:DevicePointers",

@@ -50,19 +50,23 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "compat_matrix.yaml"
 E2E_SUITE = "tests/test_engine.py"
-FEATURES = {"0.28.0": "v0_20_features", "0.33.0": "v1_runner"}
-"""Pinned release -> the pytest marker of the feature tests its run adds to the e2e suite."""
+FEATURES = {"0.28.0": "v0_20_features", "0.33.0": "v1_runner or each_runner"}
+"""Pinned release -> the pytest markers (a ``-m`` expression) of the feature tests its run adds to
+the e2e suite."""
 FEATURE_SUITES = {
     "v0_20_features": ["tests/test_spec_decode.py", "tests/test_kv_transfer.py", "tests/test_kv_offload.py",
                        "tests/test_data_parallel.py", "tests/test_pooling.py", "tests/test_graph.py",
                        "tests/test_vl.py", "tests/test_moe.py"],
     # What only a release with vLLM's V1 model runner can check (the main environment's, 0.34+,
-    # has Model Runner V2 only): V1's rejection sampler, the V1 sets' implementations, the V1
-    # drafter's PIECEWISE graphs, and what is served on 0.33 only (recurrent layers, Mooncake).
-    "v1_runner": ["tests/kernels/test_spec_decode.py", "tests/test_graph_spec.py", "tests/test_manifest.py",
-                  "tests/test_mooncake.py", "tests/test_recurrent.py"],
+    # has Model Runner V2 only): V1's rejection sampler, the V1 sets' implementations and the V1
+    # drafter's PIECEWISE graphs; and what each runner generation serves through its own code
+    # (each_runner: recurrent layers' state books, the Mooncake connector's registration), which
+    # the main line checks on MRV2.
+    "v1_runner or each_runner": ["tests/kernels/test_spec_decode.py", "tests/test_graph_spec.py",
+                                 "tests/test_manifest.py", "tests/test_mooncake.py",
+                                 "tests/test_recurrent.py"],
 }
-"""Marker -> the test files that carry it."""
+"""Marker expression -> the test files that carry one of its markers."""
 
 
 def requirements_for(version: str) -> Path:

@@ -26,7 +26,7 @@ def test_unchosen_mark():
     pass
 
 
-@pytest.mark.skipif(True, reason="recurrent layers are served on vLLM 0.33 only")
+@pytest.mark.skipif(True, reason="recurrent layers are served on vLLM 0.33 and later")
 def test_chosen_mark():
     pass
 

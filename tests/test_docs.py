@@ -36,6 +36,20 @@ def test_compatibility_tables_are_generated_from_the_matrix():
     assert set(matrix.STATUS_LEGEND) == set(matrix.STATUSES), "the legend explains every status"
 
 
+def test_the_readme_feature_table_is_generated_from_the_recorded_suites():
+    """Each feature names suites that exist, and the README's table is what the matrix's records
+    (and the main line, which runs them all) give."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render", ROOT / "scripts" / "render_readme_matrix.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    for suites in render.FEATURES.values():
+        assert all((ROOT / suite).is_file() for suite in suites), suites
+    table = matrix.render_feature_table(matrix.load(), render.FEATURES, render._main_line())
+    assert f"{render.FEATURE_START}\n{table}\n{render.FEATURE_END}" in README, \
+        "run: python scripts/render_readme_matrix.py"
+
 def test_the_readme_is_a_front_door():
     assert len(README.encode()) <= 12 * 1024
     for needed in ("It has not run on Ascend hardware", "emulated", "ascend-patch verify", "## Requirements",

@@ -166,10 +166,11 @@ def test_unsupported_serving_is_refused_in_one_line(disaggregated, case, message
     assert message in error and "\n" not in error, error
 
 
-@pytest.mark.parametrize("version, served", [("0.28.0", False), ("0.32.0", False), ("0.33.0", True)])
+@pytest.mark.parametrize("version, served", [("0.28.0", False), ("0.32.0", False), ("0.33.0", True),
+                                              ("0.34.0", True)])
 @pytest.mark.parametrize("emulated", [False, True])
 def test_mooncake_is_served_with_the_ascend_protocol_or_refused(emulated, version, served):
-    """vLLM 0.33's MooncakeConnector, alone or in a MultiConnector, gets the Ascend transport on
+    """vLLM's MooncakeConnector (0.33 and later), alone or in a MultiConnector, gets the Ascend transport on
     the NPU (tcp emulated) unless one is named; releases whose patch set does not install the
     re-sharding wrapper (patches/v0_29.py) refuse it in one line."""
     from ascend_patch.npu.distributed.kv_transfer import _check_connector

@@ -1,7 +1,7 @@
-"""vLLM 0.33's MooncakeConnector on the Ascend KV-cache layout (emulated): vLLM's own worker
-registers each layer's cache and plans a block transfer, and the planned copy moves exactly that
-block's keys and values. 0.33-only, so it lives outside tests/test_kv_transfer.py, whose tests all
-run on the pinned v0_20 release as well (its refusal of Mooncake is tested there).
+"""vLLM's MooncakeConnector (0.33 and later) on the Ascend KV-cache layout (emulated): vLLM's own
+worker registers each layer's cache and plans a block transfer, and the planned copy moves exactly
+that block's keys and values. Served from 0.33 on, so it lives outside tests/test_kv_transfer.py,
+whose tests all run on the pinned v0_20 release as well (its refusal of Mooncake is tested there).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-MOONCAKE = Version(version("vllm")).base_version.rsplit(".", 1)[0] == "0.33"
+MOONCAKE = Version(version("vllm")).release >= (0, 33)
 # The Mooncake transfer engine (mooncake-transfer-engine on PyPI) links libcuda, libcudart and
 # libibverbs, so it cannot load here: vLLM's connector worker is run without its __init__ (which
 # starts the engine, threads and sockets), on an in-process engine that copies between
@@ -40,7 +40,7 @@ class _Fabric:
 
 
 def _mooncake_worker(engine_id: str):
-    """vLLM 0.33's MooncakeConnectorWorker over two tiny-Llama-sized layers (2 KV heads, head size
+    """vLLM's MooncakeConnectorWorker over two tiny-Llama-sized layers (2 KV heads, head size
     64, 4 blocks of 128 tokens) allocated as on the NPU: vLLM's single int8 buffer, LBNHC layer
     views, each re-viewed by ascend_patch as ``[blocks, 2, 128, heads, head_size]``."""
     from collections import OrderedDict
@@ -78,8 +78,8 @@ def _mooncake_worker(engine_id: str):
     return worker, caches, page
 
 
-@pytest.mark.v1_runner  # 0.33 is the last V1-runner release: its pinned run takes this
-@pytest.mark.skipif(not MOONCAKE, reason="the platform serves vLLM 0.33's MooncakeConnector only")
+@pytest.mark.each_runner  # the pinned 0.33.0 run checks it too
+@pytest.mark.skipif(not MOONCAKE, reason="the platform serves vLLM's MooncakeConnector from 0.33")
 def test_mooncake_moves_a_block_with_its_keys_and_values(reference_kernels):
     """vLLM's Mooncake worker registers each Ascend layer as one region of page-long blocks, and
     the transfer it plans for producer block 2 → consumer block 3 moves exactly that block: the

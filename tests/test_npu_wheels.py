@@ -24,6 +24,7 @@ from importlib.metadata import version as installed_version
 
 import pytest
 import torch
+from packaging.version import Version
 
 from ascend_patch.kit import pooling, tiny_adapters, tiny_encoders
 from ascend_patch.kit import quantized_models as quantize
@@ -70,11 +71,11 @@ FAMILIES = {
     "w8a8": ("w8a8", "bfloat16", {"quantization": "ascend"}, [GREEDY]),
     "w8a8 moe": ("w8a8-moe", "bfloat16", {}, [GREEDY]),
 }
-# Recurrent layers are served on vLLM 0.33 only: Qwen3-Next's gated-DeltaNet decode in bf16 takes
-# npu_recurrent_gated_delta_rule (no prefix caching of its states).
-RECURRENT_SERVED = installed_version("vllm").startswith("0.33.")
-RECURRENT_TORCH_NPU = next(entry.torch_npu for entry in matrix.load().versions.values()
-                           if entry.vllm.startswith("0.33."))
+# Recurrent layers are served on vLLM 0.33 and later: Qwen3-Next's gated-DeltaNet decode in bf16
+# takes npu_recurrent_gated_delta_rule (no prefix caching of its states).
+RECURRENT_SERVED = Version(installed_version("vllm")).release >= (0, 33)
+RECURRENT_TORCH_NPU = {entry.torch_npu for entry in matrix.load().versions.values()
+                       if Version(entry.vllm).release >= (0, 33)}
 if RECURRENT_SERVED:
     FAMILIES["gated deltanet"] = ("tiny-qwen3-next", "bfloat16", {"enable_prefix_caching": False}, [])
 # LoRA, fp16: two adapters and the base model in one batch; the merged QKV and gate/up slices
@@ -193,8 +194,8 @@ def test_every_recorded_call_binds_and_matches_the_meta_kernel(version, seam_cal
     monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
     failures = {}
     for call in seam_calls:
-        if call["op"] == "recurrent_gated_delta_rule" and version != RECURRENT_TORCH_NPU:
-            continue  # called on vLLM 0.33 only, whose torch-npu is the one that ships it
+        if call["op"] == "recurrent_gated_delta_rule" and version not in RECURRENT_TORCH_NPU:
+            continue  # called on vLLM 0.33 and later, whose torch-npu builds are the ones to ship it
         problem = replay(wheel, torch_npu, call)
         if problem:
             failures.setdefault((call["op"], problem), call)

@@ -22,15 +22,16 @@ from importlib.metadata import version
 import pytest
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 
 from ascend_patch.kit.oracle import hf_greedy
 from tests.helpers.engine import assert_tracks_hf_logits, run_engine
 
-SERVED = version("vllm").startswith("0.33.")
-# Served on 0.33, the last release of the V1 runner, only: the pinned 0.33.0 run takes these
-# (v1_runner, scripts/record_matrix_run.py); Model Runner V2 releases deselect them.
-pytestmark = [pytest.mark.v1_runner,
-              pytest.mark.skipif(not SERVED, reason="recurrent layers are served on vLLM 0.33 only")]
+SERVED = Version(version("vllm")).release >= (0, 33)
+# Served from 0.33: on the V1 runner there (the pinned 0.33.0 run), through Model Runner V2's
+# hybrid model state from 0.34 (the main line).
+pytestmark = [pytest.mark.each_runner,
+              pytest.mark.skipif(not SERVED, reason="recurrent layers are served on vLLM 0.33 and later")]
 
 # 150 tokens: five SSD chunks, and three scheduler steps at 64 tokens a step.
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(150)], list(range(40, 47)),
@@ -266,6 +267,23 @@ def test_composed_gated_delta_chunks_follow_the_naive_recurrence():
         torch.testing.assert_close(out[0, begin:end], want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(finals[seq], state, rtol=1e-4, atol=1e-4)
 
+
+
+def test_prefill_states_are_gathered_from_their_slots_and_scattered_back():
+    """vLLM 0.34's gated DeltaNet prefill reads each sequence's initial state from its slot
+    (zeros for a new sequence, whatever its slot holds) and writes the final states back."""
+    from ascend_patch.npu.ops import recurrent
+
+    cache = torch.randn(6, 4, 8, 16)
+    cache[3] = float("nan")  # a new sequence's slot may hold anything, even NaN
+    slots, started = torch.tensor([4, 3, 1], dtype=torch.int32), torch.tensor([True, False, True])
+    initial = recurrent.gather_initial_states(cache, slots, started)
+    torch.testing.assert_close(initial, torch.stack([cache[4], torch.zeros(4, 8, 16), cache[1]]),
+                               rtol=0, atol=0)
+    before, finals = cache.clone(), torch.randn(3, 4, 8, 16)
+    recurrent.scatter_states(cache, finals, slots)
+    torch.testing.assert_close(cache[[4, 3, 1]], finals, rtol=0, atol=0)
+    torch.testing.assert_close(cache[[0, 2, 5]], before[[0, 2, 5]], rtol=0, atol=0)
 
 def test_composed_gated_delta_decode_computes_the_gates_and_skips_padded_rows():
     from ascend_patch.npu.ops import recurrent

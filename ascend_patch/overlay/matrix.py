@@ -401,6 +401,24 @@ def render_features(table: Matrix) -> str:
     return "\n".join(lines)
 
 
+def render_feature_table(table: Matrix, features: dict[str, list[str]], main_line: str) -> str:
+    """The README's feature table: per release line (patch set), the releases on which every test
+    suite of a feature is recorded as passing (emulated); ``main_line``, the release of the main
+    environment, runs every suite in each CI run."""
+    sets = list(reversed(table.patch_sets))
+    lines = ["| feature (its suites) | " + " | ".join(f"{s.name} (`{s.range}`)" for s in sets) + " |",
+             "|---" * (len(sets) + 1) + "|"]
+    for feature, suites in features.items():
+        cells = []
+        for spec in sets:
+            found = [e for e in table.versions.values() if e.patch_set == spec.name]
+            ran = [f"{e.vllm} (main)" if e.vllm == main_line else e.vllm
+                   for e in found if e.vllm == main_line or set(suites) <= set(_suites_of(e))]
+            cells.append(", ".join(ran) or "-")
+        named = ", ".join(f"`{suite.removeprefix('tests/')}`" for suite in suites)
+        lines.append(f"| {feature} ({named}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
 def render_constraints(table: Matrix) -> str:
     """A pip constraints file (``pip install -c FILE vllm``): the vLLM releases some patch set
     serves, so ``pip install -U vllm`` cannot move a working host past them; the torch and

@@ -462,6 +462,36 @@ def test_post_update_num_computed_tokens_equals_the_kernels_loop(seed, wrong):
     assert _agree((computed, expected)) is not wrong
 
 
+# --- the hybrid model state's accepted counts (model_states/mamba_hybrid.py) -------------------
+
+
+def test_num_accepted_scatter_and_fill_by_hand():
+    """A row's accepted count is what it sampled, at least one (a chunked prefill samples none);
+    a filtered row (-1) leaves its request alone."""
+    accepted = torch.ones(4, dtype=torch.int32)
+    kernels._scatter_num_accepted_kernel(_i32([2, -1, 0]), _i32([0, 3, 2]), accepted)
+    assert accepted.tolist() == [2, 1, 1, 1]
+    kernels._fill_num_accepted_kernel(_i32([1, -1, 3]), accepted, 4)
+    assert accepted.tolist() == [2, 4, 1, 4]
+
+
+@WRONG
+@pytest.mark.parametrize("seed", range(3))
+def test_num_accepted_scatter_equals_the_kernels_loop(seed, wrong):
+    generator = torch.Generator().manual_seed(seed)
+    requests = torch.randperm(8, generator=generator)[:5].to(torch.int32)
+    requests[1] = -1
+    sampled = torch.randint(0, 4, (5,), generator=generator, dtype=torch.int32)
+    accepted = torch.randint(1, 4, (8,), generator=generator, dtype=torch.int32)
+    expected = accepted.clone()
+    for r, n in zip(requests.tolist(), sampled.tolist()):
+        if r >= 0:
+            expected[r] = max(n, 1)
+    # wrong: each row's count booked for the next row's request
+    kernels._scatter_num_accepted_kernel(requests.roll(1) if wrong else requests, sampled, accepted)
+    assert _agree((accepted, expected)) is not wrong
+
+
 def loop_expand(idx_mapping, expanded, local_pos, cu):
     for b, r in enumerate(idx_mapping.tolist()):
         for i in range(int(cu[b + 1]) - int(cu[b])):
@@ -618,6 +648,9 @@ LAUNCHES = {  # fn -> (grid, every kernel argument in order, constexprs included
     kernels._expand_idx_mapping_kernel: lambda: ((3,), [
         torch.tensor([6, 2, 4]), torch.full((5,), -1), torch.full((5,), -1, dtype=torch.int32),
         _i32([0, 3, 3, 4]), 4]),
+    kernels._scatter_num_accepted_kernel: lambda: ((3,), [
+        _i32([2, -1, 0]), _i32([0, 3, 2]), torch.ones(4, dtype=torch.int32)]),
+    kernels._fill_num_accepted_kernel: lambda: ((2,), [_i32([1, 3]), torch.ones(4, dtype=torch.int32), 4]),
     kernels._apply_write_kernel: lambda: ((2, 1), [
         torch.zeros(3, 4, dtype=torch.int64), 4, _i32([2, 0]), _i32([1, 0]), torch.tensor([5, 6, 7]),
         _i32([2, 3]), None, 1024, False]),
@@ -692,6 +725,19 @@ def test_vllm_post_update_runs_the_implementation(registered):
     for name, value in expected.items():
         assert torch.equal(s[name], value), name
 
+
+def test_vllm_hybrid_state_books_accepted_counts_through_the_implementations(registered):
+    """``MambaHybridModelState.postprocess_state`` (without prefix caching or ReplaySSM: the
+    served configuration) launches both accepted-count kernels through the registry."""
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+
+    state = object.__new__(MambaHybridModelState)
+    state.__dict__.update(num_accepted_tokens_gpu=torch.ones(4, dtype=torch.int32), recoverssm=None,
+                          _align_mode=False, _use_flashinfer_replayssm=False)
+    state.postprocess_state(_i32([3, 0]), _i32([2, 0]))
+    assert state.num_accepted_tokens_gpu.tolist() == [1, 1, 1, 2]
+    state.postprocess_state(_i32([2, 3]), 0)
+    assert state.num_accepted_tokens_gpu.tolist() == [1, 1, 1, 1]
 
 def test_vllm_staged_writes_run_the_implementation(registered):
     """``StagedWriteTensor.apply_write`` launches the single-tensor kernel and leaves what the

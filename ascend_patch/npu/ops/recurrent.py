@@ -276,6 +276,21 @@ def fused_recurrent_gated_delta_rule_packed_decode(mixed_qkv, a, b, A_log, dt_bi
     return out, initial_state
 
 
+def gather_initial_states(state, indices, has_initial_state):
+    """``vllm.model_executor.layers.mamba.ops.gather_initial_states`` (0.34): the state rows
+    ``state[indices[i]]`` a prefill starts from, zeros where ``has_initial_state[i]`` is false
+    (a new sequence, whose slot holds another's leftovers)."""
+    rows = state.index_select(0, torch.where(has_initial_state, indices, 0).long())
+    starts = has_initial_state.view(-1, *(1,) * (state.dim() - 1))
+    return torch.where(starts, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def scatter_states(state, src, indices):
+    """``vllm.model_executor.layers.mamba.ops.scatter_states`` (0.34): ``state[indices] = src``
+    in place (a prefill's final states into their slots, distinct per sequence)."""
+    state.index_copy_(0, indices.long(), src.to(state.dtype))
+
+
 def _gated_delta_decode(q, k, v, g, beta, states, slots, scale):
     """One gated-delta-rule token per row (q/k ``[B, H, K]``, v ``[B, HV, V]``, gates
     ``[B, HV]``), each row's state ``states[slot]`` advanced in place; padded rows get zeros.

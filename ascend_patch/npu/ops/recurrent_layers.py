@@ -49,7 +49,7 @@ _HOW = {
 }
 # The release whose mixer calls the composed path was checked against (tests/test_recurrent.py),
 # named in messages; the gate is the declaration (served_here).
-SERVED_RECURRENT_RELEASES = "0.33"
+SERVED_RECURRENT_RELEASES = "0.33 and later"
 
 
 
@@ -85,7 +85,7 @@ def recurrent_refusal(vllm_config, recurrent: str) -> str | None:
         import vllm
 
         return (f"{model.architecture}'s {served} layers are served on vLLM "
-                f"{SERVED_RECURRENT_RELEASES} only, not {vllm.__version__}")
+                f"{SERVED_RECURRENT_RELEASES}, not {vllm.__version__}")
     if vllm_config.cache_config.enable_prefix_caching:
         return (f"prefix caching of {model.architecture}'s {served} states is not supported by "
                 f"ascend-patch yet: run with --no-enable-prefix-caching")

@@ -41,3 +41,9 @@ class AscendKVBlockZeroer:
             ratio = plane.shape[0] // self.num_blocks  # kernel blocks per block
             kernel_ids = (ids[:, None] * ratio + torch.arange(ratio, device=self.device)).flatten()
             plane.index_fill_(0, kernel_ids, 0)
+
+    def warmup(self, num_kv_blocks: int) -> None:
+        """MRV2's warm-up (0.34) zeroes block 0, the null block, as vLLM's zeroer does to compile
+        its kernel: here it runs the same index fills a real step does."""
+        if num_kv_blocks > 0:
+            self.zero_block_ids([0])

@@ -12,8 +12,8 @@ Served:
   handed each MLA layer's latent and rope planes as per-token rows;
 - ``OffloadingConnector`` (KV offload to host memory, also as ``--kv-offloading-size``) with the
   NPU offloading spec (:mod:`.offload`), which the platform names in its extra config, on a vLLM
-  with the offloading worker interface of 0.26-0.33;
-- ``MooncakeConnector`` on vLLM 0.33 (its registration takes each layer's region as block rows
+  with the offloading worker interface of 0.26 and later;
+- ``MooncakeConnector`` on vLLM 0.33 and later (its registration takes each layer's region as block rows
   of one page, the Ascend page), with the transfer engine's protocol defaulting to ``ascend`` on
   the NPU (``tcp`` emulated); a plan that would split or gather a block by KV heads (producer and
   consumer with different tensor-parallel KV splits) fails the transfer instead
@@ -59,7 +59,7 @@ _SHIPPED_BY_VLLM = {
     "FlexKVConnectorV1", "HF3FSKVConnector", "HiSparseConnector"}
 # The release whose MooncakeConnector registration and transfer plan were checked against the
 # Ascend layout (tests/test_mooncake.py), named in messages; the gate is the declaration.
-MOONCAKE_RELEASE = "0.33"
+MOONCAKE_RELEASE = "0.33 and later"
 _SERVED = ("ExampleConnector (vLLM 0.23+), OffloadingConnector, MooncakeConnector (vLLM "
            f"{MOONCAKE_RELEASE}), MultiConnector of those, or a connector of your own through "
            "kv_connector_module_path")
@@ -217,7 +217,7 @@ def _mooncake_refusal() -> str | None:
     if f"{__name__}:{mooncake_resharding.__name__}" in release.patched:
         return None
     return (f"ascend-patch verified the Mooncake connector's registration and transfer plan on the "
-            f"Ascend layout with vLLM {MOONCAKE_RELEASE} only (the connector of 0.26-0.28 also "
+            f"Ascend layout with vLLM {MOONCAKE_RELEASE} (the connector of 0.26-0.28 also "
             "asserts a 4-dim [blocks, heads, block_size, K|V] backend cache shape, and the Ascend "
             "cache is [blocks, 2, block_size, heads, head_size])")
 
@@ -229,7 +229,7 @@ _RESHARDING = ("Mooncake KV-head re-sharding is not supported on Ascend by ascen
 
 
 def mooncake_resharding(wrapped, instance, args, kwargs):
-    """Wrapper of ``MooncakeConnectorWorker._validate_head_resharding_layout`` (vLLM 0.33): vLLM
+    """Wrapper of ``MooncakeConnectorWorker._validate_head_resharding_layout`` (vLLM 0.33+): vLLM
     plans a transfer between different KV-head splits as byte ranges of each block that hold
     whole heads, true of a heads-outermost page only. Such a plan on the Ascend page would move
     K and V bytes of other heads and tokens; the error makes vLLM fail the transfer instead."""

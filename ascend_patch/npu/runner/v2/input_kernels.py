@@ -306,6 +306,34 @@ def _expand_idx_mapping_kernel(
     _set_where(expanded_local_pos_ptr, covered, local)
 
 
+def _scatter_num_accepted_kernel(
+    idx_mapping_ptr,
+    num_sampled_ptr,
+    num_accepted_ptr,
+):
+    """A hybrid model's books after a step: ``num_accepted[r] = max(num_sampled[b], 1)`` for
+    batch row ``b`` of request ``r >= 0`` (a chunked prefill samples nothing, and one is the
+    recurrent layers' neutral count)."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    _set_at(num_accepted_ptr, (idx_mapping_ptr.clamp(min=0),),
+            num_sampled_ptr[:num_reqs].clamp(min=1), idx_mapping_ptr >= 0)
+
+
+def _fill_num_accepted_kernel(
+    idx_mapping_ptr,
+    num_accepted_ptr,
+    num_sampled,
+):
+    """``num_accepted[r] = num_sampled`` (a host integer) for each batch row's request ``r >= 0``."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    _set_at(num_accepted_ptr, (idx_mapping_ptr.clamp(min=0),),
+            torch.full_like(idx_mapping_ptr, num_sampled), idx_mapping_ptr >= 0)
+
+
 def _apply_write_kernel(
     output_ptr,
     output_stride,
@@ -386,6 +414,8 @@ KERNELS = {
         _post_update_num_computed_tokens_kernel,
         _expand_idx_mapping_kernel,
     ),
+    "vllm.v1.worker.gpu.model_states.mamba_hybrid": (_scatter_num_accepted_kernel,
+                                                     _fill_num_accepted_kernel),
     "vllm.v1.worker.gpu.buffer_utils": (_apply_write_kernel,),
     "vllm.v1.worker.gpu.mm.rope": (_prepare_rope_positions_kernel,),
 }
