@@ -256,7 +256,7 @@ def test_the_verification_rows_calls_bind(version, reference_kernels, monkeypatc
 def test_the_gated_delta_decode_call_binds(reference_kernels, monkeypatch):
     """A decode call of npu_recurrent_gated_delta_rule as the composed path makes it (bf16, one
     token per sequence, float32 gates), recorded from the reference and replayed against the
-    torch-npu of vLLM 0.33 (the one release that serves recurrent layers)."""
+    torch-npu of every release that serves recurrent layers (0.33 and later)."""
     tokens, q = 3, torch.zeros(3, 2, 32, dtype=torch.bfloat16)
     with kernels.record_calls() as records:
         kernels.recurrent_gated_delta_rule(
@@ -267,10 +267,11 @@ def test_the_gated_delta_decode_call_binds(reference_kernels, monkeypatch):
             ssm_state_indices=torch.tensor([1, 4, 2], dtype=torch.int32),
             g=torch.zeros(tokens, 4))
     (call,) = records.values()
-    wheel = npu_wheels.load(RECURRENT_TORCH_NPU)
-    torch_npu = npu_wheels.stand_in(wheel)
-    monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
-    assert replay(wheel, torch_npu, call) is None
+    for version in sorted(RECURRENT_TORCH_NPU):
+        wheel = npu_wheels.load(version)
+        torch_npu = npu_wheels.stand_in(wheel)
+        monkeypatch.setattr(npu, "_torch_npu", lambda: torch_npu)
+        assert replay(wheel, torch_npu, call) is None, version
 
 
 def _meta_tensor(*shape, dtype=torch.float32):
