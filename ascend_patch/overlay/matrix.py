@@ -419,6 +419,7 @@ def render_feature_table(table: Matrix, features: dict[str, list[str]], main_lin
         lines.append(f"| {feature} ({named}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
+
 def render_constraints(table: Matrix) -> str:
     """A pip constraints file (``pip install -c FILE vllm``): the vLLM releases some patch set
     serves, so ``pip install -U vllm`` cannot move a working host past them; the torch and
