@@ -59,6 +59,18 @@ NEUTRAL = [
         remove_when="vLLM lets the attention backend name its per-layer layout again",
     ),
     Patch(
+        "vllm.v1.worker.utils:AttentionGroup.map_kv_cache_to_kernel_blocks",
+        reason="hand an Ascend page that is a kernel block already to its layer as it is "
+               "(KV-cache blocks longer than 128 tokens: --block-size 256, hybrid models)",
+        vllm=">=0.32",
+        signature=("(self, kv_cache)",),
+        wrapper="ascend_patch.npu.runner.kv_allocation:ascend_pages_are_kernel_blocks",
+        upstream="vllm/v1/worker/utils.py: a cache is in kernel blocks when dim -2 of vLLM's "
+                 "[B, H, N, C] view holds a kernel block's tokens, else only a compressed "
+                 "cache may be re-strided; the Ascend page holds the heads there",
+        remove_when="vLLM asks the attention backend whether its layer view is in kernel blocks",
+    ),
+    Patch(
         "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector:"
         "MooncakeConnectorWorker._validate_head_resharding_layout",
         reason="fail a Mooncake transfer that would split or gather an Ascend KV page by heads "

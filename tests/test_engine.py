@@ -197,6 +197,9 @@ HALF_DTYPES = ("bfloat16", "float16")
 HALF_LENGTHS = [3, 17, 129, 300]
 HALF_SAMPLE = {"temperature": 0.8, "top_k": 5, "max_tokens": 16, "ignore_eos": True}
 # Eight one-token prompts: every step decodes a batch of 8, whose V rows are strided in vLLM's qkv.
+# The graph engine's KV-cache blocks: longer than the kernels' 128-token blocks, as a hybrid model's
+# attention blocks are (raised to its recurrent state's page).
+GRAPH_BLOCK_SIZE = 256
 DECODE_STEPS = {"prompts": [[i + 3] for i in range(8)], "layer_launches": True,
                 "sampling": [{"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}]}
 
@@ -208,7 +211,8 @@ def _half_precision_spec(tiny_models) -> tuple[dict, list]:
     head_dim-128 Llama in bf16; all eager, so every step
     launches its kernels (graph mode has its own tests, tests/test_graph.py). And the bf16
     Llama with FULL_DECODE_ONLY graphs asked for explicitly (by default graph mode is on
-    only for releases this suite has passed on). And their names."""
+    only for releases this suite has passed on), in KV-cache blocks of two kernel blocks. And
+    their names."""
     llama = tiny_models["tiny-llama"]
     prompts = prompt_token_ids(llama, PROMPT_LENGTHS)
     small = {**ENGINE, "gpu_memory_utilization": 0.15, "enforce_eager": True}
@@ -232,7 +236,7 @@ def _half_precision_spec(tiny_models) -> tuple[dict, list]:
                     "runs": [{"prompts": prompt_token_ids(hd128, HALF_LENGTHS), "sampling": [GREEDY]}]})
     names.append(("llama-hd128", "bfloat16"))
     engines.append({"model": str(llama), "runs": [{"prompts": prompts, "sampling": [GREEDY]}],
-                    "kwargs": {**ENGINE, "dtype": "bfloat16",
+                    "kwargs": {**ENGINE, "dtype": "bfloat16", "block_size": GRAPH_BLOCK_SIZE,
                                "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}})
     names.append(("llama-graphs", "bfloat16"))
     return {"engines": engines}, names
@@ -332,10 +336,12 @@ def test_head_dim_128_runs_the_fused_kernels(half_precision_runs, tiny_models):
 
 
 def test_bf16_decodes_in_graphs_and_tracks_fp32_hf(half_precision_runs, llama, prompts):
-    """Decode in FULL ACL graphs (emulated), prefill eager on FIA."""
+    """Decode in FULL ACL graphs (emulated), prefill eager on FIA, over 256-token KV-cache blocks
+    that the kernels address as two 128-token kernel blocks each."""
     engine = half_precision_runs[("llama-graphs", "bfloat16")]
     run = engine["runs"][0]
     assert engine["cudagraph_mode"] == "FULL_DECODE_ONLY" and engine["graph_captures"] > 0
+    assert engine["block_size"] == GRAPH_BLOCK_SIZE
     assert run["launches"]["fused_infer_attention_score"] > 0
     # Every replay re-issues each layer's paged attention with the step's context lengths.
     assert run["graph_replays"] > 0

@@ -11,7 +11,9 @@ three steps (chunked prefill resumes from the stored states); a KV pool too smal
 so requests are preempted and recomputed; the negative control, decode steps that never advance
 their state; and Qwen3-Next in bf16 against HF's logits. The composed functions and the seam
 op's reference are checked against naive token-by-token recurrences written here, and the seam
-op's contract by violating it.
+op's contract by violating it. The driver fills every uninitialized tensor with NaN
+(``poison_uninitialized``): padded tokens' hidden states are vLLM's uninitialized buffers, and
+their K/V land in the null block, which no attention of a real sequence may read.
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ MAX_TOKENS = 48
 _BASE = {"dtype": "float32", "max_model_len": 512, "enable_prefix_caching": False,
          "max_num_batched_tokens": 64}
 _GREEDY = [{"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}]
-# Four requests of 100 prompt + 80 generated tokens each hold 3 state blocks and 2 attention
-# blocks of 128 tokens: of 9 usable blocks two requests take 8 at admission, and the first to
-# pass 128 tokens finds none free, so the other is preempted and recomputed later.
-PRESSED = [[(13 * i + r) % 490 + 7 for i in range(100)] for r in range(4)]
+# Four requests of a prompt and 80 generated tokens that need a second attention block (the
+# Qwen3-Next's are 128 tokens, the Granite's 384) each hold 3 state blocks and 1 attention block
+# at admission: of 9 usable blocks two requests take 8, and the first to cross into its second
+# attention block takes the last, so the other is preempted and recomputed later.
+PRESSED = {name: [[(13 * i + r) % 490 + 7 for i in range(length)] for r in range(4)]
+           for name, length in (("tiny-granite4", 340), ("tiny-qwen3-next", 100))}
 
 
-def _engines(model, bf16=False):
+def _engines(name, model, bf16=False):
     """The fp32 engine, the pressed one and the negative control (and a bf16 one) of a model."""
     # The first leaves prefix caching to vLLM's default (on), which the overlay turns off.
     unset = {k: v for k, v in _BASE.items() if k != "enable_prefix_caching"}
@@ -54,7 +58,7 @@ def _engines(model, bf16=False):
         {"model": model, "kwargs": unset, "runs": [{"prompts": PROMPTS, "sampling": _GREEDY}]},
         {"model": model, "kwargs": {**_BASE, "num_gpu_blocks_override": 10,
                                     "disable_log_stats": False},
-         "runs": [{"prompts": PRESSED, "counters": ["vllm:num_preemptions"],
+         "runs": [{"prompts": PRESSED[name], "counters": ["vllm:num_preemptions"],
                    "sampling": [{"temperature": 0, "max_tokens": 80, "ignore_eos": True}]}]},
         {"model": model, "kwargs": _BASE, "stale_recurrent_state": True,
          "runs": [{"prompts": PROMPTS, "sampling": _GREEDY}]},
@@ -70,7 +74,9 @@ def engine_specs(tiny_models, items=None) -> list[dict]:
     if not SERVED:
         return []
     granite, qwen3_next = (str(tiny_models[name]) for name in ("tiny-granite4", "tiny-qwen3-next"))
-    return [{"engines": _engines(granite) + _engines(qwen3_next, bf16=True)}]
+    return [{"engines": _engines("tiny-granite4", granite)
+                        + _engines("tiny-qwen3-next", qwen3_next, bf16=True),
+             "poison_uninitialized": True}]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +95,9 @@ MODELS = {"tiny-granite4": ("MambaSpec", "3 Mamba-2 (MambaMixer2) layers (0, 1, 
           "tiny-qwen3-next": ("MambaSpec", "3 gated DeltaNet (QwenGatedDeltaNetAttention) layers "
                                            "(0, 1, 2) run their convolution and chunked prefill "
                                            "composed")}
+# The attention layer's KV-cache block: the Granite's state page raises it to three kernel blocks
+# (ascend_patch.kit.tiny_models); the Qwen3-Next's state pages are padded to a 128-token page.
+ATTENTION_BLOCK = {"tiny-granite4": 384, "tiny-qwen3-next": 128}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -96,6 +105,7 @@ def test_fp32_greedy_equals_hf(served, tiny_models, model):
     engine = served[model][0]
     assert engine["runs"][0]["tokens"] == hf_greedy(tiny_models[model], PROMPTS, MAX_TOKENS)
     spec, line = MODELS[model]
+    assert engine["block_size"] == ATTENTION_BLOCK[model]
     groups = engine["kv_cache"]["groups"]
     assert [group["spec"] for group in groups] == [spec] * 3 + ["FullAttentionSpec"]
     # the state pages are blocks of the one KV tensor, charged to the emulated HBM
@@ -109,7 +119,7 @@ def test_fp32_greedy_equals_hf(served, tiny_models, model):
 def test_state_survives_preemption(served, tiny_models, model):
     run = served[model][1]["runs"][0]
     assert run["counters"]["vllm:num_preemptions"] > 0
-    assert run["tokens"] == hf_greedy(tiny_models[model], PRESSED, 80)
+    assert run["tokens"] == hf_greedy(tiny_models[model], PRESSED[model], 80)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -133,13 +133,14 @@ MODELS = {
     # State-space layers without attention (Mamba-1), which the NPU path refuses.
     "tiny-mamba": ("MambaForCausalLM", {}),
     # A Mamba-2 hybrid, Granite 4.0-H style (dense shared MLP, no position embedding, one SSM
-    # group): three Mamba-2 layers around one attention layer; SSD chunks of 32 tokens, so a
-    # test prompt spans several. (With several groups HF's torch path normalises the gated
+    # group, state size 128): three Mamba-2 layers around one attention layer; SSD chunks of 32
+    # tokens, so a test prompt spans several. Its state page outgrows a 128-token attention page,
+    # as real hybrids' do, so vLLM raises the attention block to 384 tokens (three kernel blocks). (With several groups HF's torch path normalises the gated
     # output over all of them, vLLM and HF's CUDA kernels per group.)
     "tiny-granite4": ("GraniteMoeHybridForCausalLM", {
         "num_hidden_layers": 4, "layer_types": ["mamba", "mamba", "attention", "mamba"],
         "num_local_experts": 0, "shared_intermediate_size": 512, "position_embedding_type": "nope",
-        "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 32,
+        "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 32}),
     # Qwen3-Next: three gated-DeltaNet layers (2 key heads shared by 4 value heads, width-4
     # convolution) and one gated full-attention layer (partial rotary), every layer's MLP a

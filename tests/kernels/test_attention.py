@@ -375,6 +375,42 @@ def test_composed_attention_windows_and_soft_cap(batch, heads, window, soft_cap,
         start += q_len
 
 
+@pytest.mark.parametrize("soft_cap", [None, 30.0])
+def test_composed_decode_reads_only_each_rows_own_tokens(soft_cap):
+    """NaN in the cache outside each row's tokens (the rest of its last block, the null block
+    its table row pads with, where padded tokens' K/V land) leaves batched decode, and MLA's
+    latent decode, as they are over clean bytes: the NPU kernels read a sequence's own tokens
+    only. A masked-out NaN multiplied by its zero weight would be NaN."""
+    from ascend_patch.npu.kernels import composed
+
+    generator = torch.Generator().manual_seed(0)
+    block_size, kv_heads, heads, head_dim, lengths = 16, 2, 4, 32, [5, 20]
+    table = torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)  # row 0 pads with the null block
+    clean = [torch.zeros(4, block_size, kv_heads, head_dim) for _ in range(2)]
+    for cache in clean:
+        for row, length in enumerate(lengths):
+            slots = torch.arange(length)
+            cache[table[row, slots // block_size].long(), slots % block_size] = torch.randn(
+                length, kv_heads, head_dim, generator=generator)
+    dirty = [cache.clone() for cache in clean]
+    for cache in dirty:
+        cache[0] = float("nan")  # the null block
+        cache[1, 5:] = float("nan")  # past row 0's tokens in its block
+        cache[3, 4:] = float("nan")  # past row 1's tokens in its last block
+    query = torch.randn(2, heads, head_dim, generator=generator)
+    want = composed.decode_batch(query, *clean, table, lengths, 0.2, soft_cap=soft_cap)
+    got = composed.decode_batch(query, *dirty, table, lengths, 0.2, soft_cap=soft_cap)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    latent = [cache[..., :1, :].clone() for cache in (clean[0], dirty[0])]  # [blocks, bs, 1, L]
+    rope = [cache[..., :1, :8].clone() for cache in (clean[1], dirty[1])]
+    q_nope, q_rope = torch.randn(2, heads, head_dim), torch.randn(2, heads, 8)
+    want, got = (composed.latent_decode(q_nope, q_rope, kv, pe, table, lengths, 0.2)
+                 for kv, pe in zip(latent, rope))
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
 @settings(max_examples=30, deadline=None)
 @given(batch=st.lists(st.integers(1, 700), min_size=1, max_size=8), heads=head_layouts,
        block_size=st.sampled_from([16, 64, 128, 512]), dtype=half_dtypes, seed=seeds)

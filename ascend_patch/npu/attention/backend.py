@@ -189,10 +189,14 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.device = device
         self._key_positions = torch.empty(0, dtype=torch.int64, device=device)
-        # Slot i of the null block for token i (block 0, which vLLM never hands to a request).
+        # Slot i of the null block for token i (block 0, which vLLM never hands to a request). A
+        # KV-cache block longer than a kernel block spans several kernel blocks, and the spec vLLM
+        # hands the builder then has the kernel block's size.
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self._null_block_size = kv_cache_spec.block_size
+        self._null_block_size = max(kv_cache_spec.block_size, vllm_config.cache_config.block_size)
         self._null_slots = torch.arange(tokens, device=device) % self._null_block_size
+        # ... and where the K|V page kernels find them (kv_layout.kernel_slots).
+        self._null_kv_slots = kv_cache_layout.kernel_slots(self._null_slots, KERNEL_BLOCK_SIZE)
         # The kernels' slots and block table, rebuilt in place every step: a FULL graph's captured
         # kernels read them where the capture found them.
         self._kv_slots = torch.empty(tokens, dtype=torch.int64, device=device)
@@ -232,15 +236,19 @@ class AscendMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         """The step's batch and, once for every layer, the kernels' KV slots and block table."""
         batch = self.describe_batch(common_attn_metadata)
         n, slots = batch.num_tokens, batch.slot_mapping
-        kv_slots = torch.where(slots < 0, self._null_slots[:n],
+        kv_slots = torch.where(slots < 0, self._null_kv_slots[:n],
                                kv_cache_layout.kernel_slots(slots, KERNEL_BLOCK_SIZE),
                                out=self._kv_slots[:n])
         table = kv_cache_layout.kernel_block_table(
             batch.block_table, out=self._table_rows(*batch.block_table.shape))
-        if _dummy_forward and n > self._null_block_size:
-            # More slotless tokens than the null block has slots: the write would hit some twice.
+        if self.writes_no_kv(n):
             kv_slots = None
         return dataclasses.replace(batch, kv_slots=kv_slots, kernel_block_table=table)
+
+    def writes_no_kv(self, num_tokens: int) -> bool:
+        """A dummy pass with more slotless tokens than the null block has slots writes no KV:
+        its write would hit some slot twice, which the NPU's cache writes refuse."""
+        return _dummy_forward and num_tokens > self._null_block_size
 
     def _table_rows(self, rows: int, width: int) -> torch.Tensor:
         buffer = self._kernel_block_table

@@ -159,7 +159,7 @@ class AscendMLAMetadata:
     num_decodes: int
     num_decode_tokens: int
     num_prefills: int
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor | None  # None: a dummy pass that writes no KV
     """The step's cache slots, a slot of the null block for each token without one (padding)."""
     decode: AscendMLADecodeMetadata | None
     prefill: AscendMLAPrefillMetadata | None
@@ -332,7 +332,7 @@ class AscendMLAMetadataBuilder(AscendMetadataBuilder):
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes * rows,
             num_prefills=num_reqs - num_decodes,
-            slot_mapping=slots,
+            slot_mapping=None if self.writes_no_kv(n) else slots,
             decode=decode,
             prefill=prefill,
             rope=rope,
@@ -490,7 +490,7 @@ class AscendMLAImpl(MLAAttentionImpl[AscendMLAMetadata]):
         if slot_mapping is None or kv_cache.numel() == 0:  # memory profiling: no cache yet
             return
         metadata = self._metadata()
-        if metadata is None:  # a dummy run: its slots are all -1, which CUDA's kernel skips
+        if metadata is None or metadata.slot_mapping is None:  # a dummy run (see writes_no_kv)
             return
         n = metadata.num_actual_tokens
         kv_c_plane, k_pe_plane = latent_planes(kv_cache, self.kv_lora_rank)

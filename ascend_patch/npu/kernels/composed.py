@@ -80,9 +80,18 @@ def decode_batch(query, key_cache, value_cache, block_table, lengths, scale, *, 
         visible &= positions >= (lengths - 1 - pre_tokens)[:, None]
     if masked is not None:
         visible &= ~masked[:, :span].bool()
+    keys, values = (_only_visible(t, visible[:, None, :, None]) for t in (keys, values))
     out = softmax_attention(query.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
                             visible[:, None, None, :], scale, soft_cap)
     return out.reshape(batch, heads, head_dim)
+
+
+def _only_visible(rows, visible):
+    """Gathered cache rows with every position its query cannot see zeroed. The NPU kernels read
+    a sequence's own tokens only; a gather of whole blocks also reads the rest of its last block
+    and null-block padding, whose bytes may be anything (padded tokens' K/V land in the null
+    block), and a masked NaN would still turn its zero weight into NaN."""
+    return rows.masked_fill(~visible, 0)
 
 
 def softmax_attention(query, key, value, allowed, scale, soft_cap=None, causal=False):
@@ -146,11 +155,11 @@ def latent_decode(q_nope, q_rope, kv_c_cache, k_pe_cache, block_table, lengths, 
     width = int(blocks_used.max())
     in_use = torch.arange(width, device=q_nope.device) < blocks_used[:, None]
     ids = block_table[:, :width].long().masked_fill(~in_use, 0)  # unused columns may be stale
-    latent = kv_c_cache[ids].view(batch, width * block_size, -1).float()
-    rope = k_pe_cache[ids].view(batch, width * block_size, -1).float()
+    visible = torch.arange(width * block_size, device=q_nope.device) < lengths[:, None]
+    latent, rope = (_only_visible(cache[ids].view(batch, width * block_size, -1).float(),
+                                  visible[:, :, None]) for cache in (kv_c_cache, k_pe_cache))
     scores = (torch.einsum("bnl,bsl->bns", q_nope.float(), latent)
               + torch.einsum("bnr,bsr->bns", q_rope.float(), rope))
-    visible = torch.arange(width * block_size, device=q_nope.device) < lengths[:, None]
     probs = (scores * scale).masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("bns,bsl->bnl", probs, latent).to(q_nope.dtype)
 

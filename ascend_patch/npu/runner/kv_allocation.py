@@ -42,6 +42,18 @@ def allocate_kv_cache(wrapped, instance, args, kwargs):
     return views
 
 
+def ascend_pages_are_kernel_blocks(wrapped, instance, args, kwargs):
+    """Wrapper of ``AttentionGroup.map_kv_cache_to_kernel_blocks`` (vLLM 0.32+). A KV-cache block
+    longer than the backend's kernel block (``--block-size 256``; a hybrid model's attention
+    block, raised to its recurrent state's page) is allocated as kernel blocks already, which
+    :func:`allocate_kv_cache` re-views as Ascend pages ``[kernel blocks, 2, tokens, heads,
+    head_size]``. vLLM looks for the tokens at dim -2 of its own ``[B, H, N, C]`` view, finds the
+    heads and refuses; such a page needs no mapping."""
+    kv_cache = args[0] if args else kwargs["kv_cache"]
+    if kv_cache.dim() == 5 and kv_cache.shape[2] == instance.kernel_block_size:
+        return kv_cache
+    return wrapped(*args, **kwargs)
+
 def _layer_specs(kv_cache_config) -> dict:
     """Each layer's KV-cache spec, by layer name."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
