@@ -4,7 +4,9 @@ The engines run in fresh interpreters with ``ASCEND_PATCH=emulate`` (see
 engine_driver.py), in-process engine core, several one after another in each driver
 process, so each configuration costs a few seconds of start-up and the module three
 vLLM imports. The oracle is Hugging Face transformers on
-the same local weights, fp32 greedy, token for token.
+the same local weights, fp32 greedy, token for token. The drivers fill every uninitialized
+tensor with NaN (``poison_uninitialized``), so a read of bytes nobody wrote (vLLM's padded rows,
+the null block) cannot pass by the luck of what memory held.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def _fp32_spec(tiny_models) -> tuple[dict, list]:
     for kwargs, message in REFUSED:
         engines.append({"model": str(llama), "kwargs": {**ENGINE, **kwargs}, "runs": []})
         names.append(("refused", message))
-    return {"engines": engines}, names
+    return {"engines": engines, "poison_uninitialized": True}, names
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +241,7 @@ def _half_precision_spec(tiny_models) -> tuple[dict, list]:
                     "kwargs": {**ENGINE, "dtype": "bfloat16", "block_size": GRAPH_BLOCK_SIZE,
                                "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}})
     names.append(("llama-graphs", "bfloat16"))
-    return {"engines": engines}, names
+    return {"engines": engines, "poison_uninitialized": True}, names
 
 
 def engine_specs(tiny_models, items=None) -> list[dict]:
