@@ -69,9 +69,9 @@ A run that raises ends the driver with the traceback, unless SPEC has "report_er
 then the run reports {"error": "Type: message"} and the engine goes on to the next run.
 With "record_seam": true in SPEC, the report also holds "seam_calls": every distinct kernel-seam
 call of the whole run, engine start-up and graph capture included (``kernels.record_calls``).
-With "poison_uninitialized": true in SPEC, every uninitialized tensor the process allocates
-(``torch.empty``) holds NaN (integers their maximum), torch's deterministic mode: a read of bytes
-nobody wrote shows up as NaN instead of passing on whatever memory held.
+Every uninitialized tensor the driver's process allocates (``torch.empty``) holds NaN (integers
+their maximum; torch's deterministic mode): a read of bytes nobody wrote (vLLM's padded rows, the
+null block) shows up as NaN instead of passing by the luck of what memory held.
 """
 
 from __future__ import annotations
@@ -326,10 +326,9 @@ def main() -> int:
         spec = json.load(f)
     from vllm import LLM  # noqa: F401 - vLLM first (the overlay comes in through its .pth), then
     engine.freeze_heap()  # its modules stay out of every collection its engines' start-ups run
-    if spec.get("poison_uninitialized"):
-        import torch
+    import torch
 
-        torch.use_deterministic_algorithms(True, warn_only=True)  # fills torch.empty with NaN
+    torch.use_deterministic_algorithms(True, warn_only=True)  # fills torch.empty with NaN
     with _seam_records(spec.get("record_seam", False)) as records:
         results = [_run_engine(one, spec.get("report_errors", False)) for one in spec["engines"]]
     from vllm.platforms import current_platform

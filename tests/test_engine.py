@@ -5,8 +5,8 @@ engine_driver.py), in-process engine core, several one after another in each dri
 process, so each configuration costs a few seconds of start-up and the module three
 vLLM imports. The oracle is Hugging Face transformers on
 the same local weights, fp32 greedy, token for token. The drivers fill every uninitialized
-tensor with NaN (``poison_uninitialized``), so a read of bytes nobody wrote (vLLM's padded rows,
-the null block) cannot pass by the luck of what memory held.
+tensor with NaN (engine_driver.py), so a read of bytes nobody wrote (vLLM's padded rows, the
+null block) cannot pass by the luck of what memory held.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _fp32_spec(tiny_models) -> tuple[dict, list]:
     for kwargs, message in REFUSED:
         engines.append({"model": str(llama), "kwargs": {**ENGINE, **kwargs}, "runs": []})
         names.append(("refused", message))
-    return {"engines": engines, "poison_uninitialized": True}, names
+    return {"engines": engines}, names
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def _half_precision_spec(tiny_models) -> tuple[dict, list]:
                     "kwargs": {**ENGINE, "dtype": "bfloat16", "block_size": GRAPH_BLOCK_SIZE,
                                "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}})
     names.append(("llama-graphs", "bfloat16"))
-    return {"engines": engines, "poison_uninitialized": True}, names
+    return {"engines": engines}, names
 
 
 def engine_specs(tiny_models, items=None) -> list[dict]:

@@ -11,9 +11,9 @@ three steps (chunked prefill resumes from the stored states); a KV pool too smal
 so requests are preempted and recomputed; the negative control, decode steps that never advance
 their state; and Qwen3-Next in bf16 against HF's logits. The composed functions and the seam
 op's reference are checked against naive token-by-token recurrences written here, and the seam
-op's contract by violating it. The driver fills every uninitialized tensor with NaN
-(``poison_uninitialized``): padded tokens' hidden states are vLLM's uninitialized buffers, and
-their K/V land in the null block, which no attention of a real sequence may read.
+op's contract by violating it. The driver fills every uninitialized tensor with NaN (as every
+engine driver does): padded tokens' hidden states are vLLM's uninitialized buffers, and their
+K/V land in the null block, which no attention of a real sequence may read.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def engine_specs(tiny_models, items=None) -> list[dict]:
         return []
     granite, qwen3_next = (str(tiny_models[name]) for name in ("tiny-granite4", "tiny-qwen3-next"))
     return [{"engines": _engines("tiny-granite4", granite)
-                        + _engines("tiny-qwen3-next", qwen3_next, bf16=True),
-             "poison_uninitialized": True}]
+                        + _engines("tiny-qwen3-next", qwen3_next, bf16=True)}]
 
 
 @pytest.fixture(scope="module")
