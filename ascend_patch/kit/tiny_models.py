@@ -135,8 +135,9 @@ MODELS = {
     # A Mamba-2 hybrid, Granite 4.0-H style (dense shared MLP, no position embedding, one SSM
     # group, state size 128): three Mamba-2 layers around one attention layer; SSD chunks of 32
     # tokens, so a test prompt spans several. Its state page outgrows a 128-token attention page,
-    # as real hybrids' do, so vLLM raises the attention block to 384 tokens (three kernel blocks). (With several groups HF's torch path normalises the gated
-    # output over all of them, vLLM and HF's CUDA kernels per group.)
+    # as real hybrids' do, so vLLM raises the attention block to 384 tokens (three kernel
+    # blocks). (With several groups HF's torch path normalises the gated output over all of
+    # them, vLLM and HF's CUDA kernels per group.)
     "tiny-granite4": ("GraniteMoeHybridForCausalLM", {
         "num_hidden_layers": 4, "layer_types": ["mamba", "mamba", "attention", "mamba"],
         "num_local_experts": 0, "shared_intermediate_size": 512, "position_embedding_type": "nope",

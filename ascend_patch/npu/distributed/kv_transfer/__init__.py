@@ -14,8 +14,8 @@ Served:
   NPU offloading spec (:mod:`.offload`), which the platform names in its extra config, on a vLLM
   with the offloading worker interface of 0.26 and later;
 - ``MooncakeConnector`` on vLLM 0.33 and later (its registration takes each layer's region as
-  block rows of one page, the Ascend page), with the transfer engine's protocol defaulting to ``ascend`` on
-  the NPU (``tcp`` emulated); a plan that would split or gather a block by KV heads (producer and
+  block rows of one page, the Ascend page), with the transfer engine's protocol defaulting to
+  ``ascend`` on the NPU (``tcp`` emulated); a plan that would split or gather a block by KV heads (producer and
   consumer with different tensor-parallel KV splits) fails the transfer instead
   (:func:`mooncake_resharding`), as the Ascend page holds K then V with heads inside tokens;
 - any connector vLLM does not ship (``kv_connector_module_path``, or registered by a plugin through

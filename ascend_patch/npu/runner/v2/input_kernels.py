@@ -3,9 +3,10 @@
 vLLM 0.34 runs every model through Model Runner V2 (``vllm/v1/worker/gpu/``), which builds each
 step's inputs and books each step's outputs with Triton kernels: the input batch's seven
 (``input_batch.py``), a hybrid model's accepted counts (``model_states/mamba_hybrid.py``), the
-staged row writes of ``buffer_utils.py`` and M-RoPE's positions (``mm/rope.py``). Without triton-ascend the NPU runs them as what they are made of here: gathers,
-``searchsorted``, comparisons and scatters, each a generic device op (on the NPU an aclnn kernel;
-emulated, a CPU op). They are registered through vLLM's kernel registry
+staged row writes of ``buffer_utils.py`` and M-RoPE's positions (``mm/rope.py``). Without
+triton-ascend the NPU runs them as what they are made of here: gathers, ``searchsorted``,
+comparisons and scatters, each a generic device op (on the NPU an aclnn kernel; emulated, a CPU
+op). They are registered through vLLM's kernel registry
 (``vllm.triton_utils.dispatcher.register_kernels``, called from
 ``Platform.register_triton_kernel_overrides``) under their own names. Every function:
 
