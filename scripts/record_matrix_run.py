@@ -107,6 +107,11 @@ def main_requirements() -> Path:
     return ROOT / found.group(1)
 
 
+def main_line() -> str:
+    """The vLLM release of the main environment: the one :func:`main_requirements` pins."""
+    return re.fullmatch(r"test-vllm-(.+)\.txt", main_requirements().name).group(1)
+
+
 def _environment(version: str) -> Path:
     """The release's pinned environment: the main .venv for the one setup_env.sh builds
     by default, .venvs/vllm-VERSION for the others (built from the main one's packages where

@@ -44,13 +44,13 @@ FEATURES = {
 """The README's feature table: each feature and the test suites that show it (emulated)."""
 
 
-def _main_line() -> str:
-    """The main environment's vLLM release (decided in scripts/setup_env.sh; record_matrix_run
-    reads it)."""
+def main_line() -> str:
+    """The main environment's vLLM release, as record_matrix_run reads it from
+    scripts/setup_env.sh."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from record_matrix_run import main_requirements
+    from record_matrix_run import main_line as pinned
 
-    return main_requirements().name.removeprefix("test-vllm-").removesuffix(".txt")
+    return pinned()
 
 
 def tables(table: matrix.Matrix) -> dict[Path, str]:
@@ -81,7 +81,7 @@ def main() -> int:
         current = path.read_text()
         wanted = rendered(current, markdown, path)
         if path == README:
-            wanted = rendered(wanted, matrix.render_feature_table(table, FEATURES, _main_line()), path,
+            wanted = rendered(wanted, matrix.render_feature_table(table, FEATURES, main_line()), path,
                               (FEATURE_START, FEATURE_END))
         if current == wanted:
             continue

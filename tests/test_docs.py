@@ -46,7 +46,7 @@ def test_the_readme_feature_table_is_generated_from_the_recorded_suites():
     spec.loader.exec_module(render)
     for suites in render.FEATURES.values():
         assert all((ROOT / suite).is_file() for suite in suites), suites
-    table = matrix.render_feature_table(matrix.load(), render.FEATURES, render._main_line())
+    table = matrix.render_feature_table(matrix.load(), render.FEATURES, render.main_line())
     assert f"{render.FEATURE_START}\n{table}\n{render.FEATURE_END}" in README, \
         "run: python scripts/render_readme_matrix.py"
 

@@ -75,8 +75,7 @@ def test_every_claimed_status_has_a_recorded_run(version):
 
 
 def _main_line() -> str:
-    """The vLLM release of the main environment, as scripts/setup_env.sh pins it."""
-    return re.fullmatch(r"test-vllm-(.+)\.txt", _record_script().main_requirements().name).group(1)
+    return _record_script().main_line()
 
 
 def test_ci_pins_the_versions_the_issue_asks_for():

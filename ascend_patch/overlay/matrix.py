@@ -408,12 +408,13 @@ def render_feature_table(table: Matrix, features: dict[str, list[str]], main_lin
     sets = list(reversed(table.patch_sets))
     lines = ["| feature (its suites) | " + " | ".join(f"{s.name} (`{s.range}`)" for s in sets) + " |",
              "|---" * (len(sets) + 1) + "|"]
+    releases = [[(e.vllm, set(_suites_of(e))) for e in table.versions.values()
+                 if e.patch_set == spec.name] for spec in sets]
     for feature, suites in features.items():
         cells = []
-        for spec in sets:
-            found = [e for e in table.versions.values() if e.patch_set == spec.name]
-            ran = [f"{e.vllm} (main)" if e.vllm == main_line else e.vllm
-                   for e in found if e.vllm == main_line or set(suites) <= set(_suites_of(e))]
+        for found in releases:
+            ran = [f"{vllm} (main)" if vllm == main_line else vllm
+                   for vllm, passed in found if vllm == main_line or set(suites) <= passed]
             cells.append(", ".join(ran) or "-")
         named = ", ".join(f"`{suite.removeprefix('tests/')}`" for suite in suites)
         lines.append(f"| {feature} ({named}) | " + " | ".join(cells) + " |")

@@ -281,8 +281,7 @@ def gather_initial_states(state, indices, has_initial_state):
     ``state[indices[i]]`` a prefill starts from, zeros where ``has_initial_state[i]`` is false
     (a new sequence, whose slot holds another's leftovers)."""
     rows = state.index_select(0, torch.where(has_initial_state, indices, 0).long())
-    starts = has_initial_state.view(-1, *(1,) * (state.dim() - 1))
-    return torch.where(starts, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return rows.masked_fill(~has_initial_state.view(-1, *(1,) * (state.dim() - 1)), 0)
 
 
 def scatter_states(state, src, indices):
